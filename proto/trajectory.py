@@ -1,0 +1,189 @@
+"""The trajectory: gyre's unit of experience, as an Apache Arrow schema.
+
+One row is one sampled response to one prompt. ``n`` rows that share a ``group_id`` form a GRPO
+*group* (same prompt, same attempt) and travel, are stored and are sampled together.
+
+Trajectories cross the wire as Arrow IPC stream bytes inside gRPC messages (``replay.proto``) and
+are stored as Arrow record batches. The schema carries ``SCHEMA_VERSION`` in its metadata under
+``gyre.schema_version``; a reader refuses bytes whose version differs, naming both.
+
+Fields (``T`` = number of response tokens, ``P`` = number of prompt tokens, ``S`` = number of
+policy-version spans):
+
+- ``trajectory_id`` (utf8): ``"{prompt_index}-{sample_index}-{attempt}"``; replay drops duplicates.
+- ``group_id`` (utf8): ``"{prompt_index}-{attempt}"``; all samples of one prompt attempt.
+- ``prompt_index`` (int64): index of the prompt in the task's deterministic prompt stream.
+- ``sample_index`` (int32): 0..n-1 within the group.
+- ``attempt`` (int32): how many times this prompt was leased before (0 for the first).
+- ``task`` (utf8): task name, e.g. ``"basic_arithmetic"``.
+- ``prompt_token_ids`` (list<int32>) ``[P]``: chat-formatted prompt tokens.
+- ``response_token_ids`` (list<int32>) ``[T]``: generated tokens.
+- ``behaviour_logprobs`` (list<float32>) ``[T]``: log pi_behaviour(token) as reported by vLLM
+  (``logprobs_mode="processed_logprobs"``, i.e. after temperature), natural log.
+- ``reward`` (float32): scalar reward from the task's verifier, finite.
+- ``finish_reason`` (utf8): ``"stop"`` or ``"length"``.
+- ``version_span_starts`` (list<int32>) ``[S]``: token offset in the response where each span starts;
+  the first is 0, strictly increasing.
+- ``version_span_versions`` (list<int64>) ``[S]``: policy version that produced the tokens of each
+  span; non-decreasing. A trajectory generated across a weight update has ``S >= 2``.
+- ``reward_fn_version`` (utf8): identifies the verifier that scored the row.
+- ``rollout_id`` (utf8): the rollout service instance that generated it.
+- ``created_at`` (float64): unix time in seconds when generation finished.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+SCHEMA_VERSION = 1
+"""Bumped on any incompatible change of the columns below."""
+
+SCHEMA_VERSION_KEY = b"gyre.schema_version"
+
+TRAJECTORY_SCHEMA = pa.schema(
+    [
+        pa.field("trajectory_id", pa.utf8(), nullable=False),
+        pa.field("group_id", pa.utf8(), nullable=False),
+        pa.field("prompt_index", pa.int64(), nullable=False),
+        pa.field("sample_index", pa.int32(), nullable=False),
+        pa.field("attempt", pa.int32(), nullable=False),
+        pa.field("task", pa.utf8(), nullable=False),
+        pa.field("prompt_token_ids", pa.list_(pa.int32()), nullable=False),
+        pa.field("response_token_ids", pa.list_(pa.int32()), nullable=False),
+        pa.field("behaviour_logprobs", pa.list_(pa.float32()), nullable=False),
+        pa.field("reward", pa.float32(), nullable=False),
+        pa.field("finish_reason", pa.utf8(), nullable=False),
+        pa.field("version_span_starts", pa.list_(pa.int32()), nullable=False),
+        pa.field("version_span_versions", pa.list_(pa.int64()), nullable=False),
+        pa.field("reward_fn_version", pa.utf8(), nullable=False),
+        pa.field("rollout_id", pa.utf8(), nullable=False),
+        pa.field("created_at", pa.float64(), nullable=False),
+    ],
+    metadata={SCHEMA_VERSION_KEY: str(SCHEMA_VERSION).encode()},
+)
+
+
+class SchemaError(ValueError):
+    """Arrow bytes or a table that do not match ``TRAJECTORY_SCHEMA``; the message names the field."""
+
+
+@dataclass(frozen=True)
+class Trajectory:
+    """One sampled response with everything the learner needs to train on it off-policy.
+
+    Field docs are those of the module docstring; shapes: ``prompt_token_ids [P] int``,
+    ``response_token_ids [T] int``, ``behaviour_logprobs [T] float``, ``version_span_* [S]``.
+    """
+
+    trajectory_id: str
+    group_id: str
+    prompt_index: int
+    sample_index: int
+    attempt: int
+    task: str
+    prompt_token_ids: list[int]
+    response_token_ids: list[int]
+    behaviour_logprobs: list[float]
+    reward: float
+    finish_reason: str
+    version_span_starts: list[int]
+    version_span_versions: list[int]
+    reward_fn_version: str
+    rollout_id: str
+    created_at: float
+
+    @property
+    def oldest_version(self) -> int:
+        """Policy version of the first response token (the one that bounds staleness)."""
+        return self.version_span_versions[0]
+
+    @property
+    def newest_version(self) -> int:
+        """Policy version of the last span."""
+        return self.version_span_versions[-1]
+
+
+def make_ids(prompt_index: int, sample_index: int, attempt: int) -> tuple[str, str]:
+    """Deterministic ``(trajectory_id, group_id)``; retries of the same sample collide on purpose."""
+    return f"{prompt_index}-{sample_index}-{attempt}", f"{prompt_index}-{attempt}"
+
+
+def to_table(trajectories: list[Trajectory]) -> pa.Table:
+    """Rows → an Arrow table with ``TRAJECTORY_SCHEMA`` (validated)."""
+    cols = {f.name: [getattr(t, f.name) for t in trajectories] for f in TRAJECTORY_SCHEMA}
+    table = pa.Table.from_pydict(cols, schema=TRAJECTORY_SCHEMA)
+    validate_table(table)
+    return table
+
+
+def from_table(table: pa.Table) -> list[Trajectory]:
+    """Arrow table (validated) → rows."""
+    validate_table(table)
+    return [Trajectory(**row) for row in table.to_pylist()]
+
+
+def to_ipc(table: pa.Table) -> bytes:
+    """Serialise a trajectory table as Arrow IPC stream bytes (the wire payload)."""
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    return sink.getvalue().to_pybytes()
+
+
+def from_ipc(payload: bytes) -> pa.Table:
+    """Parse and validate Arrow IPC stream bytes.
+
+    Raises:
+        SchemaError: unreadable bytes, wrong schema version, missing/mistyped column, or a row whose
+            ``response_token_ids`` and ``behaviour_logprobs`` lengths differ or whose reward is not finite.
+    """
+    try:
+        table = pa.ipc.open_stream(payload).read_all()
+    except (pa.ArrowInvalid, OSError) as exc:
+        raise SchemaError(f"payload is not an Arrow IPC stream: {exc}") from exc
+    validate_table(table)
+    return table
+
+
+def validate_table(table: pa.Table) -> None:
+    """Check schema version, columns, dtypes and per-row invariants; raise ``SchemaError`` naming the field."""
+    meta = table.schema.metadata or {}
+    got = meta.get(SCHEMA_VERSION_KEY)
+    if got is None:
+        raise SchemaError(f"schema metadata lacks {SCHEMA_VERSION_KEY.decode()}; expected {SCHEMA_VERSION}")
+    if got != str(SCHEMA_VERSION).encode():
+        raise SchemaError(
+            f"trajectory schema version {got.decode(errors='replace')} is not supported; expected {SCHEMA_VERSION}"
+        )
+    for field in TRAJECTORY_SCHEMA:
+        idx = table.schema.get_field_index(field.name)
+        if idx < 0:
+            raise SchemaError(f"missing column {field.name!r} (expected {field.type})")
+        if table.schema.field(idx).type != field.type:
+            raise SchemaError(
+                f"column {field.name!r} has type {table.schema.field(idx).type}; expected {field.type}"
+            )
+        if table.column(idx).null_count:
+            raise SchemaError(f"column {field.name!r} has {table.column(idx).null_count} null values")
+    n_tok = pc.list_value_length(table.column("response_token_ids"))
+    n_lp = pc.list_value_length(table.column("behaviour_logprobs"))
+    bad = pc.not_equal(n_tok, n_lp)
+    if pc.any(bad).as_py():
+        i = pc.index(bad, True).as_py()
+        raise SchemaError(
+            f"row {i} ({table.column('trajectory_id')[i].as_py()}): response_token_ids has "
+            f"{n_tok[i].as_py()} tokens but behaviour_logprobs has {n_lp[i].as_py()}"
+        )
+    rewards = table.column("reward").to_numpy()
+    if not np.isfinite(rewards).all():
+        i = int(np.flatnonzero(~np.isfinite(rewards))[0])
+        raise SchemaError(f"row {i}: reward {rewards[i]} is not finite")
+    n_spans = pc.list_value_length(table.column("version_span_starts"))
+    if pc.any(pc.not_equal(n_spans, pc.list_value_length(table.column("version_span_versions")))).as_py():
+        raise SchemaError("version_span_starts and version_span_versions differ in length")
+    if pc.any(pc.equal(n_spans, 0)).as_py():
+        raise SchemaError("version_span_versions is empty; every trajectory needs at least one span")
