@@ -1,0 +1,131 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class InsertRequest(_message.Message):
+    __slots__ = ("schema_version", "batch_id", "arrow_ipc")
+    SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
+    BATCH_ID_FIELD_NUMBER: _ClassVar[int]
+    ARROW_IPC_FIELD_NUMBER: _ClassVar[int]
+    schema_version: int
+    batch_id: int
+    arrow_ipc: bytes
+    def __init__(self, schema_version: _Optional[int] = ..., batch_id: _Optional[int] = ..., arrow_ipc: _Optional[bytes] = ...) -> None: ...
+
+class InsertResponse(_message.Message):
+    __slots__ = ("batch_id", "accepted", "duplicates", "dropped_stale")
+    BATCH_ID_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATES_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_STALE_FIELD_NUMBER: _ClassVar[int]
+    batch_id: int
+    accepted: int
+    duplicates: int
+    dropped_stale: int
+    def __init__(self, batch_id: _Optional[int] = ..., accepted: _Optional[int] = ..., duplicates: _Optional[int] = ..., dropped_stale: _Optional[int] = ...) -> None: ...
+
+class SampleRequest(_message.Message):
+    __slots__ = ("schema_version", "num_groups", "learner_version", "timeout_s", "consumer")
+    SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
+    NUM_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    LEARNER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    CONSUMER_FIELD_NUMBER: _ClassVar[int]
+    schema_version: int
+    num_groups: int
+    learner_version: int
+    timeout_s: float
+    consumer: str
+    def __init__(self, schema_version: _Optional[int] = ..., num_groups: _Optional[int] = ..., learner_version: _Optional[int] = ..., timeout_s: _Optional[float] = ..., consumer: _Optional[str] = ...) -> None: ...
+
+class SampleResponse(_message.Message):
+    __slots__ = ("lease_id", "arrow_ipc", "num_groups")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    ARROW_IPC_FIELD_NUMBER: _ClassVar[int]
+    NUM_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    arrow_ipc: bytes
+    num_groups: int
+    def __init__(self, lease_id: _Optional[str] = ..., arrow_ipc: _Optional[bytes] = ..., num_groups: _Optional[int] = ...) -> None: ...
+
+class AckRequest(_message.Message):
+    __slots__ = ("lease_ids",)
+    LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
+    lease_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, lease_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class AckResponse(_message.Message):
+    __slots__ = ("acked",)
+    ACKED_FIELD_NUMBER: _ClassVar[int]
+    acked: int
+    def __init__(self, acked: _Optional[int] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("lease_ids",)
+    LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
+    lease_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, lease_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ReleaseResponse(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: int
+    def __init__(self, released: _Optional[int] = ...) -> None: ...
+
+class LeasePromptsRequest(_message.Message):
+    __slots__ = ("consumer", "count", "ttl_s")
+    CONSUMER_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    consumer: str
+    count: int
+    ttl_s: float
+    def __init__(self, consumer: _Optional[str] = ..., count: _Optional[int] = ..., ttl_s: _Optional[float] = ...) -> None: ...
+
+class PromptLease(_message.Message):
+    __slots__ = ("prompt_index", "attempt")
+    PROMPT_INDEX_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    prompt_index: int
+    attempt: int
+    def __init__(self, prompt_index: _Optional[int] = ..., attempt: _Optional[int] = ...) -> None: ...
+
+class LeasePromptsResponse(_message.Message):
+    __slots__ = ("prompts",)
+    PROMPTS_FIELD_NUMBER: _ClassVar[int]
+    prompts: _containers.RepeatedCompositeFieldContainer[PromptLease]
+    def __init__(self, prompts: _Optional[_Iterable[_Union[PromptLease, _Mapping]]] = ...) -> None: ...
+
+class InfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class InfoResponse(_message.Message):
+    __slots__ = ("schema_version", "size_trajectories", "size_groups", "inserted_total", "duplicates_total", "dropped_stale_total", "sampled_groups_total", "leased_groups", "acked_groups_total", "prompts_completed", "learner_version")
+    SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SIZE_TRAJECTORIES_FIELD_NUMBER: _ClassVar[int]
+    SIZE_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    INSERTED_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_STALE_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    SAMPLED_GROUPS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    LEASED_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    ACKED_GROUPS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    PROMPTS_COMPLETED_FIELD_NUMBER: _ClassVar[int]
+    LEARNER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    schema_version: int
+    size_trajectories: int
+    size_groups: int
+    inserted_total: int
+    duplicates_total: int
+    dropped_stale_total: int
+    sampled_groups_total: int
+    leased_groups: int
+    acked_groups_total: int
+    prompts_completed: int
+    learner_version: int
+    def __init__(self, schema_version: _Optional[int] = ..., size_trajectories: _Optional[int] = ..., size_groups: _Optional[int] = ..., inserted_total: _Optional[int] = ..., duplicates_total: _Optional[int] = ..., dropped_stale_total: _Optional[int] = ..., sampled_groups_total: _Optional[int] = ..., leased_groups: _Optional[int] = ..., acked_groups_total: _Optional[int] = ..., prompts_completed: _Optional[int] = ..., learner_version: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,53 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable
+from typing import ClassVar as _ClassVar, Optional as _Optional
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class SubscribeRequest(_message.Message):
+    __slots__ = ("have_version", "subscriber")
+    HAVE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SUBSCRIBER_FIELD_NUMBER: _ClassVar[int]
+    have_version: int
+    subscriber: str
+    def __init__(self, have_version: _Optional[int] = ..., subscriber: _Optional[str] = ...) -> None: ...
+
+class WeightChunk(_message.Message):
+    __slots__ = ("version", "name", "dtype", "shape", "offset", "data", "nbytes", "last_of_tensor", "crc32", "last_of_version", "num_tensors", "schema_version")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    LAST_OF_TENSOR_FIELD_NUMBER: _ClassVar[int]
+    CRC32_FIELD_NUMBER: _ClassVar[int]
+    LAST_OF_VERSION_FIELD_NUMBER: _ClassVar[int]
+    NUM_TENSORS_FIELD_NUMBER: _ClassVar[int]
+    SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    name: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    offset: int
+    data: bytes
+    nbytes: int
+    last_of_tensor: bool
+    crc32: int
+    last_of_version: bool
+    num_tensors: int
+    schema_version: int
+    def __init__(self, version: _Optional[int] = ..., name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., nbytes: _Optional[int] = ..., last_of_tensor: _Optional[bool] = ..., crc32: _Optional[int] = ..., last_of_version: _Optional[bool] = ..., num_tensors: _Optional[int] = ..., schema_version: _Optional[int] = ...) -> None: ...
+
+class LatestRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class LatestResponse(_message.Message):
+    __slots__ = ("version",)
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    def __init__(self, version: _Optional[int] = ...) -> None: ...

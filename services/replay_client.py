@@ -1,0 +1,59 @@
+"""Client of ``ReplayService`` used by rollout services and the learner."""
+
+from __future__ import annotations
+
+import itertools
+
+import grpc
+import pyarrow as pa
+
+from proto import replay_pb2, replay_pb2_grpc
+from proto.trajectory import SCHEMA_VERSION, from_ipc, to_ipc
+from services import grpc_common
+
+
+class ReplayClient:
+    """Blocking calls with deadlines (seconds). gRPC errors propagate as ``grpc.RpcError``."""
+
+    def __init__(self, address: str, timeout_s: float = 30.0) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self._channel = grpc_common.channel(address)
+        self._stub = replay_pb2_grpc.ReplayServiceStub(self._channel)
+        self._batch_ids = itertools.count()
+
+    def insert(self, table: pa.Table) -> replay_pb2.InsertResponse:
+        """Insert whole groups; returns once replay acknowledged them. Safe to retry (ids dedupe)."""
+        req = replay_pb2.InsertRequest(schema_version=SCHEMA_VERSION, batch_id=next(self._batch_ids),
+                                       arrow_ipc=to_ipc(table))
+        responses = self._stub.Insert(iter([req]), timeout=self.timeout_s)
+        return next(iter(responses))
+
+    def sample(self, num_groups: int, learner_version: int, timeout_s: float,
+               consumer: str = "") -> tuple[str, pa.Table] | None:
+        """Lease ``num_groups`` whole groups, waiting up to ``timeout_s``; ``None`` if none ready."""
+        resp = self._stub.Sample(
+            replay_pb2.SampleRequest(schema_version=SCHEMA_VERSION, num_groups=num_groups,
+                                     learner_version=learner_version, timeout_s=timeout_s, consumer=consumer),
+            timeout=timeout_s + self.timeout_s)
+        if not resp.lease_id:
+            return None
+        return resp.lease_id, from_ipc(resp.arrow_ipc)
+
+    def ack(self, lease_ids: list[str]) -> int:
+        return self._stub.Ack(replay_pb2.AckRequest(lease_ids=lease_ids), timeout=self.timeout_s).acked
+
+    def release(self, lease_ids: list[str]) -> int:
+        return self._stub.Release(replay_pb2.ReleaseRequest(lease_ids=lease_ids), timeout=self.timeout_s).released
+
+    def lease_prompts(self, consumer: str, count: int, ttl_s: float = 0.0) -> list[tuple[int, int]]:
+        """``[(prompt_index, attempt)]``; ``ttl_s`` 0 uses the server's default."""
+        resp = self._stub.LeasePrompts(
+            replay_pb2.LeasePromptsRequest(consumer=consumer, count=count, ttl_s=ttl_s), timeout=self.timeout_s)
+        return [(p.prompt_index, p.attempt) for p in resp.prompts]
+
+    def info(self) -> replay_pb2.InfoResponse:
+        return self._stub.Info(replay_pb2.InfoRequest(), timeout=self.timeout_s)
+
+    def close(self) -> None:
+        self._channel.close()

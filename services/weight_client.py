@@ -1,0 +1,125 @@
+"""Weight subscriber: a background thread that follows the learner's newest policy version."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable
+
+import grpc
+import structlog
+import torch
+
+from proto import weights_pb2, weights_pb2_grpc
+from proto.tensor_chunks import ChunkAssembler, ChunkError, TensorChunk
+from services import grpc_common
+
+log = structlog.get_logger("weights")
+
+OnVersion = Callable[[int, list[tuple[str, torch.Tensor]]], None]
+
+
+class WeightSubscriber:
+    """Streams versions newer than ``have_version`` and hands each verified one to ``on_version``.
+
+    Every chunk must arrive within ``chunk_timeout_s`` seconds of the previous one once a version
+    started; a stalled or broken stream is cancelled and retried with exponential backoff
+    (``backoff_s`` up to ``max_backoff_s``), so a dead learner never hangs the rollout. Versions
+    only move forward: a version not newer than the last delivered one is ignored.
+
+    Args:
+        address: ``host:port`` of the learner's WeightService.
+        on_version: called in the subscriber thread with ``(version, [(name, tensor)])``; if it
+            raises, the version is not counted as delivered and is fetched again on reconnect.
+        have_version: newest version the caller already has (-1 for none).
+    """
+
+    def __init__(self, address: str, on_version: OnVersion, have_version: int = -1, name: str = "",
+                 chunk_timeout_s: float = 30.0, backoff_s: float = 0.5, max_backoff_s: float = 10.0) -> None:
+        self.address = address
+        self.on_version = on_version
+        self.have_version = have_version
+        self.name = name
+        self.chunk_timeout_s = chunk_timeout_s
+        self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
+        self.errors = 0
+        self._stop = threading.Event()
+        self._call = None
+        self._thread = threading.Thread(target=self._run, name=f"weights-{name}", daemon=True)
+
+    def start(self) -> "WeightSubscriber":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._call is not None:
+            self._call.cancel()
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        backoff = self.backoff_s
+        while not self._stop.is_set():
+            try:
+                self._stream_once()
+                backoff = self.backoff_s
+            except (grpc.RpcError, ChunkError, TimeoutError) as exc:
+                if self._stop.is_set():
+                    return
+                self.errors += 1
+                log.warning("weight_stream_broken", subscriber=self.name, error=str(exc)[:300], retry_in_s=backoff)
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, self.max_backoff_s)
+
+    def _stream_once(self) -> None:
+        with grpc_common.channel(self.address) as ch:
+            stub = weights_pb2_grpc.WeightServiceStub(ch)
+            self._call = stub.Subscribe(weights_pb2.SubscribeRequest(have_version=self.have_version,
+                                                                     subscriber=self.name))
+            watchdog = _Watchdog(self._call, self.chunk_timeout_s)
+            assembler = ChunkAssembler()
+            try:
+                for msg in self._call:
+                    watchdog.kick(in_version=True)
+                    done = assembler.feed(_to_chunk(msg))
+                    if done is None:
+                        continue
+                    watchdog.kick(in_version=False)
+                    version, tensors = done
+                    if version > self.have_version:
+                        self.on_version(version, tensors)
+                        self.have_version = version
+            finally:
+                watchdog.stop()
+            if watchdog.fired:
+                raise TimeoutError(f"no weight chunk for {self.chunk_timeout_s}s; stream abandoned")
+
+
+def _to_chunk(msg: weights_pb2.WeightChunk) -> TensorChunk:
+    return TensorChunk(version=msg.version, name=msg.name, dtype=msg.dtype, shape=tuple(msg.shape),
+                       offset=msg.offset, data=msg.data, nbytes=msg.nbytes, last_of_tensor=msg.last_of_tensor,
+                       crc32=msg.crc32, last_of_version=msg.last_of_version, num_tensors=msg.num_tensors)
+
+
+class _Watchdog:
+    """Cancels a streaming call when a started version stalls for more than ``timeout_s`` seconds."""
+
+    def __init__(self, call, timeout_s: float) -> None:
+        self._call, self._timeout_s = call, timeout_s
+        self._last, self._armed = time.monotonic(), False
+        self.fired = False
+        self._stop = threading.Event()
+        threading.Thread(target=self._watch, daemon=True).start()
+
+    def kick(self, in_version: bool) -> None:
+        self._last, self._armed = time.monotonic(), in_version
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(min(1.0, self._timeout_s / 4)):
+            if self._armed and time.monotonic() - self._last > self._timeout_s:
+                self.fired = True
+                self._call.cancel()
+                return
