@@ -105,7 +105,14 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("schema_version", "size_trajectories", "size_groups", "inserted_total", "duplicates_total", "dropped_stale_total", "sampled_groups_total", "leased_groups", "acked_groups_total", "prompts_completed", "learner_version")
+    __slots__ = ("schema_version", "size_trajectories", "size_groups", "inserted_total", "duplicates_total", "dropped_stale_total", "sampled_groups_total", "leased_groups", "acked_groups_total", "prompts_completed", "learner_version", "inserted_by_newest_version", "inserted_multi_version")
+    class InsertedByNewestVersionEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: int
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[int] = ...) -> None: ...
     SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
     SIZE_TRAJECTORIES_FIELD_NUMBER: _ClassVar[int]
     SIZE_GROUPS_FIELD_NUMBER: _ClassVar[int]
@@ -117,6 +124,8 @@ class InfoResponse(_message.Message):
     ACKED_GROUPS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     PROMPTS_COMPLETED_FIELD_NUMBER: _ClassVar[int]
     LEARNER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    INSERTED_BY_NEWEST_VERSION_FIELD_NUMBER: _ClassVar[int]
+    INSERTED_MULTI_VERSION_FIELD_NUMBER: _ClassVar[int]
     schema_version: int
     size_trajectories: int
     size_groups: int
@@ -128,4 +137,6 @@ class InfoResponse(_message.Message):
     acked_groups_total: int
     prompts_completed: int
     learner_version: int
-    def __init__(self, schema_version: _Optional[int] = ..., size_trajectories: _Optional[int] = ..., size_groups: _Optional[int] = ..., inserted_total: _Optional[int] = ..., duplicates_total: _Optional[int] = ..., dropped_stale_total: _Optional[int] = ..., sampled_groups_total: _Optional[int] = ..., leased_groups: _Optional[int] = ..., acked_groups_total: _Optional[int] = ..., prompts_completed: _Optional[int] = ..., learner_version: _Optional[int] = ...) -> None: ...
+    inserted_by_newest_version: _containers.ScalarMap[int, int]
+    inserted_multi_version: int
+    def __init__(self, schema_version: _Optional[int] = ..., size_trajectories: _Optional[int] = ..., size_groups: _Optional[int] = ..., inserted_total: _Optional[int] = ..., duplicates_total: _Optional[int] = ..., dropped_stale_total: _Optional[int] = ..., sampled_groups_total: _Optional[int] = ..., leased_groups: _Optional[int] = ..., acked_groups_total: _Optional[int] = ..., prompts_completed: _Optional[int] = ..., learner_version: _Optional[int] = ..., inserted_by_newest_version: _Optional[_Mapping[int, int]] = ..., inserted_multi_version: _Optional[int] = ...) -> None: ...

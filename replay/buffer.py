@@ -54,6 +54,8 @@ class BufferCounters:
     sampled_groups_total: int = 0
     acked_groups_total: int = 0
     staleness_at_sample: list[int] = field(default_factory=list)
+    inserted_by_newest_version: dict[int, int] = field(default_factory=dict)
+    inserted_multi_version: int = 0
 
 
 class TrajectoryBuffer:
@@ -113,6 +115,10 @@ class TrajectoryBuffer:
             return
         self._ready[group_id] = _Group(rows, oldest)
         result.accepted += len(ids)
+        for spans in rows.column("version_span_versions").to_pylist():
+            by_version = self.counters.inserted_by_newest_version
+            by_version[spans[-1]] = by_version.get(spans[-1], 0) + 1
+            self.counters.inserted_multi_version += len(set(spans)) > 1
         while len(self._ready) + len(self._leased) > self.config.capacity_groups and self._ready:
             self._ready.popitem(last=False)
             self.counters.evicted_groups_total += 1
@@ -216,4 +222,6 @@ class TrajectoryBuffer:
                 "acked_groups_total": c.acked_groups_total,
                 "prompts_completed": self.ledger.num_completed,
                 "learner_version": self._learner_version,
+                "inserted_by_newest_version": dict(c.inserted_by_newest_version),
+                "inserted_multi_version": c.inserted_multi_version,
             }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import grpc
@@ -12,8 +13,31 @@ from proto.trajectory import SCHEMA_VERSION, from_ipc, to_ipc
 from services import grpc_common
 
 
+TRANSIENT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+class ReplayUnavailableError(ConnectionError):
+    """Replay did not answer (down, restarting or overloaded); the call may be retried."""
+
+
+def _transient_as_connection_error(fn):
+    @functools.wraps(fn)
+    def wrapper(self, *args, **kwargs):
+        try:
+            return fn(self, *args, **kwargs)
+        except grpc.RpcError as exc:
+            if exc.code() in TRANSIENT:
+                raise ReplayUnavailableError(f"replay at {self.address}: {exc.code().name}: {exc.details()}") from exc
+            raise
+    return wrapper
+
+
 class ReplayClient:
-    """Blocking calls with deadlines (seconds). gRPC errors propagate as ``grpc.RpcError``."""
+    """Blocking calls with deadlines (seconds).
+
+    Raises ``ReplayUnavailableError`` (a ``ConnectionError``) when replay is unreachable or times out;
+    any other gRPC status (INVALID_ARGUMENT, NOT_FOUND) propagates as ``grpc.RpcError``.
+    """
 
     def __init__(self, address: str, timeout_s: float = 30.0) -> None:
         self.address = address
@@ -22,6 +46,7 @@ class ReplayClient:
         self._stub = replay_pb2_grpc.ReplayServiceStub(self._channel)
         self._batch_ids = itertools.count()
 
+    @_transient_as_connection_error
     def insert(self, table: pa.Table) -> replay_pb2.InsertResponse:
         """Insert whole groups; returns once replay acknowledged them. Safe to retry (ids dedupe)."""
         req = replay_pb2.InsertRequest(schema_version=SCHEMA_VERSION, batch_id=next(self._batch_ids),
@@ -29,6 +54,7 @@ class ReplayClient:
         responses = self._stub.Insert(iter([req]), timeout=self.timeout_s)
         return next(iter(responses))
 
+    @_transient_as_connection_error
     def sample(self, num_groups: int, learner_version: int, timeout_s: float,
                consumer: str = "") -> tuple[str, pa.Table] | None:
         """Lease ``num_groups`` whole groups, waiting up to ``timeout_s``; ``None`` if none ready."""
@@ -40,18 +66,22 @@ class ReplayClient:
             return None
         return resp.lease_id, from_ipc(resp.arrow_ipc)
 
+    @_transient_as_connection_error
     def ack(self, lease_ids: list[str]) -> int:
         return self._stub.Ack(replay_pb2.AckRequest(lease_ids=lease_ids), timeout=self.timeout_s).acked
 
+    @_transient_as_connection_error
     def release(self, lease_ids: list[str]) -> int:
         return self._stub.Release(replay_pb2.ReleaseRequest(lease_ids=lease_ids), timeout=self.timeout_s).released
 
+    @_transient_as_connection_error
     def lease_prompts(self, consumer: str, count: int, ttl_s: float = 0.0) -> list[tuple[int, int]]:
         """``[(prompt_index, attempt)]``; ``ttl_s`` 0 uses the server's default."""
         resp = self._stub.LeasePrompts(
             replay_pb2.LeasePromptsRequest(consumer=consumer, count=count, ttl_s=ttl_s), timeout=self.timeout_s)
         return [(p.prompt_index, p.attempt) for p in resp.prompts]
 
+    @_transient_as_connection_error
     def info(self) -> replay_pb2.InfoResponse:
         return self._stub.Info(replay_pb2.InfoRequest(), timeout=self.timeout_s)
 

@@ -1,0 +1,156 @@
+"""Arrow trajectory table → padded tensors the learner trains on (``TrainBatch``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pyarrow as pa
+import torch
+
+from learner.algorithms import grpo_advantages
+from learner.config import AlgorithmConfig
+from proto.trajectory import validate_table
+
+
+@dataclass(frozen=True)
+class TrainBatch:
+    """One learner batch: whole GRPO groups, prompt+response concatenated and right-padded.
+
+    ``B`` = rows, ``L`` = longest ``P + T`` in the batch. Logprob-shaped fields are ``[B, L - 1]`` and
+    aligned with ``algorithms.token_logprobs``: index ``j`` scores token ``input_ids[:, j + 1]``, so
+    response token ``k`` of a row with prompt length ``P`` sits at index ``P - 1 + k``.
+    """
+
+    input_ids: torch.Tensor
+    """[B, L] int64: prompt then response tokens, right-padded with ``pad_token_id``."""
+
+    attention_mask: torch.Tensor
+    """[B, L] int64: 1 on real tokens, 0 on padding."""
+
+    response_mask: torch.Tensor
+    """[B, L - 1] bool: True where index ``j`` scores a response token (the loss's valid tokens)."""
+
+    behaviour_logprobs: torch.Tensor
+    """[B, L - 1] float32: rollout logprob of the token scored at ``j``; 0 where ``response_mask`` is False."""
+
+    advantages: torch.Tensor
+    """[B] float32: GRPO advantage of each row, computed within its group."""
+
+    rewards: torch.Tensor
+    """[B] float32: raw verifier rewards (for metrics)."""
+
+    staleness: torch.Tensor
+    """[B] int64: ``learner_version - oldest span version`` of each row (policy lag, >= 0 normally)."""
+
+    num_groups: int
+    """Number of distinct ``group_id`` values (G); ``B = G * n``."""
+
+    @property
+    def batch_size(self) -> int:
+        """Number of rows B."""
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_response_tokens(self) -> int:
+        """Valid (loss) tokens in the whole batch: the token-mean normaliser."""
+        return int(self.response_mask.sum())
+
+
+def build_train_batch(
+    table: pa.Table, pad_token_id: int, learner_version: int, cfg: AlgorithmConfig
+) -> TrainBatch:
+    """Pad a table of whole GRPO groups into a ``TrainBatch`` with per-group advantages.
+
+    Rows keep the table's order; groups are the rows sharing ``group_id`` (need not be contiguous).
+
+    Args:
+        table: trajectory rows (``proto.trajectory.TRAJECTORY_SCHEMA``), validated here.
+        pad_token_id: token id used for right padding (masked out everywhere).
+        learner_version: the learner's current policy version, for staleness.
+        cfg: ``adv_eps`` for the advantage normalisation.
+
+    Raises:
+        proto.trajectory.SchemaError: the table does not match the schema.
+        ValueError: empty table; a row with an empty prompt; a group whose size differs from the
+            first group's (ragged), whose rows disagree on the prompt tokens, or repeat a
+            ``sample_index`` — the message names the group.
+    """
+    validate_table(table)
+    if table.num_rows == 0:
+        raise ValueError("trajectory table is empty")
+    cols = {
+        name: table.column(name).to_pylist()
+        for name in (
+            "group_id",
+            "sample_index",
+            "prompt_token_ids",
+            "response_token_ids",
+            "behaviour_logprobs",
+            "reward",
+            "version_span_versions",
+        )
+    }
+    groups = _group_rows(cols["group_id"], cols["sample_index"], cols["prompt_token_ids"])
+    rewards = torch.tensor(cols["reward"], dtype=torch.float32)
+    row_index = torch.tensor([rows for rows in groups.values()], dtype=torch.int64)  # [G, n]
+    advantages = torch.empty_like(rewards)
+    advantages[row_index.flatten()] = grpo_advantages(rewards[row_index], cfg.adv_eps).flatten()
+    input_ids, attention_mask, response_mask, behaviour = _pad_rows(
+        cols["prompt_token_ids"], cols["response_token_ids"], cols["behaviour_logprobs"], pad_token_id
+    )
+    staleness = torch.tensor(
+        [learner_version - spans[0] for spans in cols["version_span_versions"]], dtype=torch.int64
+    )
+    return TrainBatch(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        response_mask=response_mask,
+        behaviour_logprobs=behaviour,
+        advantages=advantages,
+        rewards=rewards,
+        staleness=staleness,
+        num_groups=len(groups),
+    )
+
+
+def _group_rows(group_ids: list[str], sample_indices: list[int], prompts: list[list[int]]) -> dict[str, list[int]]:
+    """group_id → row indices (first-appearance order), checking every group is whole and consistent."""
+    groups: dict[str, list[int]] = {}
+    for row, gid in enumerate(group_ids):
+        groups.setdefault(gid, []).append(row)
+    size = len(next(iter(groups.values())))
+    first_gid = next(iter(groups))
+    for gid, rows in groups.items():
+        if len(rows) != size:
+            raise ValueError(
+                f"group {gid!r} has {len(rows)} rows but group {first_gid!r} has {size}; "
+                "a batch must hold whole groups of equal size"
+            )
+        samples = [sample_indices[r] for r in rows]
+        if len(set(samples)) != len(samples):
+            raise ValueError(f"group {gid!r} repeats a sample_index: {sorted(samples)}")
+        if any(prompts[r] != prompts[rows[0]] for r in rows):
+            raise ValueError(f"group {gid!r} mixes different prompt_token_ids")
+    return groups
+
+
+def _pad_rows(
+    prompts: list[list[int]], responses: list[list[int]], logprobs: list[list[float]], pad_token_id: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-pad ``prompt + response`` rows; returns input_ids, attention_mask, response_mask, behaviour."""
+    for row, prompt in enumerate(prompts):
+        if not prompt:
+            raise ValueError(f"row {row} has an empty prompt; the first response token needs a context")
+    lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
+    bsz, seq = len(prompts), max(lengths)
+    input_ids = torch.full((bsz, seq), pad_token_id, dtype=torch.int64)
+    attention_mask = torch.zeros((bsz, seq), dtype=torch.int64)
+    response_mask = torch.zeros((bsz, seq - 1), dtype=torch.bool)
+    behaviour = torch.zeros((bsz, seq - 1), dtype=torch.float32)
+    for row, (prompt, response, lp) in enumerate(zip(prompts, responses, logprobs)):
+        p, t = len(prompt), len(response)
+        input_ids[row, : p + t] = torch.tensor(prompt + response, dtype=torch.int64)
+        attention_mask[row, : p + t] = 1
+        response_mask[row, p - 1 : p - 1 + t] = True
+        behaviour[row, p - 1 : p - 1 + t] = torch.tensor(lp, dtype=torch.float32)
+    return input_ids, attention_mask, response_mask, behaviour

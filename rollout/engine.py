@@ -1,0 +1,295 @@
+"""The rollout engine: vLLM ``AsyncLLM`` behind a small API, with in-flight weight updates.
+
+This is the only module in gyre that imports vLLM. Start it with ``await RolloutEngine.start(...)``
+(construction is async because the initial policy version is sent to the engine core).
+
+Weight updates (``update_weights``) happen while ``generate`` calls are running:
+  1. validate names and shapes against the model folder's safetensors headers (nothing paused yet);
+  2. write the tensors to one safetensors file (under ``/dev/shm`` when it has room) in a thread,
+     while generation goes on;
+  3. ``pause_generation(mode="keep")``: the scheduler freezes every in-flight request, the step that
+     is running finishes and its tokens are emitted;
+  4. ``collective_rpc("gyre_load_weights_file", path)``: the worker process (``GyreWorkerExtension``,
+     injected by vLLM through ``worker_extension_cls``) reads the file and calls the worker's
+     ``reload_weights``, i.e. ``model.load_weights`` with vLLM's layerwise reload (fuses qkv and
+     gate_up, repacks for the kernels); no pickle crosses the process boundary, only the path;
+  5. ``reset_prefix_cache(reset_running_requests=True)``: drops every cached block and preempts the
+     kept requests, so their prompt and already-generated tokens are re-prefilled with the new
+     weights on resume (no KV computed by the old policy is reused);
+  6. ``update_weight_version(str(version))`` then ``resume_generation()``.
+
+Version spans are exact. vLLM's engine core stamps every step's outputs with its current weight
+version (``EngineCoreOutputs.weight_version``) and the output processor opens a new span whenever a
+request's new tokens carry a different stamp (``CompletionOutput.weight_versions``). Steps do not run
+while the scheduler is paused (and CPU/sync scheduling has no batch queue; with async scheduling the
+pause waits for the queue to drain), and the stamp only changes inside that pause, so each token
+carries the version of the weights whose forward pass sampled it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from vllm import SamplingParams
+from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.inputs.engine import tokens_input
+from vllm.sampling_params import RequestOutputKind
+from vllm.v1.engine.async_llm import AsyncLLM
+
+from rollout.config import EngineConfig, SamplingConfig
+
+logger = logging.getLogger(__name__)
+
+_SHM = Path("/dev/shm")
+
+
+class StaleVersionError(ValueError):
+    """A weight update's version is not newer than the engine's current version."""
+
+
+class WeightMismatchError(ValueError):
+    """A weight update names an unknown tensor, misses one, or has a wrong shape or dtype."""
+
+
+class EngineFailedError(RuntimeError):
+    """A weight update failed after generation was paused; the engine must be restarted."""
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One sampled response to one prompt."""
+
+    token_ids: list[int]
+    """[T] response token ids (prompt excluded)."""
+    logprobs: list[float]
+    """[T] behaviour logprob of each response token: natural log, after temperature/top-p."""
+    finish_reason: str
+    """``"stop"`` (EOS or a stop token) or ``"length"`` (reached ``max_new_tokens``)."""
+    version_span_starts: list[int]
+    """[S] token offset where each version span starts: first is 0, strictly increasing."""
+    version_span_versions: list[int]
+    """[S] policy version that sampled each span's tokens; non-decreasing."""
+    text: str
+    """Detokenized response (special tokens skipped)."""
+
+
+class GyreWorkerExtension:
+    """Mixed into vLLM's worker class by qualified name; runs in the worker process."""
+
+    def gyre_load_weights_file(self, path: str) -> int:
+        """Load HF-named tensors from the safetensors file at ``path``; return how many."""
+        tensors = load_file(path, device="cpu")
+        self.reload_weights(weights_iterator=iter(tensors.items()))  # type: ignore[attr-defined]
+        return len(tensors)
+
+
+def _expected_shapes(model_dir: Path) -> tuple[dict[str, tuple[int, ...]], set[str]]:
+    """HF tensor name -> shape from the checkpoint headers, and the names that may be omitted."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                shapes[name] = tuple(f.get_slice(name).get_shape())
+    config = json.loads((model_dir / "config.json").read_text())
+    tied = config.get("tie_word_embeddings", config.get("text_config", {}).get("tie_word_embeddings"))
+    optional: set[str] = set()
+    if tied and "model.embed_tokens.weight" in shapes:
+        shapes.setdefault("lm_head.weight", shapes["model.embed_tokens.weight"])
+        optional.add("lm_head.weight")  # vLLM ignores it: the head reuses the embedding
+    return shapes, optional
+
+
+def _write_safetensors(tensors: dict[str, torch.Tensor]) -> Path:
+    """Write ``tensors`` to a fresh file (``/dev/shm`` if it has room, else the temp dir)."""
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    use_shm = _SHM.is_dir() and shutil.disk_usage(_SHM).free > 2 * nbytes + (64 << 20)
+    fd, name = tempfile.mkstemp(prefix="gyre-weights-", suffix=".safetensors",
+                                dir=_SHM if use_shm else None)
+    os.close(fd)
+    save_file(tensors, name)
+    return Path(name)
+
+
+class RolloutEngine:
+    """One vLLM ``AsyncLLM`` serving one policy; see the module docstring for the update protocol."""
+
+    def __init__(self, config: EngineConfig, llm: AsyncLLM, initial_version: int) -> None:
+        """Use :meth:`start`; this only wires an already started ``AsyncLLM``."""
+        self._config = config
+        self._llm = llm
+        self._version = initial_version
+        self._expected, self._optional = _expected_shapes(Path(config.model))
+        self._update_lock = asyncio.Lock()
+        self._failure: BaseException | None = None
+
+    @classmethod
+    async def start(cls, config: EngineConfig, initial_version: int = 0) -> RolloutEngine:
+        """Start the engine-core processes (blocks the event loop while vLLM starts: ~15 s on CPU).
+
+        Raises:
+            ValueError: ``initial_version`` is negative.
+        """
+        if initial_version < 0:
+            raise ValueError(f"initial_version ({initial_version}) must be >= 0")
+        if os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+            logger.warning("VLLM_CPU_KVCACHE_SPACE=%s overrides kv_cache_gib=%s",
+                           os.environ["VLLM_CPU_KVCACHE_SPACE"], config.kv_cache_gib)
+        args = AsyncEngineArgs(
+            model=config.model, dtype=config.dtype, max_model_len=config.max_model_len,
+            kv_cache_memory_bytes=int(config.kv_cache_gib * (1 << 30)),
+            max_num_seqs=config.max_num_seqs, enforce_eager=config.enforce_eager,
+            seed=config.seed, logprobs_mode="processed_logprobs", disable_log_stats=True,
+            worker_extension_cls=f"{__name__}.{GyreWorkerExtension.__qualname__}",
+        )
+        llm = AsyncLLM.from_engine_args(args)
+        await llm.update_weight_version(str(initial_version))
+        return cls(config, llm, initial_version)
+
+    @property
+    def version(self) -> int:
+        """The policy version new tokens are sampled with (once an update in progress returns)."""
+        return self._version
+
+    async def generate(self, prompt_token_ids: list[int], n: int, sampling: SamplingConfig,
+                       request_id: str, seed: int | None = None) -> list[Sample]:
+        """Sample ``n`` responses (one GRPO group) to one prompt; ordered by sample index.
+
+        Raises:
+            ValueError: empty prompt, ``n < 1``, or prompt + ``max_new_tokens`` > ``max_model_len``.
+            EngineFailedError: the engine failed during a weight update.
+        """
+        self._check_alive()
+        total = len(prompt_token_ids) + sampling.max_new_tokens
+        if not prompt_token_ids or n < 1 or total > self._config.max_model_len:
+            raise ValueError(
+                f"need a non-empty prompt ({len(prompt_token_ids)} tokens), n ({n}) >= 1 and "
+                f"prompt + max_new_tokens ({total}) <= max_model_len ({self._config.max_model_len})")
+        params = SamplingParams(
+            n=n, temperature=sampling.temperature, top_p=sampling.top_p,
+            max_tokens=sampling.max_new_tokens, ignore_eos=sampling.ignore_eos, seed=seed,
+            logprobs=0, output_kind=RequestOutputKind.FINAL_ONLY)
+        final = None
+        async for final in self._llm.generate(tokens_input(list(prompt_token_ids)), params, request_id):
+            pass
+        assert final is not None and final.finished, f"request {request_id} ended without output"
+        return [self._to_sample(request_id, c) for c in sorted(final.outputs, key=lambda c: c.index)]
+
+    async def generate_greedy(self, prompts: Sequence[list[int]], max_new_tokens: int) -> list[Sample]:
+        """Greedy (temperature 0) responses to ``prompts``, run concurrently; one per prompt, in order.
+
+        The ``logprobs`` of greedy samples are vLLM's processed logprobs at temperature 0.
+        """
+        sampling = SamplingConfig(temperature=0.0, max_new_tokens=max_new_tokens)
+        batch = uuid.uuid4().hex[:12]
+        groups = await asyncio.gather(*(
+            self.generate(p, 1, sampling, request_id=f"greedy-{batch}-{i}")
+            for i, p in enumerate(prompts)))
+        return [g[0] for g in groups]
+
+    async def update_weights(self, version: int,
+                             named_tensors: Sequence[tuple[str, torch.Tensor]]) -> float:
+        """Apply policy ``version`` in flight (requests are kept, not aborted); return seconds taken.
+
+        ``named_tensors`` are HF-named tensors covering every weight of the model (a tied
+        ``lm_head.weight`` may be left out), on CPU, any float dtype (cast to ``config.dtype``).
+
+        Raises:
+            StaleVersionError: ``version`` <= the current version; nothing changes.
+            WeightMismatchError: unknown, missing or duplicate name, wrong shape or non-float dtype;
+                raised before pausing, so the old weights keep serving.
+            EngineFailedError: loading failed after the pause; in-flight requests are aborted and the
+                engine refuses further work (its weights are undefined).
+        """
+        start = time.perf_counter()
+        async with self._update_lock:
+            self._check_alive()
+            if version <= self._version:
+                raise StaleVersionError(
+                    f"weight version ({version}) must be newer than the current one ({self._version})")
+            tensors = self._validated(named_tensors)
+            path = await asyncio.to_thread(_write_safetensors, tensors)
+            try:
+                paused_s = await self._swap_weights(version, path)
+            finally:
+                path.unlink(missing_ok=True)
+            self._version = version
+        total_s = time.perf_counter() - start
+        logger.info("policy version %d applied in %.3f s (paused %.3f s)", version, total_s, paused_s)
+        return total_s
+
+    async def shutdown(self) -> None:
+        """Stop the engine-core processes (takes a few seconds). Pending requests fail."""
+        self._llm.shutdown()
+
+    def _check_alive(self) -> None:
+        if self._failure is not None:
+            raise EngineFailedError(f"engine failed during a weight update: {self._failure!r}")
+
+    def _validated(self, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """Check names/shapes/dtypes against the checkpoint; return name -> CPU tensor to save."""
+        tensors: dict[str, torch.Tensor] = {}
+        storages: set[int] = set()
+        for name, tensor in named_tensors:
+            expected = self._expected.get(name)
+            if expected is None:
+                raise WeightMismatchError(f"unknown tensor {name!r}: the model {self._config.model} "
+                                          "has no weight of that name")
+            if tuple(tensor.shape) != expected or not tensor.is_floating_point():
+                raise WeightMismatchError(f"tensor {name!r} has shape {tuple(tensor.shape)} and dtype "
+                                          f"{tensor.dtype}; the model expects {expected}, float")
+            if name in tensors:
+                raise WeightMismatchError(f"tensor {name!r} appears more than once")
+            if name in self._optional:
+                continue
+            tensor = tensor.detach().to("cpu").contiguous()
+            if tensor.untyped_storage().data_ptr() in storages:
+                tensor = tensor.clone()  # safetensors refuses tensors that share memory
+            storages.add(tensor.untyped_storage().data_ptr())
+            tensors[name] = tensor
+        missing = set(self._expected) - self._optional - set(tensors)
+        if missing:
+            raise WeightMismatchError(f"missing {len(missing)} tensor(s), e.g. {sorted(missing)[:3]}")
+        return tensors
+
+    async def _swap_weights(self, version: int, path: Path) -> float:
+        """Pause (keeping requests), load ``path``, reset caches, stamp ``version``, resume."""
+        start = time.perf_counter()
+        await self._llm.pause_generation(mode="keep", clear_cache=False)
+        try:
+            await self._llm.collective_rpc("gyre_load_weights_file", args=(str(path),))
+            if not await self._llm.reset_prefix_cache(reset_running_requests=True):
+                raise RuntimeError("vLLM could not reset its prefix cache")
+            await self._llm.update_weight_version(str(version))
+        except BaseException as exc:
+            self._failure = exc
+            await self._llm.pause_generation(mode="abort")
+            raise EngineFailedError(f"loading weight version {version} failed: {exc!r}") from exc
+        await self._llm.resume_generation()
+        return time.perf_counter() - start
+
+    def _to_sample(self, request_id: str, out) -> Sample:
+        """Convert one vLLM ``CompletionOutput`` into a :class:`Sample`."""
+        if out.finish_reason not in ("stop", "length"):
+            self._check_alive()
+            raise RuntimeError(f"request {request_id} sample {out.index} ended with "
+                               f"finish_reason {out.finish_reason!r}")
+        token_ids = list(out.token_ids)
+        logprobs = [float(step[tok].logprob) for step, tok in zip(out.logprobs, token_ids)]
+        spans = out.weight_versions or []
+        starts = [s.start for s in spans] or [0]
+        versions = [int(s.version) for s in spans] or [self._version]
+        return Sample(token_ids=token_ids, logprobs=logprobs, finish_reason=out.finish_reason,
+                      version_span_starts=starts, version_span_versions=versions, text=out.text)

@@ -1,0 +1,143 @@
+"""Run recipes: a small YAML file validated into one pydantic tree of the components' configs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from learner.loop import LearnerLoopConfig
+from replay.config import ReplayConfig
+from rollout.tasks import TaskConfig
+from rollout.worker import RolloutConfig
+
+
+class RecipeError(ValueError):
+    """A recipe that cannot run; the message names the file, the key and what was expected."""
+
+
+class RayConfig(BaseModel):
+    """How the controller reaches Ray."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    address: str = "local"
+    """``"local"`` starts a private head in this process; ``"auto"`` or ``host:port`` joins a cluster."""
+    num_cpus: int | None = Field(None, ge=1)
+    """CPUs the private head advertises (``None``: all)."""
+    namespace: str = "gyre"
+
+
+class Recipe(BaseModel):
+    """Everything one run needs. ``model`` is copied into the rollout engine and learner configs."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(pattern=r"^[A-Za-z0-9._-]+$")
+    """Run name; outputs go to ``{run_dir}/{name}/``."""
+    model: str
+    """HF model folder (safetensors + tokenizer), shared by rollout and learner as policy version 0."""
+    run_dir: str = "runs"
+    seed: int = 0
+    task: TaskConfig = TaskConfig()
+    rollout: RolloutConfig
+    replay: ReplayConfig = ReplayConfig()
+    learner: LearnerLoopConfig
+    ray: RayConfig = RayConfig()
+    eval_before: bool = True
+    """Score the held-out set greedily before training."""
+    eval_after: bool = True
+    """Score it again with the final policy version."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _share_model(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "model" in data:
+            for section, key in (("rollout", "engine"), ("learner", "engine")):
+                part = data.setdefault(section, {})
+                if isinstance(part, dict):
+                    sub = part.setdefault(key, {})
+                    if isinstance(sub, dict):
+                        if "model" in sub:
+                            raise ValueError(f"set the model once at top level, not in {section}.{key}.model")
+                        sub["model"] = data["model"]
+        return data
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "Recipe":
+        t_roll, t_learn = self.rollout.sampling.temperature, self.learner.algorithm.temperature
+        if t_roll != t_learn:
+            raise ValueError(f"rollout.sampling.temperature ({t_roll}) must equal learner.algorithm.temperature "
+                             f"({t_learn}): the learner rescales logits to match the behaviour logprobs")
+        if self.rollout.sampling.top_p != 1.0:
+            raise ValueError(f"rollout.sampling.top_p ({self.rollout.sampling.top_p}) must be 1.0: the learner "
+                             "cannot reproduce a truncated behaviour distribution")
+        if t_roll == 0:
+            raise ValueError("rollout.sampling.temperature must be > 0 for RL sampling (0 is greedy)")
+        return self
+
+    @property
+    def out_dir(self) -> Path:
+        return Path(self.run_dir) / self.name
+
+
+def load_recipe(path: str | Path, overrides: dict[str, Any] | None = None) -> Recipe:
+    """Read, validate and resolve a recipe; relative model/run paths become absolute (from the CWD).
+
+    Raises:
+        RecipeError: missing file, bad YAML, unknown key, wrong type, missing model folder, unknown task.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise RecipeError(f"recipe {path} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise RecipeError(f"recipe {path} is not valid YAML: {exc}") from exc
+    if not isinstance(data, dict):
+        raise RecipeError(f"recipe {path} must be a mapping at top level, got {type(data).__name__}")
+    for dotted, value in (overrides or {}).items():
+        _set_dotted(data, dotted, value)
+    for key in ("model", "run_dir"):
+        if isinstance(data.get(key), str):
+            data[key] = str(Path(data[key]).expanduser().resolve())
+    try:
+        recipe = Recipe.model_validate(data)
+    except ValidationError as exc:
+        raise RecipeError(f"recipe {path}:\n{format_validation_error(exc)}") from None
+    _check_resources(recipe, path)
+    return recipe
+
+
+def _set_dotted(data: dict, dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    for p in parents:
+        data = data.setdefault(p, {})
+    data[leaf] = value
+
+
+def format_validation_error(exc: ValidationError) -> str:
+    """One line per problem: ``  key.path: message (got value)``."""
+    lines = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        if err["type"] == "extra_forbidden":
+            lines.append(f"  {loc}: unknown key")
+        elif err["type"] == "missing":
+            lines.append(f"  {loc}: required key is missing")
+        else:
+            lines.append(f"  {loc}: {err['msg']} (got {err.get('input')!r})")
+    return "\n".join(lines)
+
+
+def _check_resources(recipe: Recipe, path: Path) -> None:
+    model = Path(recipe.model)
+    if not (model / "config.json").is_file():
+        raise RecipeError(f"recipe {path}: model folder {model} does not exist or has no config.json "
+                          "(run `make model` to prepare SmolLM2-135M-Instruct)")
+    import reasoning_gym
+
+    if recipe.task.name not in reasoning_gym.factory.DATASETS:
+        raise RecipeError(f"recipe {path}: task.name {recipe.task.name!r} is not a reasoning-gym dataset")
