@@ -10,7 +10,7 @@ SMOLLM2_DIR = Path(os.environ.get("GYRE_SMOLLM2_DIR", REPO / ".cache/models/Smol
 
 
 def build_tiny_llama(out_dir: Path, seed: int = 0) -> Path:
-    """Write a 2-layer, 64-wide Llama (bf16 safetensors) plus SmolLM2's tokenizer to ``out_dir``."""
+    """Write a 2-layer, 64-wide (2 heads × 32) Llama (bf16 safetensors) plus SmolLM2's tokenizer to ``out_dir``."""
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
@@ -23,9 +23,9 @@ def build_tiny_llama(out_dir: Path, seed: int = 0) -> Path:
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,  # vLLM-CPU attention supports head sizes 32, 64, 80, ... (not 16)
         max_position_embeddings=1024,
         tie_word_embeddings=True,
         bos_token_id=tok.bos_token_id,

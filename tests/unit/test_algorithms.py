@@ -42,15 +42,16 @@ def test_grpo_rejects_bad_input():
 
 
 def test_token_logprobs_shift_and_temperature():
-    # V = 2; logits [0, ln 3] -> p = (1/4, 3/4) at every position.
-    logits = torch.tensor([[[0.0, LN(3)], [0.0, LN(3)], [0.0, LN(3)]]])
-    ids = torch.tensor([[1, 0, 1]])
-    # index j scores ids[j + 1]: ids[1] = 0 -> log 1/4, ids[2] = 1 -> log 3/4; last position unused.
-    torch.testing.assert_close(token_logprobs(logits, ids), torch.tensor([[LN(0.25), LN(0.75)]]))
-    # temperature 2 on logits [0, ln 9] -> [0, ln 3] -> the same distribution.
+    # V = 2. position 0: logits [0, ln 3] -> p = (1/4, 3/4); position 1: [ln 9, 0] -> p = (0.9, 0.1).
+    logits = torch.tensor([[[0.0, LN(3)], [LN(9), 0.0], [0.0, 0.0]]])
+    ids = torch.tensor([[1, 1, 0]])
+    # index j scores ids[j + 1] under position j: ids[1] = 1 at pos 0 -> ln 0.75; ids[2] = 0 at pos 1 -> ln 0.9.
+    torch.testing.assert_close(token_logprobs(logits, ids), torch.tensor([[LN(0.75), LN(0.9)]]))
+    # temperature 2 on logits [0, ln 9] -> [0, ln 3] -> p = (1/4, 3/4) everywhere.
     hot = torch.tensor([[[0.0, LN(9)]] * 3])
-    assert token_logprobs(hot.bfloat16(), ids, temperature=2.0).dtype == torch.float32
-    torch.testing.assert_close(token_logprobs(hot, ids, temperature=2.0), torch.tensor([[LN(0.25), LN(0.75)]]))
+    flat = torch.tensor([[1, 0, 1]])
+    assert token_logprobs(hot.bfloat16(), flat, temperature=2.0).dtype == torch.float32
+    torch.testing.assert_close(token_logprobs(hot, flat, temperature=2.0), torch.tensor([[LN(0.25), LN(0.75)]]))
 
 
 def _known_case():

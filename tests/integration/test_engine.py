@@ -1,0 +1,180 @@
+"""RolloutEngine on real vLLM (CPU) with the tiny random Llama: sampling, greedy, in-flight updates.
+
+One engine serves the whole module (an engine start costs ~15 s on CPU). Tests that change the
+weights put the original ones back (under a newer version) before they end, so order does not matter.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rollout.config import EngineConfig, SamplingConfig
+from rollout.engine import RolloutEngine, StaleVersionError, WeightMismatchError
+
+PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [100, 2000, 30000, 12, 45, 999]]
+
+
+class Running:
+    """A started engine and the one event loop it lives on."""
+
+    def __init__(self, engine: RolloutEngine, loop: asyncio.AbstractEventLoop) -> None:
+        self.engine, self.loop = engine, loop
+
+    def run(self, coro):
+        return self.loop.run_until_complete(coro)
+
+    def greedy(self, prompts=PROMPTS, max_new_tokens: int = 24) -> list[list[int]]:
+        return [s.token_ids for s in self.run(self.engine.generate_greedy(prompts, max_new_tokens))]
+
+
+@pytest.fixture(scope="module")
+def vllm_model(tiny_llama, tmp_path_factory) -> Path:
+    """``tiny_llama``, regrouped to 32-wide heads if needed (vLLM's CPU attention has no head_dim 16).
+
+    Regrouping 4x16 query / 2x16 KV heads into 2x32 / 1x32 keeps every tensor's shape.
+    """
+    config = json.loads((tiny_llama / "config.json").read_text())
+    head_dim = config["head_dim"]
+    if head_dim % 32 == 0:
+        return tiny_llama
+    out = tmp_path_factory.mktemp("tiny-llama-hd32")
+    for file in tiny_llama.iterdir():
+        shutil.copy(file, out / file.name)
+    config.update(head_dim=32, num_attention_heads=config["num_attention_heads"] * head_dim // 32,
+                  num_key_value_heads=config["num_key_value_heads"] * head_dim // 32)
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+@pytest.fixture(scope="module")
+def running(vllm_model):
+    loop = asyncio.new_event_loop()
+    config = EngineConfig(model=str(vllm_model), kv_cache_gib=0.25, max_model_len=1024)
+    engine = loop.run_until_complete(RolloutEngine.start(config, initial_version=3))
+    yield Running(engine, loop)
+    loop.run_until_complete(engine.shutdown())
+    loop.close()
+
+
+@pytest.fixture(scope="module")
+def original(vllm_model) -> list[tuple[str, torch.Tensor]]:
+    return sorted(load_file(vllm_model / "model.safetensors").items())
+
+
+def perturbed(weights, seed: int = 0, scale: float = 0.05) -> list[tuple[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [(n, (t.float() + scale * torch.randn(t.shape, generator=gen)).to(torch.bfloat16))
+            for n, t in weights]
+
+
+def test_generate_returns_n_samples_with_aligned_finite_logprobs(running):
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=16)
+    samples = running.run(running.engine.generate(PROMPTS[2], 3, sampling, "group-a", seed=11))
+    assert len(samples) == 3
+    for s in samples:
+        assert 1 <= len(s.token_ids) == len(s.logprobs) <= 16
+        assert all(math.isfinite(lp) and lp <= 0.0 for lp in s.logprobs)
+        assert s.finish_reason in ("stop", "length")
+        assert (s.version_span_starts, s.version_span_versions) == ([0], [running.engine.version])
+    assert len({tuple(s.token_ids) for s in samples}) > 1, "the n samples of a group must differ"
+    again = running.run(running.engine.generate(PROMPTS[2], 3, sampling, "group-b", seed=11))
+    assert [s.token_ids for s in again] == [s.token_ids for s in samples], "same seed, same group"
+
+
+def test_behaviour_logprobs_are_temperature_processed_logprobs_of_sampled_tokens(running, vllm_model):
+    from transformers import AutoModelForCausalLM
+
+    temperature, prompt = 0.25, PROMPTS[2]
+    sampling = SamplingConfig(temperature=temperature, max_new_tokens=16)
+    samples = running.run(running.engine.generate(prompt, 2, sampling, "group-t", seed=5))
+    hf = AutoModelForCausalLM.from_pretrained(vllm_model, dtype=torch.float32)
+    for s in samples:
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + s.token_ids])).logits[0, len(prompt) - 1 : -1]
+        ref = torch.log_softmax(logits / temperature, -1)[torch.arange(len(s.token_ids)), s.token_ids]
+        assert torch.allclose(torch.tensor(s.logprobs), ref, atol=0.05), (s.logprobs, ref.tolist())
+
+
+def test_greedy_is_deterministic(running):
+    first = running.greedy()
+    assert len(first) == len(PROMPTS) and all(len(t) == 24 or t for t in first)
+    assert running.greedy() == first
+
+
+def test_update_weights_changes_greedy_output_and_bumps_version(running, original):
+    engine, v = running.engine, running.engine.version
+    before = running.greedy()
+    seconds = running.run(engine.update_weights(v + 1, perturbed(original)))
+    assert engine.version == v + 1 and 0.0 < seconds < 30.0
+    after = running.run(engine.generate_greedy(PROMPTS, 24))
+    assert [s.token_ids for s in after] != before
+    assert all(s.version_span_versions == [v + 1] for s in after)
+    running.run(engine.update_weights(v + 2, original))
+    assert running.greedy() == before, "loading the original weights back must restore the outputs"
+
+
+def test_update_in_flight_splits_version_spans_at_the_exact_token(running, original):
+    engine, v = running.engine, running.engine.version
+    prompt, length = PROMPTS[0], 300
+    old_greedy = running.greedy([prompt], length)[0]
+    greedy_long = SamplingConfig(temperature=0.0, max_new_tokens=length, ignore_eos=True)
+    sampled_long = SamplingConfig(temperature=1.0, max_new_tokens=length, ignore_eos=True)
+
+    async def update_mid_generation():
+        long = asyncio.ensure_future(engine.generate(prompt, 1, greedy_long, "long-greedy"))
+        group = asyncio.ensure_future(engine.generate(PROMPTS[1], 2, sampled_long, "long-group", 1))
+        # Batched with the long requests, a 16-token request ends when they have ~16 tokens.
+        await engine.generate(PROMPTS[2], 1, SamplingConfig(max_new_tokens=16, ignore_eos=True), "tick")
+        await engine.update_weights(v + 1, perturbed(original, seed=1))
+        return (await long)[0], await group
+
+    try:
+        long, group = running.run(update_mid_generation())
+        for s in [long, *group]:
+            assert len(s.token_ids) == length and s.version_span_versions == [v, v + 1]
+            assert 0 < s.version_span_starts[1] < length
+        b = long.version_span_starts[1]
+        # Tokens before b come from the old weights, the ones from b on from the new weights.
+        assert long.token_ids[:b] == old_greedy[:b]
+        continuation = running.greedy([prompt + long.token_ids[:b]], length - b)[0]
+        assert long.token_ids[b:] == continuation
+        assert long.token_ids[b:] != old_greedy[b:], "the update must change the continuation"
+    finally:
+        running.run(engine.update_weights(v + 2, original))
+
+
+def test_stale_version_raises_and_changes_nothing(running, original):
+    engine, v = running.engine, running.engine.version
+    before = running.greedy()
+    for stale in (v, v - 1):
+        with pytest.raises(StaleVersionError, match=str(stale)):
+            running.run(engine.update_weights(stale, perturbed(original)))
+    assert engine.version == v
+    assert running.greedy() == before
+
+
+@pytest.mark.parametrize("case", ["unknown", "wrong_shape", "missing"])
+def test_bad_tensor_raises_naming_it_and_old_weights_keep_serving(running, original, case):
+    engine, v = running.engine, running.engine.version
+    before = running.greedy()
+    weights = perturbed(original)
+    name = "model.layers.0.self_attn.q_proj.weight"
+    if case == "unknown":
+        name = "model.layers.7.mlp.not_a_proj.weight"
+        weights.append((name, torch.zeros(4, 4, dtype=torch.bfloat16)))
+    elif case == "wrong_shape":
+        weights = [(n, t[:-1] if n == name else t) for n, t in weights]
+    else:
+        weights = [(n, t) for n, t in weights if n != name]
+    with pytest.raises(WeightMismatchError, match=name.replace(".", r"\.")):
+        running.run(engine.update_weights(v + 1, weights))
+    assert engine.version == v
+    assert running.greedy() == before

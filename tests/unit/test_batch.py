@@ -1,0 +1,101 @@
+"""build_train_batch: padding, shifted alignment of masks/logprobs, per-group advantages, staleness."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from learner.batch import build_train_batch
+from learner.config import AlgorithmConfig
+from proto.trajectory import Trajectory, make_ids, to_table
+
+PAD = 0
+CFG = AlgorithmConfig()
+
+
+def _traj(prompt_index, sample_index, prompt, response, reward, versions=(3,)) -> Trajectory:
+    tid, gid = make_ids(prompt_index, sample_index, 0)
+    return Trajectory(
+        trajectory_id=tid,
+        group_id=gid,
+        prompt_index=prompt_index,
+        sample_index=sample_index,
+        attempt=0,
+        task="t",
+        prompt_token_ids=list(prompt),
+        response_token_ids=list(response),
+        # a distinct, recognisable logprob per response token: -(token id) / 100
+        behaviour_logprobs=[-t / 100 for t in response],
+        reward=reward,
+        finish_reason="stop",
+        version_span_starts=[0, 1][: len(versions)],
+        version_span_versions=list(versions),
+        reward_fn_version="v1",
+        rollout_id="r0",
+        created_at=0.0,
+    )
+
+
+def _rows():
+    # group "7-0": prompt of 3 tokens; group "9-0": prompt of 2 tokens. Rows interleave the groups.
+    return [
+        _traj(7, 0, [11, 12, 13], [101, 102], 1.0),
+        _traj(9, 0, [21, 22], [201, 202, 203, 204], 0.0, versions=(1, 2)),
+        _traj(7, 1, [11, 12, 13], [111], 0.0),
+        _traj(9, 1, [21, 22], [211], 0.0, versions=(2,)),
+    ]
+
+
+def test_padding_and_shifted_alignment():
+    rows = _rows()
+    batch = build_train_batch(to_table(rows), pad_token_id=PAD, learner_version=4, cfg=CFG)
+    # longest row: 2 + 4 = 6 tokens -> L = 6, logprob axis L - 1 = 5
+    assert batch.input_ids.shape == (4, 6) and batch.input_ids.dtype == torch.int64
+    assert batch.response_mask.shape == batch.behaviour_logprobs.shape == (4, 5)
+    assert batch.input_ids[0].tolist() == [11, 12, 13, 101, 102, PAD]
+    assert batch.attention_mask[0].tolist() == [1, 1, 1, 1, 1, 0]
+    assert batch.input_ids[3].tolist() == [21, 22, 211, PAD, PAD, PAD]
+    # row 0 (P = 3): response tokens at input positions 3, 4 are scored at logprob indices 2, 3.
+    assert batch.response_mask[0].tolist() == [False, False, True, True, False]
+    for b, traj in enumerate(rows):
+        idx = batch.response_mask[b].nonzero().flatten()
+        scored = batch.input_ids[b, idx + 1]  # index j scores input_ids[j + 1]
+        assert scored.tolist() == traj.response_token_ids
+        assert batch.behaviour_logprobs[b, idx].tolist() == pytest.approx(traj.behaviour_logprobs)
+        assert batch.behaviour_logprobs[b][~batch.response_mask[b]].eq(0).all()
+    assert batch.num_response_tokens == 2 + 4 + 1 + 1
+
+
+def test_advantages_per_group_and_staleness():
+    batch = build_train_batch(to_table(_rows()), pad_token_id=PAD, learner_version=4, cfg=CFG)
+    # group 7-0 rewards (1, 0): mean 0.5, population std 0.5 -> (+1, -1); group 9-0 (0, 0) -> (0, 0).
+    torch.testing.assert_close(batch.advantages, torch.tensor([1.0, 0.0, -1.0, 0.0]), atol=1e-5, rtol=0)
+    assert batch.num_groups == 2
+    assert batch.rewards.tolist() == [1.0, 0.0, 0.0, 0.0]
+    # staleness = 4 - first span version: 4 - 3, 4 - 1, 4 - 3, 4 - 2
+    assert batch.staleness.tolist() == [1, 3, 1, 2]
+
+
+def test_ragged_group_is_rejected_by_name():
+    rows = _rows()[:3]  # group 9-0 keeps only one of its two rows
+    with pytest.raises(ValueError, match="group '9-0' has 1 rows"):
+        build_train_batch(to_table(rows), pad_token_id=PAD, learner_version=4, cfg=CFG)
+
+
+def test_inconsistent_groups_are_rejected_by_name():
+    rows = _rows()
+    rows[2] = dataclasses.replace(rows[2], prompt_token_ids=[11, 12, 99])
+    with pytest.raises(ValueError, match="group '7-0' mixes different prompt_token_ids"):
+        build_train_batch(to_table(rows), pad_token_id=PAD, learner_version=4, cfg=CFG)
+    rows = _rows()
+    rows[3] = dataclasses.replace(rows[3], sample_index=0, trajectory_id="9-0-0b")
+    with pytest.raises(ValueError, match="group '9-0' repeats a sample_index"):
+        build_train_batch(to_table(rows), pad_token_id=PAD, learner_version=4, cfg=CFG)
+
+
+def test_empty_prompt_is_rejected():
+    rows = [_traj(1, 0, [], [5], 1.0), _traj(1, 1, [], [6], 0.0)]
+    with pytest.raises(ValueError, match="empty prompt"):
+        build_train_batch(to_table(rows), pad_token_id=PAD, learner_version=0, cfg=CFG)
