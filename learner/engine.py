@@ -172,7 +172,7 @@ class LearnerEngine:
             batch.advantages[rows].to(self.device),
             batch.response_mask[rows, : length - 1].to(self.device),
             self.algo,
-            normaliser=None,
+            normaliser=normaliser,
         )
         self.engine.backward(loss, scale_wrt_gas=False)
         return float(loss.detach()), metrics

@@ -267,8 +267,6 @@ class RolloutEngine:
     async def _swap_weights(self, version: int, path: Path) -> float:
         """Pause (keeping requests), load ``path``, reset caches, stamp ``version``, resume."""
         start = time.perf_counter()
-        await self._llm.update_weight_version(str(version))
-        await asyncio.sleep(0.05)
         await self._llm.pause_generation(mode="keep", clear_cache=False)
         try:
             await self._llm.collective_rpc("gyre_load_weights_file", args=(str(path),))

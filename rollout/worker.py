@@ -180,11 +180,14 @@ class RolloutWorker:
     async def evaluate(self) -> dict:
         """Greedy accuracy on the task's held-out set with the current weights.
 
-        Returns ``{"heldout_accuracy": float in [0, 1], "heldout_size": int, "version": int}``.
+        Returns ``heldout_accuracy`` (fraction of exactly correct answers, in [0, 1]), ``heldout_correct``,
+        ``heldout_size``, ``heldout_score_mean`` (mean verifier score, with its partial credit) and ``version``.
         """
         problems = self.task.heldout_problems()
         prompts = [self._prompt_ids(p["question"]) for p in problems]
         samples = await self.engine.generate_greedy(prompts, self.config.eval_max_new_tokens)
-        correct = sum(self.task.score(s.text, p) for s, p in zip(samples, problems))
-        return {"heldout_accuracy": correct / len(problems), "heldout_size": len(problems),
+        scores = [self.task.score(s.text, p) for s, p in zip(samples, problems)]
+        correct = sum(score >= 1.0 for score in scores)  # exact answers; the verifier gives partial credit
+        return {"heldout_accuracy": correct / len(problems), "heldout_correct": correct,
+                "heldout_size": len(problems), "heldout_score_mean": sum(scores) / len(problems),
                 "version": self.engine.version}
