@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from proto.trajectory import Trajectory, make_ids, to_table
 
 
@@ -37,3 +39,68 @@ class FakeClock:
 
     def advance(self, dt: float) -> None:
         self.t += dt
+
+
+@dataclass(frozen=True)
+class FakeSample:
+    """Same fields as ``rollout.engine.Sample`` without importing vLLM."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    version_span_starts: list[int]
+    version_span_versions: list[int]
+    text: str
+
+
+class FakeEngine:
+    """Stands in for ``rollout.engine.RolloutEngine``: answers ``"{a+b}"``-style text from a script."""
+
+    def __init__(self, texts: list[str], version: int = 0) -> None:
+        self.texts, self.version, self.updates = texts, version, []
+
+    async def generate(self, prompt_token_ids, n, sampling, request_id, seed=None):
+        return [FakeSample(token_ids=[5, 6], logprobs=[-0.1, -0.2], finish_reason="stop",
+                       version_span_starts=[0, 1], version_span_versions=[self.version, self.version + 1],
+                       text=self.texts[i % len(self.texts)]) for i in range(n)]
+
+    async def generate_greedy(self, prompts, max_new_tokens):
+        return [(await self.generate(p, 1, None, "eval"))[0] for p in prompts]
+
+    async def update_weights(self, version, named_tensors):
+        self.version = version
+        self.updates.append(version)
+        return 0.01
+
+
+class FakeReplay:
+    """In-process ``TrajectoryBuffer`` behind the client methods, with scriptable outages."""
+
+    def __init__(self, buffer, fail_inserts: int = 0) -> None:
+        self.buffer, self.fail_inserts, self.insert_calls = buffer, fail_inserts, 0
+
+    def lease_prompts(self, consumer, count, ttl_s=0.0):
+        return self.buffer.lease_prompts(consumer, count, ttl_s or None)
+
+    def insert(self, table):
+        self.insert_calls += 1
+        if self.fail_inserts > 0:
+            self.fail_inserts -= 1
+            raise ConnectionError("replay down (scripted)")
+        return self.buffer.insert(table)
+
+    def info(self):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(**self.buffer.info())
+
+    def sample(self, num_groups, learner_version, timeout_s, consumer=""):
+        return self.buffer.sample(num_groups, learner_version, timeout_s, consumer)
+
+    def ack(self, lease_ids):
+        return self.buffer.ack(lease_ids)
+
+
+class FakeTokenizer:
+    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True):
+        return [len(m["content"]) for m in messages]
