@@ -20,10 +20,14 @@ Weight updates (``update_weights``) happen while ``generate`` calls are running:
 
 Version spans are exact. vLLM's engine core stamps every step's outputs with its current weight
 version (``EngineCoreOutputs.weight_version``) and the output processor opens a new span whenever a
-request's new tokens carry a different stamp (``CompletionOutput.weight_versions``). Steps do not run
-while the scheduler is paused (and CPU/sync scheduling has no batch queue; with async scheduling the
-pause waits for the queue to drain), and the stamp only changes inside that pause, so each token
-carries the version of the weights whose forward pass sampled it.
+request's new tokens carry a different stamp (``CompletionOutput.weight_versions``). No step runs
+while the scheduler is paused (a "keep" pause completes only once the engine is idle, i.e. the
+running step and any async-scheduling batch queue are done and their tokens emitted), and the stamp
+only changes inside that pause, so each token carries the version of the weights that sampled it.
+The integration test checks this token by token against greedy decoding with each policy.
+
+On CPU, vLLM's attention kernels need ``head_dim`` to be a multiple of 32 (16 fails at start with
+"Unsupported CPU attention configuration").
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from safetensors.torch import load_file, save_file
 from vllm import SamplingParams
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.inputs.engine import tokens_input
+from vllm.outputs import CompletionOutput
 from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -137,7 +142,10 @@ class RolloutEngine:
 
     @classmethod
     async def start(cls, config: EngineConfig, initial_version: int = 0) -> RolloutEngine:
-        """Start the engine-core processes (blocks the event loop while vLLM starts: ~15 s on CPU).
+        """Start vLLM (blocks the event loop while it starts: 15-30 s on CPU) at ``initial_version``.
+
+        vLLM spawns an engine-core and a worker process: scripts need an ``if __name__ == "__main__"``
+        guard.
 
         Raises:
             ValueError: ``initial_version`` is negative.
@@ -167,6 +175,9 @@ class RolloutEngine:
                        request_id: str, seed: int | None = None) -> list[Sample]:
         """Sample ``n`` responses (one GRPO group) to one prompt; ordered by sample index.
 
+        ``request_id`` must be unique among in-flight requests. With ``seed`` set, sample ``i``
+        uses seed ``seed + i`` (reproducible for a fixed policy); without it, the engine's stream.
+
         Raises:
             ValueError: empty prompt, ``n < 1``, or prompt + ``max_new_tokens`` > ``max_model_len``.
             EngineFailedError: the engine failed during a weight update.
@@ -182,15 +193,18 @@ class RolloutEngine:
             max_tokens=sampling.max_new_tokens, ignore_eos=sampling.ignore_eos, seed=seed,
             logprobs=0, output_kind=RequestOutputKind.FINAL_ONLY)
         final = None
-        async for final in self._llm.generate(tokens_input(list(prompt_token_ids)), params, request_id):
+        prompt = tokens_input(list(prompt_token_ids))
+        async for final in self._llm.generate(prompt, params, request_id):
             pass
-        assert final is not None and final.finished, f"request {request_id} ended without output"
-        return [self._to_sample(request_id, c) for c in sorted(final.outputs, key=lambda c: c.index)]
+        if final is None or not final.finished:
+            raise RuntimeError(f"request {request_id} ended without a final output")
+        outputs = sorted(final.outputs, key=lambda c: c.index)
+        return [self._to_sample(request_id, c) for c in outputs]
 
     async def generate_greedy(self, prompts: Sequence[list[int]], max_new_tokens: int) -> list[Sample]:
         """Greedy (temperature 0) responses to ``prompts``, run concurrently; one per prompt, in order.
 
-        The ``logprobs`` of greedy samples are vLLM's processed logprobs at temperature 0.
+        The ``logprobs`` of greedy samples are the log-softmax of the unscaled logits.
         """
         sampling = SamplingConfig(temperature=0.0, max_new_tokens=max_new_tokens)
         batch = uuid.uuid4().hex[:12]
@@ -231,7 +245,7 @@ class RolloutEngine:
         return total_s
 
     async def shutdown(self) -> None:
-        """Stop the engine-core processes (takes a few seconds). Pending requests fail."""
+        """Stop vLLM's processes; blocks ~5 s (vLLM force-kills the engine core after 5 s on CPU)."""
         self._llm.shutdown()
 
     def _check_alive(self) -> None:
@@ -275,19 +289,21 @@ class RolloutEngine:
             await self._llm.update_weight_version(str(version))
         except BaseException as exc:
             self._failure = exc
-            await self._llm.pause_generation(mode="abort")
+            await self._llm.pause_generation(mode="abort")  # in-flight requests fail loudly
+            if not isinstance(exc, Exception):
+                raise  # cancellation or interrupt: propagate as is
             raise EngineFailedError(f"loading weight version {version} failed: {exc!r}") from exc
         await self._llm.resume_generation()
         return time.perf_counter() - start
 
-    def _to_sample(self, request_id: str, out) -> Sample:
+    def _to_sample(self, request_id: str, out: CompletionOutput) -> Sample:
         """Convert one vLLM ``CompletionOutput`` into a :class:`Sample`."""
         if out.finish_reason not in ("stop", "length"):
             self._check_alive()
             raise RuntimeError(f"request {request_id} sample {out.index} ended with "
                                f"finish_reason {out.finish_reason!r}")
         token_ids = list(out.token_ids)
-        logprobs = [float(step[tok].logprob) for step, tok in zip(out.logprobs, token_ids)]
+        logprobs = [float(step[tok].logprob) for step, tok in zip(out.logprobs, token_ids, strict=True)]
         spans = out.weight_versions or []
         starts = [s.start for s in spans] or [0]
         versions = [int(s.version) for s in spans] or [self._version]

@@ -103,6 +103,10 @@ def load_recipe(path: str | Path, overrides: dict[str, Any] | None = None) -> Re
     for key in ("model", "run_dir"):
         if isinstance(data.get(key), str):
             data[key] = str(Path(data[key]).expanduser().resolve())
+    model = data.get("model")
+    if isinstance(model, str) and not (Path(model) / "config.json").is_file():
+        raise RecipeError(f"recipe {path}: model: folder {model} does not exist or has no config.json "
+                          "(`make model` prepares SmolLM2-135M-Instruct in .cache/models/)")
     try:
         recipe = Recipe.model_validate(data)
     except ValidationError as exc:
@@ -133,10 +137,6 @@ def format_validation_error(exc: ValidationError) -> str:
 
 
 def _check_resources(recipe: Recipe, path: Path) -> None:
-    model = Path(recipe.model)
-    if not (model / "config.json").is_file():
-        raise RecipeError(f"recipe {path}: model folder {model} does not exist or has no config.json "
-                          "(run `make model` to prepare SmolLM2-135M-Instruct)")
     import reasoning_gym
 
     if recipe.task.name not in reasoning_gym.factory.DATASETS:
