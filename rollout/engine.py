@@ -33,20 +33,14 @@ On CPU, vLLM's attention kernels need ``head_dim`` to be a multiple of 32 (16 fa
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
-import shutil
-import tempfile
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
 from vllm import SamplingParams
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.inputs.engine import tokens_input
@@ -55,10 +49,13 @@ from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.async_llm import AsyncLLM
 
 from rollout.config import EngineConfig, SamplingConfig
+from rollout.types import Sample
+from rollout.weight_files import GyreWorkerExtension, expected_shapes, write_safetensors
+
+__all__ = ["EngineFailedError", "RolloutEngine", "Sample", "StaleVersionError", "WeightMismatchError"]
 
 logger = logging.getLogger(__name__)
 
-_SHM = Path("/dev/shm")
 
 
 class StaleVersionError(ValueError):
@@ -73,61 +70,6 @@ class EngineFailedError(RuntimeError):
     """A weight update failed after generation was paused; the engine must be restarted."""
 
 
-@dataclass(frozen=True)
-class Sample:
-    """One sampled response to one prompt."""
-
-    token_ids: list[int]
-    """[T] response token ids (prompt excluded)."""
-    logprobs: list[float]
-    """[T] behaviour logprob of each response token: natural log, after temperature/top-p."""
-    finish_reason: str
-    """``"stop"`` (EOS or a stop token) or ``"length"`` (reached ``max_new_tokens``)."""
-    version_span_starts: list[int]
-    """[S] token offset where each version span starts: first is 0, strictly increasing."""
-    version_span_versions: list[int]
-    """[S] policy version that sampled each span's tokens; non-decreasing."""
-    text: str
-    """Detokenized response (special tokens skipped)."""
-
-
-class GyreWorkerExtension:
-    """Mixed into vLLM's worker class by qualified name; runs in the worker process."""
-
-    def gyre_load_weights_file(self, path: str) -> int:
-        """Load HF-named tensors from the safetensors file at ``path``; return how many."""
-        tensors = load_file(path, device="cpu")
-        self.reload_weights(weights_iterator=iter(tensors.items()))  # type: ignore[attr-defined]
-        return len(tensors)
-
-
-def _expected_shapes(model_dir: Path) -> tuple[dict[str, tuple[int, ...]], set[str]]:
-    """HF tensor name -> shape from the checkpoint headers, and the names that may be omitted."""
-    shapes: dict[str, tuple[int, ...]] = {}
-    for file in sorted(model_dir.glob("*.safetensors")):
-        with safe_open(file, framework="pt") as f:
-            for name in f.keys():
-                shapes[name] = tuple(f.get_slice(name).get_shape())
-    config = json.loads((model_dir / "config.json").read_text())
-    tied = config.get("tie_word_embeddings", config.get("text_config", {}).get("tie_word_embeddings"))
-    optional: set[str] = set()
-    if tied and "model.embed_tokens.weight" in shapes:
-        shapes.setdefault("lm_head.weight", shapes["model.embed_tokens.weight"])
-        optional.add("lm_head.weight")  # vLLM ignores it: the head reuses the embedding
-    return shapes, optional
-
-
-def _write_safetensors(tensors: dict[str, torch.Tensor]) -> Path:
-    """Write ``tensors`` to a fresh file (``/dev/shm`` if it has room, else the temp dir)."""
-    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-    use_shm = _SHM.is_dir() and shutil.disk_usage(_SHM).free > 2 * nbytes + (64 << 20)
-    fd, name = tempfile.mkstemp(prefix="gyre-weights-", suffix=".safetensors",
-                                dir=_SHM if use_shm else None)
-    os.close(fd)
-    save_file(tensors, name)
-    return Path(name)
-
-
 class RolloutEngine:
     """One vLLM ``AsyncLLM`` serving one policy; see the module docstring for the update protocol."""
 
@@ -136,7 +78,7 @@ class RolloutEngine:
         self._config = config
         self._llm = llm
         self._version = initial_version
-        self._expected, self._optional = _expected_shapes(Path(config.model))
+        self._expected, self._optional = expected_shapes(Path(config.model))
         self._update_lock = asyncio.Lock()
         self._failure: BaseException | None = None
 
@@ -160,7 +102,7 @@ class RolloutEngine:
             kv_cache_memory_bytes=int(config.kv_cache_gib * (1 << 30)),
             max_num_seqs=config.max_num_seqs, enforce_eager=config.enforce_eager,
             seed=config.seed, logprobs_mode="processed_logprobs", disable_log_stats=True,
-            worker_extension_cls=f"{__name__}.{GyreWorkerExtension.__qualname__}",
+            worker_extension_cls=f"{GyreWorkerExtension.__module__}.{GyreWorkerExtension.__qualname__}",
         )
         llm = AsyncLLM.from_engine_args(args)
         await llm.update_weight_version(str(initial_version))
@@ -234,7 +176,7 @@ class RolloutEngine:
                 raise StaleVersionError(
                     f"weight version ({version}) must be newer than the current one ({self._version})")
             tensors = self._validated(named_tensors)
-            path = await asyncio.to_thread(_write_safetensors, tensors)
+            path = await asyncio.to_thread(write_safetensors, tensors)
             try:
                 paused_s = await self._swap_weights(version, path)
             finally:

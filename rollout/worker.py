@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from proto.trajectory import Trajectory, make_ids, to_table
 from rollout.config import EngineConfig, SamplingConfig
-from rollout.tasks import REWARD_FN_VERSION, TaskConfig, TaskSource
+from rollout.tasks import REWARD_FN_VERSION, TaskSource
 
 log = structlog.get_logger("rollout")
 

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+from rollout.types import Sample
 from proto.trajectory import Trajectory, make_ids, to_table
 
 
@@ -41,18 +40,6 @@ class FakeClock:
         self.t += dt
 
 
-@dataclass(frozen=True)
-class FakeSample:
-    """Same fields as ``rollout.engine.Sample`` without importing vLLM."""
-
-    token_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str
-    version_span_starts: list[int]
-    version_span_versions: list[int]
-    text: str
-
-
 class FakeEngine:
     """Stands in for ``rollout.engine.RolloutEngine``: answers ``"{a+b}"``-style text from a script."""
 
@@ -60,7 +47,7 @@ class FakeEngine:
         self.texts, self.version, self.updates = texts, version, []
 
     async def generate(self, prompt_token_ids, n, sampling, request_id, seed=None):
-        return [FakeSample(token_ids=[5, 6], logprobs=[-0.1, -0.2], finish_reason="stop",
+        return [Sample(token_ids=[5, 6], logprobs=[-0.1, -0.2], finish_reason="stop",
                        version_span_starts=[0, 1], version_span_versions=[self.version, self.version + 1],
                        text=self.texts[i % len(self.texts)]) for i in range(n)]
 

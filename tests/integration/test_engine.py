@@ -7,9 +7,7 @@ weights put the original ones back (under a newer version) before they end, so o
 from __future__ import annotations
 
 import asyncio
-import json
 import math
-import shutil
 from pathlib import Path
 
 import pytest
@@ -36,22 +34,9 @@ class Running:
 
 
 @pytest.fixture(scope="module")
-def vllm_model(tiny_llama, tmp_path_factory) -> Path:
-    """``tiny_llama``, regrouped to 32-wide heads if needed (vLLM's CPU attention has no head_dim 16).
-
-    Regrouping 4x16 query / 2x16 KV heads into 2x32 / 1x32 keeps every tensor's shape.
-    """
-    config = json.loads((tiny_llama / "config.json").read_text())
-    head_dim = config["head_dim"]
-    if head_dim % 32 == 0:
-        return tiny_llama
-    out = tmp_path_factory.mktemp("tiny-llama-hd32")
-    for file in tiny_llama.iterdir():
-        shutil.copy(file, out / file.name)
-    config.update(head_dim=32, num_attention_heads=config["num_attention_heads"] * head_dim // 32,
-                  num_key_value_heads=config["num_key_value_heads"] * head_dim // 32)
-    (out / "config.json").write_text(json.dumps(config))
-    return out
+def vllm_model(tiny_llama) -> Path:
+    """The tiny Llama (2 heads × 32: vLLM's CPU attention has no head_dim 16)."""
+    return tiny_llama
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +108,7 @@ def test_update_weights_changes_greedy_output_and_bumps_version(running, origina
 
 def test_update_in_flight_splits_version_spans_at_the_exact_token(running, original):
     engine, v = running.engine, running.engine.version
-    prompt, length = PROMPTS[0], 300
+    prompt, length = PROMPTS[0], 200
     old_greedy = running.greedy([prompt], length)[0]
     greedy_long = SamplingConfig(temperature=0.0, max_new_tokens=length, ignore_eos=True)
     sampled_long = SamplingConfig(temperature=1.0, max_new_tokens=length, ignore_eos=True)
@@ -142,7 +127,8 @@ def test_update_in_flight_splits_version_spans_at_the_exact_token(running, origi
             assert len(s.token_ids) == length and s.version_span_versions == [v, v + 1]
             assert 0 < s.version_span_starts[1] < length
         b = long.version_span_starts[1]
-        # Tokens before b come from the old weights, the ones from b on from the new weights.
+        # Tokens before b come from the old weights, the ones from b on from the new weights. The two
+        # policies disagree at b, so a boundary off by one token either way fails one of these.
         assert long.token_ids[:b] == old_greedy[:b]
         continuation = running.greedy([prompt + long.token_ids[:b]], length - b)[0]
         assert long.token_ids[b:] == continuation

@@ -1,4 +1,3 @@
-from pathlib import Path
 
 from proto.gen import REPO, generate
 

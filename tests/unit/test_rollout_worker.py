@@ -5,7 +5,8 @@ from replay.config import ReplayConfig
 from rollout.config import SamplingConfig
 from rollout.tasks import TaskConfig, TaskSource
 from rollout.worker import RolloutConfig, RolloutWorker
-from tests.fakes import FakeEngine, FakeReplay, FakeSample, FakeTokenizer
+from rollout.types import Sample
+from tests.fakes import FakeEngine, FakeReplay, FakeTokenizer
 
 TASK = TaskSource(TaskConfig(params={"min_terms": 2, "max_terms": 2, "max_digits": 1, "operators": ["+"],
                                      "allow_parentheses": False, "allow_negation": False}, heldout_size=4))
@@ -62,7 +63,7 @@ def test_evaluate_counts_exact_answers_only():
 
     class ScriptedEngine(FakeEngine):
         async def generate_greedy(self, prompts, max_new_tokens):
-            return [FakeSample([1], [-0.1], "stop", [0], [0], text=f"It is {a}") for a in answers]
+            return [Sample([1], [-0.1], "stop", [0], [0], text=f"It is {a}") for a in answers]
 
     worker = make_worker(FakeReplay(TrajectoryBuffer(ReplayConfig())), engine=ScriptedEngine([]))
     result = asyncio.run(worker.evaluate())
