@@ -47,7 +47,12 @@ def plot_run(metrics_path: Path, out_png: Path) -> Path:
     train = [r for r in rows if "reward_mean" in r and "heldout_accuracy" not in r]
     evals = [r for r in rows if "heldout_accuracy" in r]
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot([r["step"] for r in train], [r["reward_mean"] for r in train], label="train reward (batch mean)")
+    steps, rewards = [r["step"] for r in train], [r["reward_mean"] for r in train]
+    ax.plot(steps, rewards, alpha=0.35, label="train reward (batch mean)")
+    window = 10
+    if len(rewards) >= window:
+        smooth = [sum(rewards[i - window:i]) / window for i in range(window, len(rewards) + 1)]
+        ax.plot(steps[window - 1:], smooth, label=f"train reward ({window}-step mean)")
     ax.plot([r["step"] for r in evals], [r["heldout_accuracy"] for r in evals], "o--", label="held-out accuracy")
     ax.set_xlabel("learner step (policy version)")
     ax.set_ylim(0, 1)
