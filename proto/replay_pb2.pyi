@@ -100,13 +100,46 @@ class LeasePromptsResponse(_message.Message):
     prompts: _containers.RepeatedCompositeFieldContainer[PromptLease]
     def __init__(self, prompts: _Optional[_Iterable[_Union[PromptLease, _Mapping]]] = ...) -> None: ...
 
+class UpdatePrioritiesRequest(_message.Message):
+    __slots__ = ("group_ids", "priorities")
+    GROUP_IDS_FIELD_NUMBER: _ClassVar[int]
+    PRIORITIES_FIELD_NUMBER: _ClassVar[int]
+    group_ids: _containers.RepeatedScalarFieldContainer[str]
+    priorities: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, group_ids: _Optional[_Iterable[str]] = ..., priorities: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class UpdatePrioritiesResponse(_message.Message):
+    __slots__ = ("updated", "unknown_group_ids")
+    UPDATED_FIELD_NUMBER: _ClassVar[int]
+    UNKNOWN_GROUP_IDS_FIELD_NUMBER: _ClassVar[int]
+    updated: int
+    unknown_group_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, updated: _Optional[int] = ..., unknown_group_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class SnapshotRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SnapshotResponse(_message.Message):
+    __slots__ = ("path",)
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    def __init__(self, path: _Optional[str] = ...) -> None: ...
+
 class InfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("schema_version", "size_trajectories", "size_groups", "inserted_total", "duplicates_total", "dropped_stale_total", "sampled_groups_total", "leased_groups", "acked_groups_total", "prompts_completed", "learner_version", "inserted_by_newest_version", "inserted_multi_version")
+    __slots__ = ("schema_version", "size_trajectories", "size_groups", "inserted_total", "duplicates_total", "dropped_stale_total", "sampled_groups_total", "leased_groups", "acked_groups_total", "prompts_completed", "learner_version", "inserted_by_newest_version", "inserted_multi_version", "stored_trajectories", "stored_groups", "stored_bytes", "excluded_groups", "active_leases", "prompts_leased", "inserts_per_s", "samples_per_s", "excluded_stale_total", "evicted_groups_total", "consumed_groups_total", "released_groups_total", "expired_groups_total", "staleness_at_sample", "rl_inserted", "rl_sampled", "rl_diff", "rl_min_diff", "rl_max_diff", "wal_bytes", "wal_fsyncs", "wal_segments", "wal_next_lsn", "snapshots_written", "last_snapshot_age_s", "restore_seconds", "restore_records_replayed", "restore_errors", "last_snapshot_seconds")
     class InsertedByNewestVersionEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: int
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[int] = ...) -> None: ...
+    class StalenessAtSampleEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -126,6 +159,35 @@ class InfoResponse(_message.Message):
     LEARNER_VERSION_FIELD_NUMBER: _ClassVar[int]
     INSERTED_BY_NEWEST_VERSION_FIELD_NUMBER: _ClassVar[int]
     INSERTED_MULTI_VERSION_FIELD_NUMBER: _ClassVar[int]
+    STORED_TRAJECTORIES_FIELD_NUMBER: _ClassVar[int]
+    STORED_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    STORED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    EXCLUDED_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_LEASES_FIELD_NUMBER: _ClassVar[int]
+    PROMPTS_LEASED_FIELD_NUMBER: _ClassVar[int]
+    INSERTS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    EXCLUDED_STALE_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_GROUPS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    CONSUMED_GROUPS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_GROUPS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    EXPIRED_GROUPS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_AT_SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    RL_INSERTED_FIELD_NUMBER: _ClassVar[int]
+    RL_SAMPLED_FIELD_NUMBER: _ClassVar[int]
+    RL_DIFF_FIELD_NUMBER: _ClassVar[int]
+    RL_MIN_DIFF_FIELD_NUMBER: _ClassVar[int]
+    RL_MAX_DIFF_FIELD_NUMBER: _ClassVar[int]
+    WAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WAL_FSYNCS_FIELD_NUMBER: _ClassVar[int]
+    WAL_SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    WAL_NEXT_LSN_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOTS_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    LAST_SNAPSHOT_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_RECORDS_REPLAYED_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    LAST_SNAPSHOT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     schema_version: int
     size_trajectories: int
     size_groups: int
@@ -139,4 +201,33 @@ class InfoResponse(_message.Message):
     learner_version: int
     inserted_by_newest_version: _containers.ScalarMap[int, int]
     inserted_multi_version: int
-    def __init__(self, schema_version: _Optional[int] = ..., size_trajectories: _Optional[int] = ..., size_groups: _Optional[int] = ..., inserted_total: _Optional[int] = ..., duplicates_total: _Optional[int] = ..., dropped_stale_total: _Optional[int] = ..., sampled_groups_total: _Optional[int] = ..., leased_groups: _Optional[int] = ..., acked_groups_total: _Optional[int] = ..., prompts_completed: _Optional[int] = ..., learner_version: _Optional[int] = ..., inserted_by_newest_version: _Optional[_Mapping[int, int]] = ..., inserted_multi_version: _Optional[int] = ...) -> None: ...
+    stored_trajectories: int
+    stored_groups: int
+    stored_bytes: int
+    excluded_groups: int
+    active_leases: int
+    prompts_leased: int
+    inserts_per_s: float
+    samples_per_s: float
+    excluded_stale_total: int
+    evicted_groups_total: int
+    consumed_groups_total: int
+    released_groups_total: int
+    expired_groups_total: int
+    staleness_at_sample: _containers.ScalarMap[int, int]
+    rl_inserted: int
+    rl_sampled: int
+    rl_diff: float
+    rl_min_diff: float
+    rl_max_diff: float
+    wal_bytes: int
+    wal_fsyncs: int
+    wal_segments: int
+    wal_next_lsn: int
+    snapshots_written: int
+    last_snapshot_age_s: float
+    restore_seconds: float
+    restore_records_replayed: int
+    restore_errors: int
+    last_snapshot_seconds: float
+    def __init__(self, schema_version: _Optional[int] = ..., size_trajectories: _Optional[int] = ..., size_groups: _Optional[int] = ..., inserted_total: _Optional[int] = ..., duplicates_total: _Optional[int] = ..., dropped_stale_total: _Optional[int] = ..., sampled_groups_total: _Optional[int] = ..., leased_groups: _Optional[int] = ..., acked_groups_total: _Optional[int] = ..., prompts_completed: _Optional[int] = ..., learner_version: _Optional[int] = ..., inserted_by_newest_version: _Optional[_Mapping[int, int]] = ..., inserted_multi_version: _Optional[int] = ..., stored_trajectories: _Optional[int] = ..., stored_groups: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., excluded_groups: _Optional[int] = ..., active_leases: _Optional[int] = ..., prompts_leased: _Optional[int] = ..., inserts_per_s: _Optional[float] = ..., samples_per_s: _Optional[float] = ..., excluded_stale_total: _Optional[int] = ..., evicted_groups_total: _Optional[int] = ..., consumed_groups_total: _Optional[int] = ..., released_groups_total: _Optional[int] = ..., expired_groups_total: _Optional[int] = ..., staleness_at_sample: _Optional[_Mapping[int, int]] = ..., rl_inserted: _Optional[int] = ..., rl_sampled: _Optional[int] = ..., rl_diff: _Optional[float] = ..., rl_min_diff: _Optional[float] = ..., rl_max_diff: _Optional[float] = ..., wal_bytes: _Optional[int] = ..., wal_fsyncs: _Optional[int] = ..., wal_segments: _Optional[int] = ..., wal_next_lsn: _Optional[int] = ..., snapshots_written: _Optional[int] = ..., last_snapshot_age_s: _Optional[float] = ..., restore_seconds: _Optional[float] = ..., restore_records_replayed: _Optional[int] = ..., restore_errors: _Optional[int] = ..., last_snapshot_seconds: _Optional[float] = ...) -> None: ...

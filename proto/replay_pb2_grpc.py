@@ -59,6 +59,16 @@ class ReplayServiceStub:
                 request_serializer=proto_dot_replay__pb2.LeasePromptsRequest.SerializeToString,
                 response_deserializer=proto_dot_replay__pb2.LeasePromptsResponse.FromString,
                 _registered_method=True)
+        self.UpdatePriorities = channel.unary_unary(
+                '/gyre.replay.v1.ReplayService/UpdatePriorities',
+                request_serializer=proto_dot_replay__pb2.UpdatePrioritiesRequest.SerializeToString,
+                response_deserializer=proto_dot_replay__pb2.UpdatePrioritiesResponse.FromString,
+                _registered_method=True)
+        self.Snapshot = channel.unary_unary(
+                '/gyre.replay.v1.ReplayService/Snapshot',
+                request_serializer=proto_dot_replay__pb2.SnapshotRequest.SerializeToString,
+                response_deserializer=proto_dot_replay__pb2.SnapshotResponse.FromString,
+                _registered_method=True)
         self.Info = channel.unary_unary(
                 '/gyre.replay.v1.ReplayService/Info',
                 request_serializer=proto_dot_replay__pb2.InfoRequest.SerializeToString,
@@ -71,32 +81,39 @@ class ReplayServiceServicer:
 
     def Insert(self, request_iterator, context):
         """Bidi stream. Responses come in request order, one per request, each sent once the batch is
-        stored. Idempotent per trajectory_id: after a server restart the client re-sends every batch
-        it holds no response for; rows already stored come back as `duplicates`.
+        durable (written to the WAL and fsync'd, unless the server runs with weaker durability);
+        requests are pipelined: the server stores request N+1 while N waits for its fsync.
+        Idempotent per trajectory_id: after a server restart the client re-sends every batch it holds
+        no response for; rows already stored come back as `duplicates`.
         Errors: INVALID_ARGUMENT (schema version, missing column, length mismatch, non-finite reward,
-        oversized batch) — the buffer is unchanged and the stream ends; the client drops the bad batch.
+        malformed trajectory id, oversized batch) naming the field and value — that batch and the
+        ones after it on the stream are not stored, the stream ends, the client drops the bad batch;
+        RESOURCE_EXHAUSTED: the rate limiter held the batch back until the deadline (retry later);
+        UNAVAILABLE: the server cannot persist (disk error) and must be restarted.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Sample(self, request, context):
-        """Leases up to num_groups whole groups (FIFO, staleness-gated). Not idempotent: each call makes a
-        new lease. After a server restart outstanding leases are gone; the client samples again.
+        """Leases up to num_groups whole groups (selector, staleness gate, rate limiter). Not idempotent:
+        each call makes a new lease. The response is sent once the lease is durable, so after a server
+        restart the lease still exists (until its TTL) and can be acked or released.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Ack(self, request, context):
-        """Marks leased groups consumed (trained). Idempotent. Unknown lease id: NOT_FOUND naming it.
+        """Marks leased groups consumed (trained). Durable before the response. Unknown lease id (never
+        issued, already acked/released, or expired): NOT_FOUND naming it, nothing changes.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Release(self, request, context):
-        """Returns leased groups to the pool untouched. Idempotent. Unknown lease id: NOT_FOUND.
+        """Returns leased groups to the pool untouched. Durable before the response. Unknown lease id: NOT_FOUND.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -104,7 +121,23 @@ class ReplayServiceServicer:
 
     def LeasePrompts(self, request, context):
         """Hands out prompt indices (new ones, or expired leases re-issued with attempt+1). A prompt is
-        complete when a whole group for it is inserted. After a restart, the client leases again.
+        complete when a whole group for it is inserted. Durable before the response: after a restart
+        the same leases are still held, so the client keeps generating and inserts as usual.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UpdatePriorities(self, request, context):
+        """Sets sampling priorities (prioritized selector). Idempotent. Non-finite or negative priority,
+        or lengths that differ: INVALID_ARGUMENT. Durable before the response.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Snapshot(self, request, context):
+        """Writes a snapshot now (also taken periodically). FAILED_PRECONDITION without a data directory.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -144,6 +177,16 @@ def add_ReplayServiceServicer_to_server(servicer, server):
                     servicer.LeasePrompts,
                     request_deserializer=proto_dot_replay__pb2.LeasePromptsRequest.FromString,
                     response_serializer=proto_dot_replay__pb2.LeasePromptsResponse.SerializeToString,
+            ),
+            'UpdatePriorities': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdatePriorities,
+                    request_deserializer=proto_dot_replay__pb2.UpdatePrioritiesRequest.FromString,
+                    response_serializer=proto_dot_replay__pb2.UpdatePrioritiesResponse.SerializeToString,
+            ),
+            'Snapshot': grpc.unary_unary_rpc_method_handler(
+                    servicer.Snapshot,
+                    request_deserializer=proto_dot_replay__pb2.SnapshotRequest.FromString,
+                    response_serializer=proto_dot_replay__pb2.SnapshotResponse.SerializeToString,
             ),
             'Info': grpc.unary_unary_rpc_method_handler(
                     servicer.Info,
@@ -286,6 +329,60 @@ class ReplayService:
             '/gyre.replay.v1.ReplayService/LeasePrompts',
             proto_dot_replay__pb2.LeasePromptsRequest.SerializeToString,
             proto_dot_replay__pb2.LeasePromptsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdatePriorities(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gyre.replay.v1.ReplayService/UpdatePriorities',
+            proto_dot_replay__pb2.UpdatePrioritiesRequest.SerializeToString,
+            proto_dot_replay__pb2.UpdatePrioritiesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Snapshot(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gyre.replay.v1.ReplayService/Snapshot',
+            proto_dot_replay__pb2.SnapshotRequest.SerializeToString,
+            proto_dot_replay__pb2.SnapshotResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,227 +1,263 @@
-"""In-memory Arrow trajectory buffer: whole-group FIFO sampling, staleness gate, leases.
+"""The trajectory buffer: thread-safe replay core (waiting, rate limiting, WAL) over ``ReplayState``.
 
-Thread-safe; used in-process by tests and behind ``services.replay_server`` in production.
+Used in-process by tests and behind ``services.replay_server`` in production. With ``config.dir`` set
+the buffer restores itself from that directory at construction and logs every change to its WAL.
+
+Every mutating call follows one protocol: decide under the lock what changes (picks, evictions,
+expiries) → append the record to the WAL → apply it with ``ReplayState.apply`` (both still under the
+lock, so log order is apply order) → release the lock → wait until the record is durable → return.
+A caller therefore never sees an answer describing state a crash could take back; expensive work
+(validation, splitting groups, encoding an insert) happens before the lock.
 """
 
 from __future__ import annotations
 
-import itertools
+import random
 import threading
 import time
 import uuid
-from collections import OrderedDict
-from dataclasses import dataclass, field
+from collections import Counter
 
 import pyarrow as pa
-import pyarrow.compute as pc
 
-from proto.trajectory import SchemaError, validate_table
+from proto.trajectory import to_ipc
 from replay.config import ReplayConfig
-from replay.ledger import PromptLedger
+from replay.durable import Durability
+from replay.groups import split_groups
+from replay.rate_limiter import RateLimitedError
+from replay.records import Record, encode
+from replay.snapshot import SnapshotData
+from replay.state import ReplayState
+from replay.stats import RateWindow
+from replay.types import InsertResult, UnknownLeaseError
 
-
-class UnknownLeaseError(KeyError):
-    """Ack/Release named a lease id the buffer does not hold."""
-
-
-@dataclass
-class _Group:
-    table: pa.Table
-    oldest_version: int
-    """Policy version of the oldest token in the group (min over rows of the first span)."""
-
-
-@dataclass
-class _Lease:
-    group_ids: list[str]
-    expires_at: float
-    consumer: str
-
-
-@dataclass
-class InsertResult:
-    accepted: int = 0
-    duplicates: int = 0
-    dropped_stale: int = 0
-
-
-@dataclass
-class BufferCounters:
-    inserted_total: int = 0
-    duplicates_total: int = 0
-    dropped_stale_total: int = 0
-    evicted_groups_total: int = 0
-    sampled_groups_total: int = 0
-    acked_groups_total: int = 0
-    staleness_at_sample: list[int] = field(default_factory=list)
-    inserted_by_newest_version: dict[int, int] = field(default_factory=dict)
-    inserted_multi_version: int = 0
+__all__ = ["TrajectoryBuffer", "InsertResult", "UnknownLeaseError", "RateLimitedError"]
 
 
 class TrajectoryBuffer:
-    """Stores GRPO groups as Arrow tables and leases them out whole, oldest first.
+    """Stores GRPO groups as Arrow tables and leases them out whole.
 
     Args:
-        config: capacity, staleness and lease settings.
-        clock: monotonic clock in seconds (injectable for tests).
+        config: selection, staleness, limits and (``dir``) durability settings.
+        clock: seconds for lease deadlines; wall clock by default because deadlines are persisted.
+
+    Raises:
+        RestoreError: ``config.dir`` holds data but no valid snapshot/WAL combination loads.
     """
 
-    def __init__(self, config: ReplayConfig, clock=time.monotonic) -> None:
+    def __init__(self, config: ReplayConfig, clock=time.time) -> None:
         self.config = config
         self._clock = clock
         self._lock = threading.Condition()
-        self._ready: OrderedDict[str, _Group] = OrderedDict()
-        self._leased: dict[str, _Group] = {}
-        self._leases: dict[str, _Lease] = {}
-        self._seen_ids: set[str] = set()
-        self._learner_version = -1
-        self.ledger = PromptLedger(config.num_prompts, clock)
-        self.counters = BufferCounters()
+        self.state = ReplayState(config, clock, random.Random(config.seed))
+        self._wal = None
+        self._waiting: Counter[int] = Counter()
+        self._inserts, self._samples = RateWindow(), RateWindow()
+        self.durability = None
+        if config.dir is not None:  # restore first, then log every change from here on
+            self.durability = Durability(self)
+            self._wal = self.durability.wal
+            self.durability.start()
 
-    # ---- insert -------------------------------------------------------------------------------
-    def insert(self, table: pa.Table) -> InsertResult:
-        """Store the whole groups in ``table`` (validated; rows already seen count as duplicates).
+    @property
+    def ledger(self):
+        return self.state.ledger
+
+    @property
+    def counters(self):
+        return self.state.counters
+
+    # ---- protocol -------------------------------------------------------------------------------
+    def _commit(self, rec: Record, encoded: bytes | None = None, plan=None):
+        """Log then apply one record (caller holds the lock); returns ``(lsn, apply result)``."""
+        lsn = -1
+        if self._wal is not None:
+            lsn = self._wal.append([encoded if encoded is not None else encode(rec)])
+        return lsn, self.state.apply(rec, plan)
+
+    def _wait(self, ready, deadline: float) -> bool:
+        while not ready():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            self._lock.wait(timeout=min(remaining, 1.0))
+        return True
+
+    # ---- insert ---------------------------------------------------------------------------------
+    def insert(self, table: pa.Table, payload: bytes | None = None, timeout_s: float | None = None) -> InsertResult:
+        """Store the whole groups in ``table``; returns once durable (rows already seen count as duplicates).
+
+        Args:
+            table: trajectories, ``TRAJECTORY_SCHEMA``.
+            payload: the Arrow IPC bytes ``table`` was read from, logged as is (else re-encoded).
+            timeout_s: longest wait for the rate limiter (default ``config.insert_timeout_s``).
 
         Raises:
-            SchemaError: the table does not match the trajectory schema; nothing is stored.
+            SchemaError: the table is invalid; nothing is stored.
+            RateLimitedError: the rate limiter held the insert back for ``timeout_s``; nothing is stored.
+            WalError: the log cannot persist it.
         """
-        validate_table(table)
-        result = InsertResult()
-        groups = table.column("group_id").to_pylist()
-        with self._lock:
-            for group_id in dict.fromkeys(groups):
-                rows = table.filter(pc.equal(table.column("group_id"), group_id))
-                self._insert_group(group_id, rows, result)
-            self.counters.inserted_total += result.accepted
-            self.counters.duplicates_total += result.duplicates
-            self.counters.dropped_stale_total += result.dropped_stale
-            self._lock.notify_all()
+        result, lsn = self.insert_nowait(table, payload, timeout_s)
+        self.wait_durable(lsn)
         return result
 
-    def _insert_group(self, group_id: str, rows: pa.Table, result: InsertResult) -> None:
-        ids = rows.column("trajectory_id").to_pylist()
-        prompt_indices = set(rows.column("prompt_index").to_pylist())
-        if len(prompt_indices) != 1:
-            raise SchemaError(f"group {group_id!r} mixes prompt indices {sorted(prompt_indices)}")
-        prompt_index = prompt_indices.pop()
-        if any(i in self._seen_ids for i in ids) or self.ledger.is_complete(prompt_index):
-            result.duplicates += len(ids)
-            return
-        oldest = min(spans[0] for spans in rows.column("version_span_versions").to_pylist())
-        self._seen_ids.update(ids)
-        self.ledger.complete(prompt_index)
-        if self._too_stale(oldest):
-            result.dropped_stale += len(ids)
-            return
-        self._ready[group_id] = _Group(rows, oldest)
-        result.accepted += len(ids)
-        for spans in rows.column("version_span_versions").to_pylist():
-            by_version = self.counters.inserted_by_newest_version
-            by_version[spans[-1]] = by_version.get(spans[-1], 0) + 1
-            self.counters.inserted_multi_version += len(set(spans)) > 1
-        while len(self._ready) + len(self._leased) > self.config.capacity_groups and self._ready:
-            self._ready.popitem(last=False)
-            self.counters.evicted_groups_total += 1
+    def insert_nowait(self, table: pa.Table, payload: bytes | None = None,
+                      timeout_s: float | None = None) -> tuple[InsertResult, int]:
+        """``insert`` without the durability wait: returns ``(result, lsn)``; the caller must
+        ``wait_durable(lsn)`` before acknowledging (lets a stream store the next batch meanwhile)."""
+        plan = split_groups(table)
+        rec, encoded = Record("insert"), None
+        if self._wal is not None:
+            rec = Record("insert", {}, payload if payload is not None else to_ipc(table))
+            encoded = encode(rec, self.config.wal.zstd_level)
+        deadline = time.monotonic() + (self.config.insert_timeout_s if timeout_s is None else timeout_s)
+        with self._lock:
+            if not self._wait(lambda: self.state.can_insert(max(self._waiting, default=0)), deadline):
+                raise RateLimitedError(self.state.limiter.why_not_insert())
+            before = self.state.next_key
+            lsn, result = self._commit(rec, encoded, plan)
+            evict = self.state.eviction_keys(self.state.next_key - before)
+            if evict:
+                lsn, _ = self._commit(Record("evict", {"keys": evict}))
+            self._inserts.add(result.accepted)
+            self._lock.notify_all()
+        return result, lsn
 
-    def _too_stale(self, oldest_version: int) -> bool:
-        return self._learner_version - oldest_version > self.config.max_staleness
+    def wait_durable(self, lsn: int) -> None:
+        """Block until WAL record ``lsn`` is durable (no-op in memory). Raises ``WalError``."""
+        if self._wal is not None and lsn >= 0:
+            self._wal.wait(lsn)
 
-    # ---- sample / leases ----------------------------------------------------------------------
-    def sample(
-        self, num_groups: int, learner_version: int, timeout_s: float = 0.0, consumer: str = ""
-    ) -> tuple[str, pa.Table] | None:
-        """Lease the ``num_groups`` oldest eligible groups; wait up to ``timeout_s`` seconds for them.
+    # ---- sample / leases ------------------------------------------------------------------------
+    def sample(self, num_groups: int, learner_version: int, timeout_s: float = 0.0,
+               consumer: str = "") -> tuple[str, pa.Table] | None:
+        """Lease ``num_groups`` whole groups chosen by the selector; wait up to ``timeout_s`` seconds.
 
-        Groups whose policy lag against ``learner_version`` exceeds ``max_staleness`` are dropped.
-        Returns ``(lease_id, table)`` with ``num_groups * group_size`` rows, or ``None`` on timeout.
+        Raising ``learner_version`` drops (or excludes) groups whose lag exceeds ``max_staleness``.
+        Returns ``(lease_id, table)`` with the groups' rows in hand-out order, or ``None`` on timeout.
+
+        Raises:
+            ValueError: ``num_groups < 1``.
         """
         if num_groups < 1:
             raise ValueError(f"num_groups ({num_groups}) must be >= 1")
-        deadline = self._clock() + max(timeout_s, 0.0)
+        deadline = time.monotonic() + max(timeout_s, 0.0)
         with self._lock:
-            self._learner_version = max(self._learner_version, learner_version)
-            while True:
-                self._expire_leases()
-                self._drop_stale()
-                if len(self._ready) >= num_groups:
-                    break
-                remaining = deadline - self._clock()
-                if remaining <= 0:
-                    return None
-                self._lock.wait(timeout=min(remaining, 1.0))
-            picked = list(itertools.islice(self._ready, num_groups))
-            groups = [self._ready.pop(g) for g in picked]
-            self._leased.update(zip(picked, groups))
-            lease_id = uuid.uuid4().hex
-            self._leases[lease_id] = _Lease(picked, self._clock() + self.config.lease_ttl_s, consumer)
-            self.counters.sampled_groups_total += len(picked)
-            self.counters.staleness_at_sample.extend(learner_version - g.oldest_version for g in groups)
-            table = pa.concat_tables([g.table for g in groups])
-        return lease_id, table
+            lsn = -1
+            if learner_version > self.state.learner_version:
+                lsn, _ = self._commit(Record("learner_version", {"version": learner_version}))
+            self._waiting[num_groups] += 1
+            self._lock.notify_all()  # an inserter may be waiting only because nobody sampled
+
+            def ready() -> bool:
+                nonlocal lsn
+                lsn = max(lsn, self._expire_leases())
+                return self.state.can_sample(num_groups)
+
+            try:
+                got = self._wait(ready, deadline)
+            finally:
+                self._waiting[num_groups] -= 1
+                self._waiting += Counter()  # drop zero counts
+            if got:
+                keys = self.state.store.sampler.pick(num_groups)
+                lease_id = uuid.uuid4().hex
+                meta = {"lease_id": lease_id, "keys": keys, "consumer": consumer,
+                        "expires_at": self._clock() + self.config.lease_ttl_s}
+                lsn, groups = self._commit(Record("lease", meta))
+                table = pa.concat_tables([g.table for g in groups])
+                self._samples.add(len(groups))
+                self._lock.notify_all()
+        self.wait_durable(lsn)
+        return (lease_id, table) if got else None
+
+    def _expire_leases(self) -> int:
+        now = self._clock()
+        due = [i for i, lease in self.state.leases.items() if lease.expires_at <= now]
+        return self._commit(Record("expire", {"lease_ids": due}))[0] if due else -1
+
+    def _end(self, kind: str, lease_ids: list[str]) -> int:
+        with self._lock:
+            self.state.check_leases(lease_ids)
+            if len(set(lease_ids)) != len(lease_ids):
+                lease_ids = list(dict.fromkeys(lease_ids))
+            lsn, n = self._commit(Record(kind, {"lease_ids": lease_ids}))
+            self._lock.notify_all()
+        self.wait_durable(lsn)
+        return n
 
     def ack(self, lease_ids: list[str]) -> int:
-        """Mark leased groups consumed; returns how many groups. Raises ``UnknownLeaseError``."""
-        with self._lock:
-            self._check_leases(lease_ids)
-            n = 0
-            for lease_id in lease_ids:
-                for g in self._leases.pop(lease_id).group_ids:
-                    self._leased.pop(g, None)
-                    n += 1
-            self.counters.acked_groups_total += n
-            return n
+        """Mark leased groups consumed (deleted, or pooled again below ``max_times_sampled``); returns
+        how many groups. Raises ``UnknownLeaseError`` naming the first unknown id; nothing changes."""
+        return self._end("ack", lease_ids)
 
     def release(self, lease_ids: list[str]) -> int:
-        """Return leased groups to the front of the pool; returns how many groups."""
+        """Return leased groups to the pool untouched; returns how many. Raises ``UnknownLeaseError``."""
+        return self._end("release", lease_ids)
+
+    def update_priorities(self, group_ids: list[str], priorities: list[float]) -> tuple[int, list[str]]:
+        """Set sampling priorities; returns ``(updated, unknown group ids)`` (consumed groups are unknown).
+
+        Raises:
+            ValueError: lengths differ, or a priority is negative or not finite (nothing changes).
+        """
+        if len(group_ids) != len(priorities):
+            raise ValueError(f"{len(group_ids)} group_ids but {len(priorities)} priorities")
+        for gid, p in zip(group_ids, priorities):
+            if not (p >= 0 and p != float("inf")):
+                raise ValueError(f"priority {p} for group {gid!r} must be finite and >= 0")
         with self._lock:
-            self._check_leases(lease_ids)
-            n = sum(self._return_lease(lease_id) for lease_id in lease_ids)
-            self._lock.notify_all()
-            return n
+            key_of = self.state.store.key_of
+            known = [(key_of[g], float(p)) for g, p in zip(group_ids, priorities) if g in key_of]
+            unknown = [g for g in group_ids if g not in key_of]
+            lsn = -1
+            if known:
+                lsn, _ = self._commit(Record("priority", {"keys": [k for k, _ in known],
+                                                          "priorities": [p for _, p in known]}))
+        self.wait_durable(lsn)
+        return len(known), unknown
 
-    def _check_leases(self, lease_ids: list[str]) -> None:
-        for lease_id in lease_ids:
-            if lease_id not in self._leases:
-                raise UnknownLeaseError(f"unknown lease id {lease_id!r}")
-
-    def _return_lease(self, lease_id: str) -> int:
-        lease = self._leases.pop(lease_id)
-        for g in reversed(lease.group_ids):
-            self._ready[g] = self._leased.pop(g)
-            self._ready.move_to_end(g, last=False)
-        return len(lease.group_ids)
-
-    def _expire_leases(self) -> None:
-        now = self._clock()
-        for lease_id in [i for i, lease in self._leases.items() if lease.expires_at <= now]:
-            self._return_lease(lease_id)
-
-    def _drop_stale(self) -> None:
-        for g in [g for g, grp in self._ready.items() if self._too_stale(grp.oldest_version)]:
-            n = self._ready.pop(g).table.num_rows
-            self.counters.dropped_stale_total += n
-
-    # ---- prompts / info -----------------------------------------------------------------------
+    # ---- prompts --------------------------------------------------------------------------------
     def lease_prompts(self, consumer: str, count: int, ttl_s: float | None = None) -> list[tuple[int, int]]:
-        """Lease prompt indices for a rollout; see ``PromptLedger.lease``."""
+        """Lease prompt indices for a rollout: ``[(prompt_index, attempt)]``, re-issued ones first."""
+        if count < 0:
+            raise ValueError(f"count ({count}) must be >= 0")
+        ttl = ttl_s or self.config.prompt_lease_ttl_s
         with self._lock:
-            return self.ledger.lease(consumer, count, ttl_s or self.config.prompt_lease_ttl_s)
+            now, lsn = self._clock(), -1
+            due = self.state.ledger.due(now)
+            if due:
+                lsn, _ = self._commit(Record("prompt_expire", {"items": due}))
+            items = self.state.ledger.plan(count)
+            if items:
+                lsn, _ = self._commit(Record("prompt_lease", {"consumer": consumer, "items": items,
+                                                              "expires_at": now + ttl}))
+        self.wait_durable(lsn)
+        return items
 
-    def info(self) -> dict[str, int]:
-        """Plain counters for the Info RPC and metrics."""
+    # ---- persistence / info ---------------------------------------------------------------------
+    def capture(self) -> SnapshotData:
+        """A consistent copy-on-write view for a snapshot: O(groups) pointer copies under the lock."""
         with self._lock:
-            c = self.counters
-            return {
-                "size_trajectories": sum(g.table.num_rows for g in self._ready.values()),
-                "size_groups": len(self._ready),
-                "inserted_total": c.inserted_total,
-                "duplicates_total": c.duplicates_total,
-                "dropped_stale_total": c.dropped_stale_total,
-                "sampled_groups_total": c.sampled_groups_total,
-                "leased_groups": len(self._leased),
-                "acked_groups_total": c.acked_groups_total,
-                "prompts_completed": self.ledger.num_completed,
-                "learner_version": self._learner_version,
-                "inserted_by_newest_version": dict(c.inserted_by_newest_version),
-                "inserted_multi_version": c.inserted_multi_version,
-            }
+            lsn = self._wal.next_lsn if self._wal is not None else 0
+            return SnapshotData(lsn, list(self.state.store.groups.values()), self.state.state_dict())
+
+    def snapshot(self):
+        """Write a snapshot now; returns its path. Raises ``RuntimeError`` without ``config.dir``."""
+        if self.durability is None:
+            raise RuntimeError("replay runs without a directory (config.dir is None); nothing to snapshot")
+        return self.durability.snapshot()
+
+    def close(self) -> None:
+        """Stop background snapshots and close the WAL (durable buffers); idempotent."""
+        if self.durability is not None:
+            self.durability.close()
+
+    def info(self) -> dict:
+        """Plain counters for the Info RPC and metrics (see ``InfoResponse`` for each field)."""
+        with self._lock:
+            out = self.state.info()
+            out.update(inserts_per_s=self._inserts.per_s(), samples_per_s=self._samples.per_s())
+        if self.durability is not None:
+            out.update(self.durability.info())
+        return out

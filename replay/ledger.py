@@ -1,4 +1,15 @@
-"""Prompt ledger: which prompt indices are issued, to whom, and which are complete."""
+"""Prompt ledger: which prompt indices are issued, to whom, and which are complete.
+
+Every change is explicit so the WAL can replay it exactly: the buffer asks ``due``/``plan`` what would
+change, logs it, then applies it with ``apply_expire`` (overdue leases to the re-issue queue) and
+``apply_lease`` (``(index, attempt)`` pairs with their deadline); ``complete`` marks a prompt done
+(implied by the logged insert). ``lease``/``expire`` do both steps for in-process users. Restoring
+the log therefore rebuilds the same ledger, and "each prompt index completes exactly once" survives
+any crash.
+
+Completed indices are stored as a watermark (every index below it is complete) plus the set of
+completed indices above it, so the state stays small however long the run.
+"""
 
 from __future__ import annotations
 
@@ -6,12 +17,16 @@ import time
 from dataclasses import dataclass
 
 
-@dataclass
-class _PromptLease:
+@dataclass(frozen=True)
+class PromptLease:
+    """One prompt index leased to a rollout."""
+
     consumer: str
+    """Rollout that holds it."""
     attempt: int
+    """How many times the index was issued before (part of the trajectory id)."""
     expires_at: float
-    """Monotonic-clock seconds."""
+    """Clock seconds (wall clock by default, so it survives a restart) when it is re-issued."""
 
 
 class PromptLedger:
@@ -23,59 +38,104 @@ class PromptLedger:
 
     Args:
         num_prompts: size of the prompt stream, or ``None`` for unbounded.
-        clock: monotonic clock in seconds (injectable for tests).
+        clock: seconds; wall clock by default because lease deadlines are persisted.
     """
 
-    def __init__(self, num_prompts: int | None = None, clock=time.monotonic) -> None:
+    def __init__(self, num_prompts: int | None = None, clock=time.time) -> None:
         self._num_prompts = num_prompts
         self._clock = clock
         self._next_index = 0
-        self._leases: dict[int, _PromptLease] = {}
+        self._leases: dict[int, PromptLease] = {}
         self._expired: list[tuple[int, int]] = []
-        self._completed: set[int] = set()
+        self._done_below = 0
+        self._done_above: set[int] = set()
 
-    def lease(self, consumer: str, count: int, ttl_s: float) -> list[tuple[int, int]]:
-        """Lease up to ``count`` prompts; returns ``[(prompt_index, attempt)]`` (re-issues first)."""
+    def due(self, now: float | None = None) -> list[tuple[int, int]]:
+        """Leases past their deadline as ``[(index, next_attempt)]``; changes nothing."""
+        now = self._clock() if now is None else now
+        return [(i, lease.attempt + 1) for i, lease in self._leases.items() if lease.expires_at <= now]
+
+    def expire(self, now: float | None = None) -> list[tuple[int, int]]:
+        """Move leases past their deadline to the re-issue queue; returns ``[(index, next_attempt)]``."""
+        out = self.due(now)
+        self.apply_expire(out)
+        return out
+
+    def plan(self, count: int) -> list[tuple[int, int]]:
+        """The ``[(index, attempt)]`` a lease of ``count`` would hand out now (re-issues first); changes nothing."""
+        out: list[tuple[int, int]] = self._expired[:count]
+        next_index = self._next_index
+        while len(out) < count and (self._num_prompts is None or next_index < self._num_prompts):
+            out.append((next_index, 0))
+            next_index += 1
+        return out
+
+    def lease(self, consumer: str, count: int, ttl_s: float, now: float | None = None) -> list[tuple[int, int]]:
+        """Lease up to ``count`` prompts; returns ``[(prompt_index, attempt)]`` (re-issues first).
+
+        Raises:
+            ValueError: ``count < 0`` or ``ttl_s <= 0``.
+        """
         if count < 0:
             raise ValueError(f"count ({count}) must be >= 0")
         if ttl_s <= 0:
             raise ValueError(f"ttl_s ({ttl_s}) must be > 0")
-        self._expire()
-        out: list[tuple[int, int]] = []
-        now = self._clock()
-        while len(out) < count and self._expired:
-            index, attempt = self._expired.pop(0)
-            out.append((index, attempt))
-        while len(out) < count and (self._num_prompts is None or self._next_index < self._num_prompts):
-            out.append((self._next_index, 0))
-            self._next_index += 1
-        for index, attempt in out:
-            self._leases[index] = _PromptLease(consumer, attempt, now + ttl_s)
+        now = self._clock() if now is None else now
+        self.expire(now)
+        out = self.plan(count)
+        self.apply_lease(consumer, out, now + ttl_s)
         return out
+
+    def apply_lease(self, consumer: str, items: list[tuple[int, int]], expires_at: float) -> None:
+        """Record that ``items`` were leased to ``consumer`` until ``expires_at`` (live and WAL replay)."""
+        issued = {i for i, _ in items}
+        self._expired = [(i, a) for i, a in self._expired if i not in issued]
+        for index, attempt in items:
+            self._leases[index] = PromptLease(consumer, attempt, expires_at)
+            self._next_index = max(self._next_index, index + 1)
+
+    def apply_expire(self, items: list[tuple[int, int]]) -> None:
+        """Move ``[(index, next_attempt)]`` from leased to the re-issue queue (live and WAL replay)."""
+        for index, attempt in items:
+            if self._leases.pop(index, None) is not None and not self.is_complete(index):
+                self._expired.append((index, attempt))
 
     def complete(self, prompt_index: int) -> bool:
         """Mark a prompt complete. Returns False if it already was (the caller drops the group)."""
-        if prompt_index in self._completed:
+        if self.is_complete(prompt_index):
             return False
-        self._completed.add(prompt_index)
+        self._done_above.add(prompt_index)
+        while self._done_below in self._done_above:
+            self._done_above.remove(self._done_below)
+            self._done_below += 1
         self._leases.pop(prompt_index, None)
         self._expired = [(i, a) for i, a in self._expired if i != prompt_index]
         return True
 
     def is_complete(self, prompt_index: int) -> bool:
-        return prompt_index in self._completed
+        return prompt_index < self._done_below or prompt_index in self._done_above
 
     @property
     def num_completed(self) -> int:
-        return len(self._completed)
+        return self._done_below + len(self._done_above)
 
     @property
     def num_leased(self) -> int:
         return len(self._leases)
 
-    def _expire(self) -> None:
-        now = self._clock()
-        for index, lease in list(self._leases.items()):
-            if lease.expires_at <= now:
-                del self._leases[index]
-                self._expired.append((index, lease.attempt + 1))
+    def state_dict(self) -> dict:
+        """Plain values: next index, leases, re-issue queue and completed indices."""
+        return {
+            "next_index": self._next_index,
+            "leases": [[i, lease.consumer, lease.attempt, lease.expires_at] for i, lease in self._leases.items()],
+            "expired": [list(x) for x in self._expired],
+            "done_below": self._done_below,
+            "done_above": sorted(self._done_above),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self._next_index = int(state["next_index"])
+        self._leases = {int(i): PromptLease(c, int(a), float(t)) for i, c, a, t in state["leases"]}
+        self._expired = [(int(i), int(a)) for i, a in state["expired"]]
+        self._done_below = int(state["done_below"])
+        self._done_above = {int(i) for i in state["done_above"]}

@@ -18,16 +18,28 @@ def _node_ip() -> str:
 
 @ray.remote
 class ReplayActor:
-    """The replay service: an in-memory Arrow buffer behind ReplayService."""
+    """The replay service: the Arrow buffer (durable when given a directory) behind ReplayService.
 
-    def __init__(self, config: dict, host: str = "127.0.0.1") -> None:
+    Args:
+        config: ``ReplayConfig`` fields.
+        host: address to bind.
+        dir: WAL/snapshot directory, overriding ``config["dir"]`` (the controller passes ``{run_dir}/replay``);
+            an existing directory is restored first.
+        metrics_port: serve Prometheus ``/metrics`` on this port (0 = any free port; ``None`` = off).
+    """
+
+    def __init__(self, config: dict, host: str = "127.0.0.1", dir: str | None = None,
+                 metrics_port: int | None = None) -> None:
         from replay.buffer import TrajectoryBuffer
         from replay.config import ReplayConfig
         from services import replay_server
+        from services.replay_metrics import serve_metrics
 
-        self.buffer = TrajectoryBuffer(ReplayConfig(**config))
+        cfg = ReplayConfig(**{**config, **({"dir": dir} if dir is not None else {})})
+        self.buffer = TrajectoryBuffer(cfg)
         self.server, self.port = replay_server.serve(self.buffer, host=host)
         self.host = host
+        self.metrics_port = serve_metrics(self.buffer, metrics_port, host) if metrics_port is not None else None
 
     def address(self) -> str:
         return f"{self.host}:{self.port}"
@@ -37,6 +49,7 @@ class ReplayActor:
 
     def stop(self) -> None:
         self.server.stop(grace=2).wait()
+        self.buffer.close()
 
 
 @ray.remote

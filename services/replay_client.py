@@ -13,11 +13,13 @@ from proto.trajectory import SCHEMA_VERSION, from_ipc, to_ipc
 from services import grpc_common
 
 
-TRANSIENT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+TRANSIENT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED)
+"""Statuses after which the same call may simply be retried: replay down or restarting, too slow, or
+holding inserts back for its rate limiter."""
 
 
 class ReplayUnavailableError(ConnectionError):
-    """Replay did not answer (down, restarting or overloaded); the call may be retried."""
+    """Replay did not answer (down, restarting, overloaded or rate limited); the call may be retried."""
 
 
 def _transient_as_connection_error(fn):
@@ -80,6 +82,18 @@ class ReplayClient:
         resp = self._stub.LeasePrompts(
             replay_pb2.LeasePromptsRequest(consumer=consumer, count=count, ttl_s=ttl_s), timeout=self.timeout_s)
         return [(p.prompt_index, p.attempt) for p in resp.prompts]
+
+    @_transient_as_connection_error
+    def update_priorities(self, group_ids: list[str], priorities: list[float]) -> tuple[int, list[str]]:
+        """Set sampling priorities; returns ``(updated, unknown group ids)``."""
+        resp = self._stub.UpdatePriorities(
+            replay_pb2.UpdatePrioritiesRequest(group_ids=group_ids, priorities=priorities), timeout=self.timeout_s)
+        return resp.updated, list(resp.unknown_group_ids)
+
+    @_transient_as_connection_error
+    def snapshot(self) -> str:
+        """Ask replay to write a snapshot now; returns its directory ("" if nothing changed)."""
+        return self._stub.Snapshot(replay_pb2.SnapshotRequest(), timeout=max(self.timeout_s, 300.0)).path
 
     @_transient_as_connection_error
     def info(self) -> replay_pb2.InfoResponse:

@@ -1,23 +1,64 @@
-"""ReplayService servicer: a thin gRPC adapter over ``replay.buffer.TrajectoryBuffer``."""
+"""ReplayService servicer: a thin gRPC adapter over ``replay.buffer.TrajectoryBuffer``.
+
+Validation at the boundary, error mapping to status codes (each message names the field and value),
+and Insert pipelining: a reader thread stores request N+1 while the response to request N waits for
+its WAL fsync, so one stream gets group commit too. Responses stay in request order.
+"""
 
 from __future__ import annotations
 
+import queue
+import threading
+
 import grpc
+import pyarrow as pa
 import structlog
 
 from proto import replay_pb2, replay_pb2_grpc
-from proto.trajectory import SCHEMA_VERSION, SchemaError, from_ipc, to_ipc
-from replay.buffer import TrajectoryBuffer, UnknownLeaseError
+from proto.trajectory import SCHEMA_VERSION, SchemaError, to_ipc
+from replay.buffer import RateLimitedError, TrajectoryBuffer, UnknownLeaseError
+from replay.wal import WalError
 from services import grpc_common
 
 log = structlog.get_logger("replay")
 SERVICE_NAME = "gyre.replay.v1.ReplayService"
+_END = object()
 
 
-def _check_schema(version: int, context: grpc.ServicerContext) -> None:
+class _Abort(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+def _check_schema(version: int) -> None:
     if version != SCHEMA_VERSION:
-        context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                      f"schema_version {version} is not supported; this server speaks {SCHEMA_VERSION}")
+        raise _Abort(grpc.StatusCode.INVALID_ARGUMENT,
+                     f"schema_version {version} is not supported; this server speaks {SCHEMA_VERSION}")
+
+
+def _read_ipc(payload: bytes) -> pa.Table:
+    """Parse Arrow IPC bytes; the buffer validates the table (once). Raises ``SchemaError``."""
+    try:
+        return pa.ipc.open_stream(payload).read_all()
+    except (pa.ArrowInvalid, OSError) as exc:
+        raise SchemaError(f"payload is not an Arrow IPC stream: {exc}") from exc
+
+
+def _aborting(fn):
+    """Run a unary handler, turning ``_Abort`` and the buffer's errors into status codes."""
+    def handler(self, request, context):
+        try:
+            return fn(self, request, context)
+        except _Abort as exc:
+            context.abort(exc.code, exc.message)
+        except UnknownLeaseError as exc:
+            context.abort(grpc.StatusCode.NOT_FOUND, str(exc.args[0]))
+        except WalError as exc:
+            log.error("replay_wal_failed", error=str(exc))
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"replay cannot persist: {exc}")
+    handler.__name__ = fn.__name__
+    return handler
 
 
 class ReplayServicer(replay_pb2_grpc.ReplayServiceServicer):
@@ -26,56 +67,104 @@ class ReplayServicer(replay_pb2_grpc.ReplayServiceServicer):
     def __init__(self, buffer: TrajectoryBuffer) -> None:
         self.buffer = buffer
 
-    def Insert(self, request_iterator, context):
-        for req in request_iterator:
-            _check_schema(req.schema_version, context)
-            limit = self.buffer.config.max_batch_bytes
-            if len(req.arrow_ipc) > limit:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                              f"batch {req.batch_id}: arrow_ipc is {len(req.arrow_ipc)} bytes; limit is {limit}")
-            try:
-                result = self.buffer.insert(from_ipc(req.arrow_ipc))
-            except SchemaError as exc:
-                log.warning("insert_rejected", batch_id=req.batch_id, error=str(exc))
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"batch {req.batch_id}: {exc}")
-            yield replay_pb2.InsertResponse(batch_id=req.batch_id, accepted=result.accepted,
-                                            duplicates=result.duplicates, dropped_stale=result.dropped_stale)
+    # ---- Insert (pipelined) -----------------------------------------------------------------------
+    def _store(self, req, context) -> tuple[int, replay_pb2.InsertResponse]:
+        _check_schema(req.schema_version)
+        payload, limit = req.arrow_ipc, self.buffer.config.max_batch_bytes  # each field access copies
+        if len(payload) > limit:
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT,
+                         f"batch {req.batch_id}: arrow_ipc is {len(payload)} bytes; limit is {limit}")
+        remaining = context.time_remaining()
+        timeout = self.buffer.config.insert_timeout_s if remaining is None else min(
+            remaining, self.buffer.config.insert_timeout_s)
+        try:
+            result, lsn = self.buffer.insert_nowait(_read_ipc(payload), payload, timeout)
+        except SchemaError as exc:
+            log.warning("insert_rejected", batch_id=req.batch_id, error=str(exc))
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"batch {req.batch_id}: {exc}") from exc
+        except RateLimitedError as exc:
+            raise _Abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"batch {req.batch_id}: {exc}") from exc
+        except WalError as exc:
+            raise _Abort(grpc.StatusCode.UNAVAILABLE, f"replay cannot persist: {exc}") from exc
+        return lsn, replay_pb2.InsertResponse(batch_id=req.batch_id, accepted=result.accepted,
+                                              duplicates=result.duplicates, dropped_stale=result.dropped_stale)
 
+    def Insert(self, request_iterator, context):
+        pending: queue.Queue = queue.Queue()
+
+        def read() -> None:
+            try:
+                for req in request_iterator:
+                    pending.put(self._store(req, context))
+            except _Abort as exc:
+                pending.put(exc)
+            except Exception as exc:  # the stream broke (client gone); nothing more to store
+                pending.put(_Abort(grpc.StatusCode.CANCELLED, f"insert stream ended: {exc}"))
+            finally:
+                pending.put(_END)
+
+        threading.Thread(target=read, name="replay-insert-reader", daemon=True).start()
+        while (item := pending.get()) is not _END:
+            if isinstance(item, _Abort):
+                context.abort(item.code, item.message)
+            lsn, response = item
+            try:
+                self.buffer.wait_durable(lsn)
+            except WalError as exc:
+                log.error("replay_wal_failed", error=str(exc))
+                context.abort(grpc.StatusCode.UNAVAILABLE, f"replay cannot persist: {exc}")
+            yield response
+
+    # ---- unary RPCs ---------------------------------------------------------------------------------
+    @_aborting
     def Sample(self, request, context):
-        _check_schema(request.schema_version, context)
+        _check_schema(request.schema_version)
         if request.num_groups < 1:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"num_groups ({request.num_groups}) must be >= 1")
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"num_groups ({request.num_groups}) must be >= 1")
         if not 0 <= request.timeout_s <= 600:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"timeout_s ({request.timeout_s}) must be in [0, 600]")
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"timeout_s ({request.timeout_s}) must be in [0, 600]")
         got = self.buffer.sample(request.num_groups, request.learner_version, request.timeout_s, request.consumer)
         if got is None:
             return replay_pb2.SampleResponse()
         lease_id, table = got
         return replay_pb2.SampleResponse(lease_id=lease_id, arrow_ipc=to_ipc(table), num_groups=request.num_groups)
 
+    @_aborting
     def Ack(self, request, context):
-        try:
-            return replay_pb2.AckResponse(acked=self.buffer.ack(list(request.lease_ids)))
-        except UnknownLeaseError as exc:
-            context.abort(grpc.StatusCode.NOT_FOUND, str(exc.args[0]))
+        return replay_pb2.AckResponse(acked=self.buffer.ack(list(request.lease_ids)))
 
+    @_aborting
     def Release(self, request, context):
-        try:
-            return replay_pb2.ReleaseResponse(released=self.buffer.release(list(request.lease_ids)))
-        except UnknownLeaseError as exc:
-            context.abort(grpc.StatusCode.NOT_FOUND, str(exc.args[0]))
+        return replay_pb2.ReleaseResponse(released=self.buffer.release(list(request.lease_ids)))
 
+    @_aborting
     def LeasePrompts(self, request, context):
         if request.count > 4096:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"count ({request.count}) must be <= 4096")
-        if request.ttl_s < 0:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"ttl_s ({request.ttl_s}) must be >= 0")
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"count ({request.count}) must be <= 4096")
+        if not request.ttl_s >= 0:
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"ttl_s ({request.ttl_s}) must be >= 0")
         leases = self.buffer.lease_prompts(request.consumer, request.count, request.ttl_s or None)
         return replay_pb2.LeasePromptsResponse(
             prompts=[replay_pb2.PromptLease(prompt_index=i, attempt=a) for i, a in leases])
 
+    @_aborting
+    def UpdatePriorities(self, request, context):
+        try:
+            updated, unknown = self.buffer.update_priorities(list(request.group_ids), list(request.priorities))
+        except ValueError as exc:
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
+        return replay_pb2.UpdatePrioritiesResponse(updated=updated, unknown_group_ids=unknown)
+
+    @_aborting
+    def Snapshot(self, request, context):
+        if self.buffer.durability is None:
+            raise _Abort(grpc.StatusCode.FAILED_PRECONDITION, "replay runs without a directory (dir is unset)")
+        path = self.buffer.snapshot()
+        return replay_pb2.SnapshotResponse(path=str(path or ""))
+
     def Info(self, request, context):
-        return replay_pb2.InfoResponse(schema_version=SCHEMA_VERSION, **self.buffer.info())
+        info = self.buffer.info()
+        return replay_pb2.InfoResponse(schema_version=SCHEMA_VERSION, **info)
 
 
 def serve(buffer: TrajectoryBuffer, host: str = "127.0.0.1", port: int = 0) -> tuple[grpc.Server, int]:
@@ -83,5 +172,5 @@ def serve(buffer: TrajectoryBuffer, host: str = "127.0.0.1", port: int = 0) -> t
     server, health_servicer = grpc_common.make_server()
     replay_pb2_grpc.add_ReplayServiceServicer_to_server(ReplayServicer(buffer), server)
     port = grpc_common.start(server, health_servicer, SERVICE_NAME, host, port)
-    log.info("replay_serving", address=f"{host}:{port}")
+    log.info("replay_serving", address=f"{host}:{port}", dir=buffer.config.dir)
     return server, port

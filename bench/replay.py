@@ -1,0 +1,208 @@
+"""Replay benchmark: ``python -m bench.replay [--quick] [--dir DIR]``. The last line printed is one JSON object.
+
+Every ratio's baseline is measured in the same run, on the same machine and disk:
+
+- ``ingest_ratio``: durable inserts (WAL + fsync before each ack) in MB/s of Arrow IPC payload ÷ a raw
+  grpcio byte stream with the same message (``InsertRequest`` of 256 trajectories), method shape,
+  server options and client (2 pipelined bidi streams, servers in their own processes).
+  ``ingest_ratio_nofsync``: the same with ``durability="write"``.
+- ``sample_p99_ms``: Sample RPCs of 32 groups × 8 = 256 trajectories (lease durable before the answer,
+  then released) at two buffer sizes, 10k/100k trajectories with ``--quick``, 100k/1M without.
+- ``snapshot_ratio``: snapshot MB/s (stored Arrow bytes ÷ the server's capture-to-commit time, otherwise idle) ÷
+  writing the same number of bytes sequentially to the same directory with one fsync (alternated, medians).
+  ``insert_p99_during_snapshot_ratio``: insert RPC p99 while snapshots run ÷ p99 with none running.
+- ``restore_s_per_gb``: the restarted server's restore time (newest snapshot + WAL tail after a
+  ``kill -9``) per GB of stored Arrow data.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import signal
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from bench.replay_parts import (GROUP_SIZE, RAW_METHOD, Server, free_port, fsync_ms, p99_ms, requests,
+                                sequential_write_mb_s, serve_raw, stream, trajectory_batch)
+from services.replay_client import ReplayClient
+
+GROUPS = 32
+"""Groups per insert message and per sampled batch (× 8 = 256 trajectories)."""
+
+
+def replay_config(durability: str) -> dict:
+    return {"capacity_groups": 10_000_000, "max_staleness": 1_000_000, "max_batch_bytes": 256 << 20,
+            "wal": {"durability": durability}, "snapshot": {"interval_s": None, "wal_bytes": None}}
+
+
+def ingest_mb_s(kind: str, root: Path, batches: int, seed: int) -> float:
+    reqs = list(requests(seed * 10_000_000, batches, GROUPS, seed))
+    directory = root / f"ingest-{kind}-{seed}"
+    server = Server("raw" if kind == "raw" else "replay", free_port(), directory, replay_config(kind))
+    halves = [reqs[0::2], reqs[1::2]]
+    sent = [0, 0]
+    method = RAW_METHOD if kind == "raw" else "/gyre.replay.v1.ReplayService/Insert"
+
+    def run(i: int) -> None:
+        sent[i] = stream(server.address, iter(halves[i]), method)
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    seconds = time.perf_counter() - t0
+    server.stop()
+    shutil.rmtree(directory, ignore_errors=True)
+    return sum(sent) / 1e6 / seconds
+
+
+def sample_latencies(client: ReplayClient, n: int) -> list[float]:
+    out = []
+    for i in range(n + 10):
+        t0 = time.perf_counter()
+        lease, _ = client.sample(GROUPS, learner_version=0, timeout_s=5.0)
+        if i >= 10:
+            out.append(time.perf_counter() - t0)
+        client.release([lease])
+    return out
+
+
+def insert_latencies(client: ReplayClient, first_prompt: int, n: int, while_alive=None) -> list[float]:
+    """Seconds per Insert RPC of one 256-trajectory batch, one at a time (stops when ``while_alive`` ends)."""
+    out, rng = [], np.random.default_rng(first_prompt)
+    for b in range(n):
+        table = trajectory_batch(first_prompt + b * GROUPS, GROUPS, rng)
+        if while_alive is not None and not while_alive.is_alive():
+            break
+        t0 = time.perf_counter()
+        client.insert(table)
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def snapshots_under_load(client: ReplayClient, next_prompt: int) -> tuple[list[float], list[float], int]:
+    """Snapshot RPC times and insert latencies while they run; returns (snap_s, insert_s, next_prompt)."""
+    snaps, during = [], []
+    def snapshot() -> None:
+        t0 = time.perf_counter()
+        client.snapshot()
+        snaps.append(time.perf_counter() - t0)
+
+    while len(during) < 100 and len(snaps) < 8:
+        t = threading.Thread(target=snapshot)
+        t.start()
+        time.sleep(0.005)
+        got = insert_latencies(client, next_prompt, 10_000, while_alive=t)
+        next_prompt += (len(got) + 1) * GROUPS
+        during += got
+        t.join()
+    return snaps, during, next_prompt
+
+
+def ingest_phase(root: Path, batches: int, rounds: int) -> dict:
+    speeds: dict[str, list[float]] = {"raw": [], "fsync": [], "write": []}
+    for r in range(rounds):  # interleaved, so load changes hit all three alike
+        for kind in speeds:
+            speeds[kind].append(ingest_mb_s(kind, root, batches, seed=r + 1))
+    raw, fsync, nofsync = (statistics.median(speeds[k]) for k in ("raw", "fsync", "write"))
+    print(f"ingest MB/s: raw {raw:.0f}, fsync {fsync:.0f}, no fsync {nofsync:.0f}", flush=True)
+    return dict(raw_stream_mb_s=round(raw, 1), ingest_mb_s=round(fsync, 1), ingest_nofsync_mb_s=round(nofsync, 1),
+                ingest_ratio=round(fsync / raw, 3), ingest_ratio_nofsync=round(nofsync / raw, 3))
+
+
+def sample_phase(server: Server, client: ReplayClient, sizes: tuple[int, int]) -> tuple[dict, int]:
+    """Fill to each size and time samples there; returns the results and the trajectories stored."""
+    by_size, stored = {}, 0
+    for size in sizes:
+        need = -(-(size - stored) // (GROUPS * GROUP_SIZE))
+        stream(server.address, requests(stored // GROUP_SIZE, need, GROUPS, seed=size))
+        stored += need * GROUPS * GROUP_SIZE
+        by_size[str(size)] = round(p99_ms(sample_latencies(client, 200)), 2)
+        print(f"sample p99 at {client.info().stored_trajectories} trajectories: {by_size[str(size)]} ms", flush=True)
+    return dict(sample_p99_ms=by_size[str(sizes[-1])], sample_p99_ms_by_size=by_size,
+                sample_p99_growth=round(by_size[str(sizes[-1])] / by_size[str(sizes[0])], 2)), stored
+
+
+def snapshot_phase(server: Server, client: ReplayClient, root: Path, next_prompt: int) -> tuple[dict, int]:
+    stored_bytes = client.info().stored_bytes
+    snap_s, seq = [], []
+    for r in range(3):  # idle snapshots alternating with the sequential-write baseline
+        stream(server.address, requests(next_prompt, 1, GROUPS, seed=50 + r))  # something new to snapshot
+        next_prompt += GROUPS
+        client.snapshot()
+        snap_s.append(client.info().last_snapshot_seconds)  # capture → commit, as timed by the server
+        seq.append(sequential_write_mb_s(root, stored_bytes))
+    snap_mb_s, seq_mb_s = stored_bytes / 1e6 / statistics.median(snap_s), statistics.median(seq)
+    idle = insert_latencies(client, next_prompt, 100)
+    next_prompt += 100 * GROUPS
+    _, during, next_prompt = snapshots_under_load(client, next_prompt)
+    out = dict(stored_gb=round(stored_bytes / 1e9, 3), snapshot_s=round(statistics.median(snap_s), 3),
+               snapshot_mb_s=round(snap_mb_s, 1), sequential_write_mb_s=round(seq_mb_s, 1),
+               snapshot_ratio=round(snap_mb_s / seq_mb_s, 3), insert_p99_idle_ms=round(p99_ms(idle), 2),
+               insert_p99_during_snapshot_ms=round(p99_ms(during), 2),
+               insert_p99_during_snapshot_ratio=round(p99_ms(during) / p99_ms(idle), 3),
+               inserts_during_snapshots=len(during))
+    print(f"snapshot {snap_mb_s:.0f} MB/s vs sequential write {seq_mb_s:.0f} MB/s; insert p99 idle "
+          f"{out['insert_p99_idle_ms']} ms, during snapshots {out['insert_p99_during_snapshot_ms']} ms", flush=True)
+    return out, next_prompt
+
+
+def restore_phase(server: Server, client: ReplayClient, directory: Path, next_prompt: int) -> dict:
+    stream(server.address, requests(next_prompt, 20, GROUPS, seed=99))  # a WAL tail after the snapshot
+    client.close()
+    server.stop(signal.SIGKILL)
+    t0 = time.perf_counter()
+    server = Server("replay", free_port(), directory, replay_config("fsync"))
+    serving = time.perf_counter() - t0
+    info = ReplayClient(server.address).info()
+    server.stop()
+    return dict(restore_s=round(info.restore_seconds, 3), restart_to_serving_s=round(serving, 3),
+                restore_s_per_gb=round(info.restore_seconds / (info.stored_bytes / 1e9), 3),
+                restore_records_replayed=info.restore_records_replayed)
+
+
+GOALS = {"ingest_ratio": (">=", 0.6), "ingest_ratio_nofsync": (">=", 0.85), "sample_p99_ms": ("<", 20.0),
+         "snapshot_ratio": (">=", 0.5), "insert_p99_during_snapshot_ratio": ("<=", 2.0),
+         "restore_s_per_gb": ("<=", 5.0)}
+"""The issue's goal for each headline number."""
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(prog="python -m bench.replay", description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="100k trajectories instead of 1M; fewer messages")
+    parser.add_argument("--dir", help="where the WAL/snapshots go (default: a temp dir)")
+    parser.add_argument("--raw-server", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.raw_server is not None:
+        serve_raw(args.raw_server)
+        return {}
+    sizes = (10_000, 100_000) if args.quick else (100_000, 1_000_000)
+    root = Path(args.dir or tempfile.mkdtemp(prefix="gyre-bench-replay-"))
+    root.mkdir(parents=True, exist_ok=True)
+    out: dict = {"bench": "replay", "quick": args.quick, "trajectories_per_message": GROUPS * GROUP_SIZE}
+    out["disk_fsync_p50_ms"], out["disk_fsync_p99_ms"] = (round(x, 2) for x in fsync_ms(root))
+    out.update(ingest_phase(root, 120 if args.quick else 600, rounds=3))
+    server = Server("replay", free_port(), root / "main", replay_config("fsync"))
+    client = ReplayClient(server.address, timeout_s=600)
+    sampled, stored = sample_phase(server, client, sizes)
+    snapped, next_prompt = snapshot_phase(server, client, root, stored // GROUP_SIZE)
+    out.update(**sampled, **snapped, **restore_phase(server, client, root / "main", next_prompt))
+    if not args.dir:
+        shutil.rmtree(root, ignore_errors=True)
+    out["goals_met"] = {k: (out[k] >= v if op == ">=" else out[k] < v if op == "<" else out[k] <= v)
+                        for k, (op, v) in GOALS.items()}
+    print(json.dumps(out), flush=True)
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,158 @@
+"""Parts of ``bench.replay``: realistic trajectory payloads, a raw gRPC byte-stream server (the
+baseline), a replay server subprocess, and the streaming/timing helpers."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pyarrow as pa
+import yaml
+
+from proto import replay_pb2
+from proto.trajectory import SCHEMA_VERSION, TRAJECTORY_SCHEMA, to_ipc
+from services import grpc_common
+
+REPO = Path(__file__).resolve().parents[1]
+RAW_METHOD = "/gyre.bench.v1.RawBytes/Insert"
+GROUP_SIZE, PROMPT_LEN, RESPONSE_LEN = 8, 64, 192
+
+
+def trajectory_batch(first_prompt: int, groups: int, rng: np.random.Generator) -> pa.Table:
+    """``groups`` GRPO groups of ``GROUP_SIZE`` rows with random tokens/logprobs (~1.9 KB per row)."""
+    n = groups * GROUP_SIZE
+    prompt = np.repeat(np.arange(first_prompt, first_prompt + groups), GROUP_SIZE)
+    sample = np.tile(np.arange(GROUP_SIZE, dtype=np.int32), groups)
+
+    def lists(length: int, values) -> pa.ListArray:
+        return pa.ListArray.from_arrays(pa.array(np.arange(0, n * length + 1, length, dtype=np.int32)), values)
+
+    cols = {
+        "trajectory_id": [f"{p}-{s}-0" for p, s in zip(prompt.tolist(), sample.tolist())],
+        "group_id": [f"{p}-0" for p in prompt.tolist()], "prompt_index": prompt, "sample_index": sample,
+        "attempt": np.zeros(n, np.int32), "task": ["bench"] * n,
+        "prompt_token_ids": lists(PROMPT_LEN, pa.array(rng.integers(0, 49152, n * PROMPT_LEN, dtype=np.int32))),
+        "response_token_ids": lists(RESPONSE_LEN, pa.array(rng.integers(0, 49152, n * RESPONSE_LEN, dtype=np.int32))),
+        "behaviour_logprobs": lists(RESPONSE_LEN, pa.array(-rng.exponential(1.0, n * RESPONSE_LEN).astype(np.float32))),
+        "reward": rng.integers(0, 2, n).astype(np.float32), "finish_reason": ["stop"] * n,
+        "version_span_starts": lists(1, pa.array(np.zeros(n, np.int32))),
+        "version_span_versions": lists(1, pa.array(np.zeros(n, np.int64))),
+        "reward_fn_version": ["v1"] * n, "rollout_id": ["bench"] * n, "created_at": np.zeros(n),
+    }
+    arrays = [c if isinstance(c, pa.Array) else pa.array(c, type=f.type)
+              for c, f in zip(cols.values(), TRAJECTORY_SCHEMA)]
+    return pa.Table.from_arrays(arrays, schema=TRAJECTORY_SCHEMA)
+
+
+def requests(first_prompt: int, batches: int, groups: int, seed: int):
+    """InsertRequests of fresh prompts (lazily built)."""
+    rng = np.random.default_rng(seed)
+    for b in range(batches):
+        payload = to_ipc(trajectory_batch(first_prompt + b * groups, groups, rng))
+        yield replay_pb2.InsertRequest(schema_version=SCHEMA_VERSION, batch_id=b, arrow_ipc=payload)
+
+
+def stream(address: str, reqs, method: str = "/gyre.replay.v1.ReplayService/Insert") -> int:
+    """Send ``reqs`` on one pipelined bidi stream; returns payload bytes once every response arrived."""
+    total = 0
+
+    def counted():
+        nonlocal total
+        for r in reqs:
+            total += len(r.arrow_ipc)
+            yield r
+
+    with grpc_common.channel(address) as ch:
+        call = ch.stream_stream(method, request_serializer=replay_pb2.InsertRequest.SerializeToString,
+                                response_deserializer=replay_pb2.InsertResponse.FromString)
+        for _ in call(counted(), timeout=3600):
+            pass
+    return total
+
+
+def serve_raw(port: int) -> None:
+    """The baseline: the same bidi method shape and server options, answering each message at once."""
+    def insert(request_iterator, context):
+        for req in request_iterator:
+            yield replay_pb2.InsertResponse(batch_id=req.batch_id, accepted=1)
+
+    server, health = grpc_common.make_server()
+    handler = grpc.stream_stream_rpc_method_handler(
+        insert, request_deserializer=replay_pb2.InsertRequest.FromString,
+        response_serializer=replay_pb2.InsertResponse.SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("gyre.bench.v1.RawBytes",
+                                                                          {"Insert": handler}),))
+    grpc_common.start(server, health, "gyre.bench.v1.RawBytes", "127.0.0.1", port)
+    signal.sigwait({signal.SIGTERM, signal.SIGINT})
+
+
+class Server:
+    """A server subprocess: ``raw`` (the baseline) or the replay service on ``directory``."""
+
+    def __init__(self, kind: str, port: int, directory: Path | None = None, config: dict | None = None) -> None:
+        if kind == "raw":
+            cmd = [sys.executable, "-m", "bench.replay", "--raw-server", str(port)]
+        else:
+            cfg = directory.with_suffix(".yaml")
+            cfg.write_text(yaml.safe_dump(config))
+            cmd = [sys.executable, "-m", "services.replay_main", "--config", str(cfg), "--dir", str(directory),
+                   "--port", str(port)]
+        self.address = f"127.0.0.1:{port}"
+        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 120
+        while not grpc_common.check_health(self.address, timeout_s=0.5):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{' '.join(cmd)} did not start (exit {self.proc.poll()})")
+            time.sleep(0.05)
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        self.proc.send_signal(sig)
+        self.proc.wait(timeout=120)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def sequential_write_mb_s(directory: Path, nbytes: int) -> float:
+    """MB/s of writing ``nbytes`` from memory (a buffer too big for CPU caches, like a snapshot's
+    source) in 8 MiB chunks to a new file in ``directory``, then fsyncing it."""
+    source = np.random.default_rng(0).integers(0, 256, min(nbytes, 1 << 30), dtype=np.uint8).data
+    chunk, path, written = 8 << 20, directory / "seqwrite.bin", 0
+    t0 = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    while written < nbytes:
+        at = written % len(source)
+        written += os.write(fd, source[at: at + min(chunk, nbytes - written, len(source) - at)])
+    os.fsync(fd)
+    os.close(fd)
+    seconds = time.perf_counter() - t0
+    path.unlink()
+    return nbytes / 1e6 / seconds
+
+
+def fsync_ms(directory: Path, n: int = 200) -> tuple[float, float]:
+    """p50 and p99 of append-4-KiB-then-fsync on ``directory``'s disk (context for every durable latency)."""
+    path, out = directory / "fsync.bin", []
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT)
+    for _ in range(n):
+        os.write(fd, b"x" * 4096)
+        t0 = time.perf_counter()
+        os.fsync(fd)
+        out.append(time.perf_counter() - t0)
+    os.close(fd)
+    path.unlink()
+    return float(np.percentile(out, 50) * 1000), p99_ms(out)
+
+
+def p99_ms(seconds: list[float]) -> float:
+    return float(np.percentile(np.asarray(seconds) * 1000.0, 99))

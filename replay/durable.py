@@ -1,0 +1,139 @@
+"""Durability of one buffer directory: restore at start, WAL while running, snapshots in the background.
+
+Directory layout (``config.dir``)::
+
+    wal/{first_lsn:020d}.arrows      WAL segments (replay.wal)
+    snapshots/snap-{lsn:020d}/        committed snapshots, newest ``snapshot.keep`` kept (replay.snapshot)
+    quarantine/                       corrupt snapshots/segments set aside by restore, never read again
+
+Snapshots never stop inserts and samples for their whole duration (Reverb blocks every operation
+while it checkpoints): under the buffer's lock a snapshot only copies the group dict (pointers to
+immutable Arrow tables and frozen records), the small state and the WAL position; compaction,
+compression, hashing and fsync happen outside the lock while the buffer keeps serving. Before the
+snapshot is committed, the WAL is made durable up to its position, so a snapshot never contains
+anything the log could lose. After the commit, old snapshots beyond ``keep`` are removed and WAL
+segments covered by the oldest kept snapshot are deleted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from pathlib import Path
+
+import structlog
+
+from replay.faults import fault_point
+from replay.restore import RestoreError, RestoreReport, restore
+from replay.snapshot import list_snapshots, remove_snapshot, write_snapshot
+from replay.wal import Wal
+
+log = structlog.get_logger("replay")
+
+__all__ = ["Durability", "RestoreError", "inspect_dir"]
+
+
+class Durability:
+    """Owns the WAL and the snapshots of ``buffer.config.dir``; started by ``TrajectoryBuffer``.
+
+    Raises:
+        RestoreError: the directory holds data but nothing valid loads.
+    """
+
+    def __init__(self, buffer) -> None:
+        self.buffer, self.config = buffer, buffer.config
+        self.root = Path(self.config.dir)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.report: RestoreReport = restore(buffer.state, self.root)
+        self.wal = Wal(self.root / "wal", self.config.wal, self.report.next_lsn)
+        self._snap_lock = threading.Lock()
+        self._config_hash = hashlib.sha256(self.config.model_dump_json().encode()).hexdigest()
+        self._last_lsn = self.report.snapshot_lsn if self.report.snapshot else (0 if self.report.next_lsn == 0 else -1)
+        self._last_at = self.report.snapshot_created_at
+        self._bytes_at_last = 0
+        self._started_at = time.time()
+        self.snapshots_written = 0
+        self.last_snapshot_seconds = 0.0
+        """Seconds the newest snapshot took from capture to commit (without pruning old ones)."""
+        self._stop = threading.Event()
+        self._thread = None
+
+    def start(self) -> None:
+        """Start periodic snapshots (once the buffer logs to ``self.wal``)."""
+        snap = self.config.snapshot
+        if self._thread is None and (snap.interval_s is not None or snap.wal_bytes is not None):
+            self._thread = threading.Thread(target=self._loop, name="replay-snapshot", daemon=True)
+            self._thread.start()
+
+    def snapshot(self) -> Path | None:
+        """Write a snapshot now (if anything changed since the last one); returns its path or ``None``."""
+        with self._snap_lock:
+            if self.wal.next_lsn == self._last_lsn:
+                return None
+            data = self.buffer.capture()
+            if data.lsn == self._last_lsn:
+                return None
+            t0 = time.monotonic()
+            self.wal.wait(data.lsn - 1)
+            root = self.root / "snapshots"
+            path = write_snapshot(root, data, self.config.snapshot.compression, self._config_hash)
+            self.last_snapshot_seconds = time.monotonic() - t0
+            for old in list_snapshots(root)[self.config.snapshot.keep:]:
+                remove_snapshot(old)
+            fault_point("snapshot.before_wal_delete")
+            kept = list_snapshots(root)
+            deleted = self.wal.delete_covered(int(kept[-1].name[5:])) if kept else []
+            self._last_lsn, self._last_at = data.lsn, time.time()
+            self._bytes_at_last = self.wal.bytes_written
+            self.snapshots_written += 1
+            log.info("replay_snapshot", path=str(path), lsn=data.lsn, groups=len(data.groups),
+                     seconds=round(time.monotonic() - t0, 3), wal_segments_deleted=len(deleted))
+            return path
+
+    def _due(self) -> bool:
+        snap = self.config.snapshot
+        if snap.wal_bytes is not None and self.wal.bytes_written - self._bytes_at_last >= snap.wal_bytes:
+            return True
+        if snap.interval_s is None:
+            return False
+        return time.time() - (self._last_at or self._started_at) >= snap.interval_s
+
+    def _loop(self) -> None:
+        tick = min(0.5, (self.config.snapshot.interval_s or 1.0) / 4)
+        while not self._stop.wait(tick):
+            if self._due():
+                try:
+                    self.snapshot()
+                except OSError as exc:  # keep serving from the WAL; the next tick retries
+                    log.error("replay_snapshot_failed", error=str(exc))
+
+    def info(self) -> dict:
+        """WAL and snapshot figures for Info/metrics."""
+        return {
+            "wal_bytes": self.wal.bytes_written, "wal_fsyncs": self.wal.fsyncs,
+            "wal_segments": len(self.wal.segments()), "wal_next_lsn": self.wal.next_lsn,
+            "snapshots_written": self.snapshots_written, "last_snapshot_seconds": self.last_snapshot_seconds,
+            "last_snapshot_age_s": -1.0 if self._last_at is None else time.time() - self._last_at,
+            "restore_seconds": self.report.seconds, "restore_records_replayed": self.report.records_replayed,
+            "restore_errors": len(self.report.errors),
+        }
+
+    def close(self) -> None:
+        """Stop the snapshot thread and close the WAL; idempotent."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        with self._snap_lock:
+            self.wal.close()
+
+
+def inspect_dir(config, read_only: bool = True):
+    """An in-memory buffer holding what ``config.dir`` restores to, without writing to the directory
+    (crash-test checkers use it). Raises ``RestoreError`` like a real start would."""
+    from replay.buffer import TrajectoryBuffer
+
+    buffer = TrajectoryBuffer(config.model_copy(update={"dir": None}))
+    buffer.restore_report = restore(buffer.state, Path(config.dir), read_only=read_only)
+    return buffer

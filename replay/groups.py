@@ -1,0 +1,195 @@
+"""Stored GRPO groups and the indexes over them: the sampling pool, eviction order, staleness index.
+
+A group is in exactly one of three states: ``pooled`` (can be sampled), ``leased`` (handed to a
+consumer, waiting for ack/release/expiry) or ``excluded`` (too stale to hand out, kept because
+``staleness_mode="exclude"``). Group records are frozen and replaced on change, so a snapshot can take
+a consistent copy of the whole store with one ``dict.copy()`` under the buffer's lock.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from dataclasses import replace
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from proto.trajectory import SchemaError, validate_table
+from replay.config import ReplayConfig
+from replay.selectors import make_selector
+from replay.types import EXCLUDED, LEASED, POOLED, Group, GroupRows
+
+def _check_ids(table: pa.Table) -> None:
+    expected = pc.binary_join_element_wise(
+        *(pc.cast(table.column(c), pa.utf8()) for c in ("prompt_index", "sample_index", "attempt")), "-")
+    bad = pc.invert(pc.equal(table.column("trajectory_id"), expected))
+    if pc.any(bad).as_py():
+        i = pc.index(bad, True).as_py()
+        raise SchemaError(f"row {i}: trajectory_id {table.column('trajectory_id')[i].as_py()!r} is not "
+                          f"'{{prompt_index}}-{{sample_index}}-{{attempt}}' ({expected[i].as_py()!r})")
+    ids = table.column("trajectory_id")
+    if pc.count_distinct(ids).as_py() != table.num_rows:
+        counts = pc.value_counts(ids)
+        dup = counts.filter(pc.greater(counts.field("counts"), 1))[0]["values"].as_py()
+        raise SchemaError(f"trajectory_id {dup!r} appears more than once in one insert")
+
+
+def _span_ends(table: pa.Table) -> tuple[np.ndarray, np.ndarray]:
+    """Per row: the version of the first and of the last span (spans are non-empty, validated)."""
+    col = table.column("version_span_versions").combine_chunks()
+    offsets, values = col.offsets.to_numpy(), col.values.to_numpy()
+    return values[offsets[:-1]], values[offsets[1:] - 1]
+
+
+def _group_rows(table: pa.Table) -> list[tuple[str, np.ndarray]]:
+    """``(group_id, row indices)`` in first-appearance order."""
+    rows_of: dict[str, list[int]] = {}
+    for i, g in enumerate(table.column("group_id").to_pylist()):
+        rows_of.setdefault(g, []).append(i)
+    return [(g, np.asarray(rows)) for g, rows in rows_of.items()]
+
+
+def split_groups(table: pa.Table) -> list[GroupRows]:
+    """Validate an insert and split it into groups; nothing is stored.
+
+    Vectorised over groups (numpy ``reduceat`` on contiguous row runs), since it runs for every insert.
+
+    Raises:
+        SchemaError: schema problems (see ``validate_table``), a trajectory id that is not
+            ``"{prompt_index}-{sample_index}-{attempt}"``, a repeated id, or a group mixing prompts.
+    """
+    validate_table(table)
+    _check_ids(table)
+    groups = _group_rows(table)
+    order = np.concatenate([rows for _, rows in groups])
+    starts = np.cumsum([0] + [len(rows) for _, rows in groups[:-1]])
+    first, last = (x[order] for x in _span_ends(table))
+    prompts, attempts = (table.column(c).to_numpy()[order] for c in ("prompt_index", "attempt"))
+    uniform = ((np.minimum.reduceat(prompts, starts) == np.maximum.reduceat(prompts, starts))
+               & (np.minimum.reduceat(attempts, starts) == np.maximum.reduceat(attempts, starts)))
+    oldest = np.minimum.reduceat(first, starts)
+    one_newest = np.minimum.reduceat(last, starts) == np.maximum.reduceat(last, starts)
+    multi = np.add.reduceat((first != last).astype(np.int64), starts)
+    per_row = table.nbytes / max(table.num_rows, 1)
+    out = []
+    for i, (group_id, rows) in enumerate(groups):
+        p, a, n = int(prompts[starts[i]]), int(attempts[starts[i]]), len(rows)
+        if not uniform[i] or group_id != f"{p}-{a}":
+            seen = sorted(set(zip(table.column("prompt_index").to_numpy()[rows].tolist(),
+                                  table.column("attempt").to_numpy()[rows].tolist())))
+            raise SchemaError(f"group {group_id!r} mixes prompt indices/attempts {seen}")
+        contiguous = rows[-1] - rows[0] + 1 == n
+        part = table.slice(int(rows[0]), n) if contiguous else table.take(rows)
+        seg = last[starts[i]: starts[i] + n]
+        newest = ((int(seg[0]), n),) if one_newest[i] else tuple(
+            (int(v), int(c)) for v, c in zip(*np.unique(seg, return_counts=True)))
+        out.append(GroupRows(group_id, p, int(oldest[i]), part, int(per_row * n), newest, int(multi[i]),
+                             (table, int(rows[0])) if contiguous else None))
+    return out
+
+
+class GroupStore:
+    """All stored groups plus O(log n) indexes; not thread-safe (the buffer's lock guards it).
+
+    Args:
+        config: selector, eviction and priority settings.
+        rng: random source of the uniform/prioritized selectors.
+    """
+
+    def __init__(self, config: ReplayConfig, rng: random.Random) -> None:
+        self.groups: dict[int, Group] = {}
+        self.key_of: dict[str, int] = {}
+        """group_id → key of the stored group."""
+        self.sampler = make_selector(config.selector, rng, config.priority_exponent)
+        self.evictor = make_selector(config.eviction, rng)
+        self.excluded: dict[int, None] = {}
+        """Excluded keys, oldest first (evicted first)."""
+        self._pool_by_version: dict[int, set[int]] = {}
+        self.rows = {POOLED: 0, LEASED: 0, EXCLUDED: 0}
+        self.count = {POOLED: 0, LEASED: 0, EXCLUDED: 0}
+        self.nbytes = 0
+
+    def __len__(self) -> int:
+        return len(self.groups)
+
+    def _set(self, new: Group) -> None:
+        old = self.groups.get(new.key)
+        if old is not None:
+            self.rows[old.state] -= old.table.num_rows
+            self.count[old.state] -= 1
+            if old.state == POOLED:
+                self._unpool(old)
+            elif old.state == EXCLUDED:
+                del self.excluded[old.key]
+        self.groups[new.key] = new
+        self.rows[new.state] += new.table.num_rows
+        self.count[new.state] += 1
+        if new.state == POOLED:
+            self.sampler.add(new.key, new.priority)
+            self.evictor.add(new.key, new.priority)
+            self._pool_by_version.setdefault(new.oldest_version, set()).add(new.key)
+        elif new.state == EXCLUDED:
+            self.excluded[new.key] = None
+
+    def _unpool(self, g: Group) -> None:
+        self.sampler.remove(g.key)
+        self.evictor.remove(g.key)
+        keys = self._pool_by_version[g.oldest_version]
+        keys.discard(g.key)
+        if not keys:
+            del self._pool_by_version[g.oldest_version]
+
+    def add(self, group: Group) -> None:
+        """Store a new group (its ``state`` says pooled or excluded). Raises ``KeyError`` on a reused key."""
+        if group.key in self.groups:
+            raise KeyError(f"group key {group.key} is already stored")
+        self.key_of[group.group_id] = group.key
+        self.nbytes += group.nbytes
+        self._set(group)
+
+    def set_state(self, key: int, state: str, sampled_delta: int = 0) -> Group:
+        """Move a stored group to ``state`` (and add ``sampled_delta`` to its sample count)."""
+        g = self.groups[key]
+        new = replace(g, state=state, times_sampled=g.times_sampled + sampled_delta)
+        self._set(new)
+        return new
+
+    def delete(self, key: int) -> Group:
+        """Remove a group entirely. Raises ``KeyError`` if it is not stored."""
+        g = self.groups[key]
+        self.rows[g.state] -= g.table.num_rows
+        self.count[g.state] -= 1
+        if g.state == POOLED:
+            self._unpool(g)
+        elif g.state == EXCLUDED:
+            del self.excluded[key]
+        del self.groups[key]
+        del self.key_of[g.group_id]
+        self.nbytes -= g.nbytes
+        return g
+
+    def set_priority(self, key: int, priority: float) -> None:
+        g = self.groups[key]
+        if g.state == POOLED:
+            self.sampler.update(key, priority)
+        self.groups[key] = replace(g, priority=priority)
+
+    def pooled_older_than(self, min_version: int) -> list[int]:
+        """Pooled keys whose oldest token version is below ``min_version`` (too stale), oldest first."""
+        out: list[int] = []
+        for version in [v for v in self._pool_by_version if v < min_version]:
+            out.extend(self._pool_by_version[version])
+        return sorted(out)
+
+    def eviction_candidates(self, n: int, protect: frozenset[int] = frozenset()) -> list[int]:
+        """Up to ``n`` keys to evict: excluded groups first (oldest first), then by the eviction
+        selector, avoiding the ``protect``ed keys (the groups just inserted) unless nothing else is left
+        — Reverb's order: make room first, then insert."""
+        out = list(itertools.islice(self.excluded, n))
+        if len(out) < n and len(self.evictor):
+            ranked = self.evictor.pick(min(len(self.evictor), n - len(out) + len(protect)))
+            keep = [k for k in ranked if k not in protect] + [k for k in ranked if k in protect]
+            out += keep[: n - len(out)]
+        return out

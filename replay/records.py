@@ -1,0 +1,139 @@
+"""WAL records: every state change of the replay buffer as one row of an Arrow record batch.
+
+A WAL segment is one Arrow IPC stream with ``RECORD_SCHEMA``; each record is a one-row record batch
+(``kind``, ``meta``, ``payload``, ``crc32``), so any Arrow reader can open a segment. Inserts carry
+the trajectories as Arrow IPC stream bytes in ``payload`` (the bytes the client sent) and are written
+with zstd buffer compression; small records (leases, acks, ...) are written uncompressed — Arrow IPC
+records the compression per batch, so one stream mixes both.
+
+``crc32`` covers ``kind``, ``meta`` and ``payload``; Arrow IPC itself has no checksum, so this is what
+turns a flipped byte into a named error instead of silently different data.
+
+Kinds and their ``meta`` (JSON object; keys are group keys, times are clock seconds):
+
+==================  ======================================================================
+``insert``          ``{}``; payload: the trajectories (whole groups)
+``evict``           ``{"keys": [...]}`` capacity eviction, chosen by the eviction selector
+``learner_version`` ``{"version": L}`` the learner's version rose (stale groups drop or are excluded)
+``lease``           ``{"lease_id", "keys", "consumer", "expires_at"}`` a sample
+``ack``             ``{"lease_ids": [...]}`` leases consumed
+``release``         ``{"lease_ids": [...]}`` leases returned untouched
+``expire``          ``{"lease_ids": [...]}`` leases past their deadline, returned
+``prompt_lease``    ``{"consumer", "items": [[index, attempt], ...], "expires_at"}``
+``prompt_expire``   ``{"items": [[index, next_attempt], ...]}``
+``priority``        ``{"keys": [...], "priorities": [...]}``
+==================  ======================================================================
+
+No pickle: records are Arrow + JSON only.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from dataclasses import dataclass, field
+
+import pyarrow as pa
+
+from proto.trajectory import SCHEMA_VERSION, SCHEMA_VERSION_KEY
+
+WAL_FORMAT_VERSION = 1
+"""Bumped on any incompatible change of ``RECORD_SCHEMA`` or of a kind's meta."""
+
+KINDS = frozenset({"insert", "evict", "learner_version", "lease", "ack", "release", "expire",
+                   "prompt_lease", "prompt_expire", "priority"})
+
+RECORD_SCHEMA = pa.schema(
+    [
+        pa.field("kind", pa.utf8(), nullable=False),
+        pa.field("meta", pa.utf8(), nullable=False),
+        pa.field("payload", pa.binary(), nullable=False),
+        pa.field("crc32", pa.uint32(), nullable=False),
+    ],
+    metadata={b"gyre.wal_format": str(WAL_FORMAT_VERSION).encode(),
+              SCHEMA_VERSION_KEY: str(SCHEMA_VERSION).encode()},
+)
+
+_PLAIN = pa.ipc.IpcWriteOptions()
+_ZSTD: dict[int, pa.ipc.IpcWriteOptions] = {}
+_SCHEMA_MESSAGE = RECORD_SCHEMA.serialize().to_pybytes()
+_EOS = b"\xff\xff\xff\xff\x00\x00\x00\x00"
+
+
+class CorruptRecordError(ValueError):
+    """A WAL record failed its checksum or could not be decoded; the message says which check."""
+
+
+@dataclass(frozen=True)
+class Record:
+    """One state change."""
+
+    kind: str
+    """One of ``KINDS``."""
+    meta: dict = field(default_factory=dict)
+    """Kind-specific plain values (see the module table)."""
+    payload: bytes | pa.Buffer = b""
+    """Arrow IPC stream bytes of the inserted trajectories (``insert`` only; a zero-copy buffer when read)."""
+
+
+def segment_header() -> bytes:
+    """The Arrow IPC schema message that starts every segment."""
+    return _SCHEMA_MESSAGE
+
+
+def end_of_stream() -> bytes:
+    """The Arrow IPC end-of-stream marker written when a segment is closed cleanly."""
+    return _EOS
+
+
+def _crc(kind: str, meta: str, payload) -> int:
+    return zlib.crc32(payload, zlib.crc32(meta.encode(), zlib.crc32(kind.encode())))
+
+
+def _zstd(level: int) -> pa.ipc.IpcWriteOptions:
+    if level not in _ZSTD:
+        _ZSTD[level] = pa.ipc.IpcWriteOptions(compression=pa.Codec("zstd", compression_level=level))
+    return _ZSTD[level]
+
+
+def encode(record: Record, zstd_level: int = 1) -> bytes:
+    """The Arrow IPC message bytes of ``record`` as a one-row batch (appendable to any segment);
+    a non-empty payload is zstd-compressed at ``zstd_level``.
+
+    Raises:
+        ValueError: unknown kind.
+    """
+    if record.kind not in KINDS:
+        raise ValueError(f"unknown WAL record kind {record.kind!r}")
+    meta = json.dumps(record.meta, separators=(",", ":"))
+    payload = pa.py_buffer(record.payload)
+    offsets = pa.array([0, payload.size], pa.int32()).buffers()[1]
+    batch = pa.record_batch(
+        [pa.array([record.kind]), pa.array([meta]),
+         pa.Array.from_buffers(pa.binary(), 1, [None, offsets, payload]),
+         pa.array([_crc(record.kind, meta, payload)], pa.uint32())],
+        schema=RECORD_SCHEMA)
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, RECORD_SCHEMA, options=_zstd(zstd_level) if payload.size else _PLAIN) as writer:
+        writer.write_batch(batch)
+    buf = sink.getvalue()
+    return buf[len(_SCHEMA_MESSAGE): buf.size - len(_EOS)].to_pybytes()
+
+
+def decode(batch: pa.RecordBatch) -> Record:
+    """A record from its one-row batch. Raises ``CorruptRecordError`` (checksum, kind, JSON)."""
+    if batch.num_rows != 1 or batch.schema.names != RECORD_SCHEMA.names:
+        raise CorruptRecordError(f"WAL batch has {batch.num_rows} rows and columns {batch.schema.names}")
+    kind, meta = batch.column(0)[0].as_py(), batch.column(1)[0].as_py()
+    payload = batch.column(2)[0].as_buffer()
+    payload = payload if payload is not None else pa.py_buffer(b"")
+    want = batch.column(3)[0].as_py()
+    if _crc(kind, meta, payload) != want:
+        raise CorruptRecordError(f"WAL record {kind!r} fails its crc32 check (stored {want:#010x})")
+    if kind not in KINDS:
+        raise CorruptRecordError(f"unknown WAL record kind {kind!r}")
+    try:
+        parsed = json.loads(meta)
+    except json.JSONDecodeError as exc:
+        raise CorruptRecordError(f"WAL record {kind!r} meta is not JSON: {exc}") from exc
+    return Record(kind, parsed, payload)

@@ -1,0 +1,229 @@
+"""Snapshots: the live set compacted into Arrow files plus a manifest, committed atomically.
+
+Layout of ``{dir}/snapshots/snap-{lsn:020d}/`` (the snapshot covers every WAL record below ``lsn``):
+
+- ``trajectories.arrow``: every stored row (pooled, leased, excluded), in group key order, an Arrow IPC
+  *file* with ``TRAJECTORY_SCHEMA`` and the configured buffer compression;
+- ``groups.arrow``: one row per group: key, group id, prompt index, oldest version, row count, Arrow
+  bytes, state, times sampled, priority (group ``i``'s rows follow group ``i - 1``'s in the trajectories);
+- ``state.json``: plain values: counters, rate limiter, prompt ledger, leases, learner version, next key;
+- ``manifest.json`` (written last): snapshot format and trajectory schema versions, the LSN, sha256 and
+  size of each file, the sha256 of the replay config (for forensics; a changed config still loads),
+  group/trajectory counts and the lifetime counters.
+
+Snapshots are a copy of what the WAL already holds (the WAL is made durable up to ``lsn`` first), so
+a crash mid-snapshot loses nothing; they exist so restore and disk use do not grow with run length.
+
+Commit protocol: write everything into ``.tmp-*``, fsync each file, fsync the temp dir, rename it to
+``snap-{lsn}``, fsync ``snapshots/``. A crash at any point leaves either no new snapshot (the temp dir
+is removed at the next start) or a complete one. Loading checks the manifest (versions, sizes,
+hashes) and the files' schemas; any failure raises ``SnapshotError`` naming the file and the reason.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+
+from proto.trajectory import SCHEMA_VERSION, TRAJECTORY_SCHEMA
+from replay.faults import fault_point
+from replay.types import Group, SnapshotError
+from replay.files import HashingFile, fsync_dir, read_verified
+
+SNAPSHOT_FORMAT_VERSION = 1
+GROUPS_SCHEMA = pa.schema([
+    ("key", pa.int64()), ("group_id", pa.utf8()), ("prompt_index", pa.int64()), ("oldest_version", pa.int64()),
+    ("num_rows", pa.int64()), ("nbytes", pa.int64()), ("state", pa.utf8()), ("times_sampled", pa.int64()),
+    ("priority", pa.float64()),
+])
+_ROWS_PER_BATCH = 65536
+
+
+@dataclass(frozen=True)
+class SnapshotData:
+    """Everything a snapshot holds, in memory."""
+
+    lsn: int
+    """The snapshot covers WAL records ``< lsn``."""
+    groups: list[Group]
+    """Stored groups in key order."""
+    state: dict
+    """Plain values (see ``ReplayState.state_dict``)."""
+    created_at: float | None = None
+    """Wall-clock seconds when the snapshot was written (set when loaded)."""
+
+
+def _write_arrow(path: Path, schema: pa.Schema, batches, compression: str | None) -> dict:
+    sink = HashingFile(path)
+    with pa.ipc.new_file(pa.PythonFile(sink, mode="w"), schema,
+                         options=pa.ipc.IpcWriteOptions(compression=compression)) as writer:
+        for batch in batches:
+            writer.write_batch(batch)
+    sink.close()
+    return {"sha256": sink.sha.hexdigest(), "bytes": sink.size}
+
+
+def _write_json(path: Path, obj) -> dict:
+    data = json.dumps(obj, separators=(",", ":")).encode()
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+
+
+def _runs(groups: list[Group]):
+    """``(source table, start, rows, groups)`` runs: adjacent slices of one source table merge."""
+    i = 0
+    while i < len(groups):
+        g, j = groups[i], i + 1
+        src, start = g.source if g.source is not None else (None, 0)
+        end = start + g.table.num_rows
+        while src is not None and j < len(groups) and groups[j].source is not None \
+                and groups[j].source[0] is src and groups[j].source[1] == end:
+            end += groups[j].table.num_rows
+            j += 1
+        yield src, start, end - start, groups[i:j]
+        i = j
+
+
+def _trajectory_batches(groups: list[Group]):
+    """The groups' rows in key order as record batches. A run of at least 64 rows that is one slice
+    of a source table (the insert the groups arrived in, or the snapshot they were restored from) is
+    written as a zero-copy slice; the rest is gathered into batches of about ``_ROWS_PER_BATCH`` rows."""
+    loose: list[pa.Table] = []
+    loose_rows = 0
+    for src, start, rows, run in _runs(groups):
+        if src is not None and rows >= 64:
+            if loose:
+                yield from pa.concat_tables(loose).combine_chunks().to_batches()
+                loose, loose_rows = [], 0
+            yield from src.slice(start, rows).to_batches()
+            continue
+        loose.extend(g.table for g in run)
+        loose_rows += rows
+        if loose_rows >= _ROWS_PER_BATCH:
+            yield from pa.concat_tables(loose).combine_chunks().to_batches()
+            loose, loose_rows = [], 0
+    if loose:
+        yield from pa.concat_tables(loose).combine_chunks().to_batches()
+
+
+def _groups_batch(groups: list[Group]) -> pa.RecordBatch:
+    cols = [[g.key for g in groups], [g.group_id for g in groups], [g.prompt_index for g in groups],
+            [g.oldest_version for g in groups], [g.table.num_rows for g in groups], [g.nbytes for g in groups],
+            [g.state for g in groups],
+            [g.times_sampled for g in groups], [g.priority for g in groups]]
+    return pa.record_batch([pa.array(c, f.type) for c, f in zip(cols, GROUPS_SCHEMA)], schema=GROUPS_SCHEMA)
+
+
+def write_snapshot(root: Path, data: SnapshotData, compression: str = "none", config_hash: str = "") -> Path:
+    """Commit ``data`` as ``root/snap-{lsn}`` (see the module protocol); returns its path.
+
+    Raises:
+        OSError: the disk refused a write; the temp dir is left for the next start to remove.
+    """
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"snap-{data.lsn:020d}"
+    if final.exists():
+        return final
+    tmp = root / f".tmp-{uuid.uuid4().hex}"
+    tmp.mkdir()
+    codec = None if compression == "none" else compression
+    files = {
+        "trajectories.arrow": _write_arrow(tmp / "trajectories.arrow", TRAJECTORY_SCHEMA,
+                                           _trajectory_batches(data.groups), codec),
+        "groups.arrow": _write_arrow(tmp / "groups.arrow", GROUPS_SCHEMA, [_groups_batch(data.groups)], codec),
+        "state.json": _write_json(tmp / "state.json", data.state),
+    }
+    fault_point("snapshot.files_written")
+    manifest = {"format_version": SNAPSHOT_FORMAT_VERSION, "schema_version": SCHEMA_VERSION, "lsn": data.lsn,
+                "created_at": time.time(), "files": files, "config_sha256": config_hash,
+                "groups": len(data.groups), "trajectories": sum(g.table.num_rows for g in data.groups),
+                "counters": {k: v for k, v in data.state.get("counters", {}).items() if not isinstance(v, list)}}
+    _write_json(tmp / "manifest.json", manifest)
+    fsync_dir(tmp)
+    fault_point("snapshot.before_rename")
+    os.rename(tmp, final)
+    fsync_dir(root)
+    fault_point("snapshot.after_rename")
+    return final
+
+
+def list_snapshots(root: Path) -> list[Path]:
+    """Committed snapshot dirs, newest (highest LSN) first."""
+    if not root.is_dir():
+        return []
+    snaps = [p for p in root.iterdir() if p.is_dir() and p.name.startswith("snap-") and p.name[5:].isdigit()]
+    return sorted(snaps, key=lambda p: int(p.name[5:]), reverse=True)
+
+
+def remove_snapshot(path: Path) -> None:
+    """Delete a snapshot dir: rename it away first so a crash never leaves a half-deleted ``snap-*``."""
+    trash = path.parent / f".trash-{path.name}-{uuid.uuid4().hex[:8]}"
+    os.rename(path, trash)
+    fsync_dir(path.parent)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def clean_temp(root: Path) -> list[Path]:
+    """Remove leftovers of interrupted snapshot writes/deletes (``.tmp-*``, ``.trash-*``)."""
+    gone = list(root.glob(".tmp-*")) + list(root.glob(".trash-*"))
+    for p in gone:
+        shutil.rmtree(p, ignore_errors=True)
+    return gone
+
+
+def _read_arrow(snap: Path, name: str, data: pa.Buffer, schema: pa.Schema) -> pa.Table:
+    try:
+        table = pa.ipc.open_file(data).read_all()
+    except (OSError, pa.ArrowException) as exc:
+        raise SnapshotError(f"snapshot {snap}: {name} is not a readable Arrow file: {exc}") from exc
+    if not table.schema.equals(schema, check_metadata=True):
+        raise SnapshotError(f"snapshot {snap}: {name} has schema {table.schema}; expected {schema}")
+    return table
+
+
+def load_snapshot(snap: Path) -> SnapshotData:
+    """Verify and load one snapshot. Raises ``SnapshotError`` naming the file and the failed check."""
+    try:
+        manifest = json.loads((snap / "manifest.json").read_bytes())
+        lsn, files = int(manifest["lsn"]), manifest["files"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise SnapshotError(f"snapshot {snap}: manifest.json is missing or malformed: {exc!r}") from exc
+    if manifest.get("format_version") != SNAPSHOT_FORMAT_VERSION:
+        raise SnapshotError(f"snapshot {snap}: format version {manifest.get('format_version')} is not supported; "
+                            f"expected {SNAPSHOT_FORMAT_VERSION}")
+    if manifest.get("schema_version") != SCHEMA_VERSION:
+        raise SnapshotError(f"snapshot {snap}: trajectory schema version {manifest.get('schema_version')} is not "
+                            f"supported; expected {SCHEMA_VERSION}")
+    if snap.name != f"snap-{lsn:020d}" or set(files) != {"trajectories.arrow", "groups.arrow", "state.json"}:
+        raise SnapshotError(f"snapshot {snap}: manifest names lsn {lsn} and files {sorted(files)}")
+    data = {name: read_verified(snap, name, want) for name, want in files.items()}
+    try:
+        state = json.loads(data["state.json"].to_pybytes())
+    except ValueError as exc:
+        raise SnapshotError(f"snapshot {snap}: state.json is not JSON: {exc}") from exc
+    meta = _read_arrow(snap, "groups.arrow", data["groups.arrow"], GROUPS_SCHEMA).to_pydict()
+    table = _read_arrow(snap, "trajectories.arrow", data["trajectories.arrow"], TRAJECTORY_SCHEMA)
+    if sum(meta["num_rows"]) != table.num_rows:
+        raise SnapshotError(f"snapshot {snap}: groups.arrow counts {sum(meta['num_rows'])} rows; "
+                            f"trajectories.arrow has {table.num_rows}")
+    groups, offset = [], 0
+    for i, n in enumerate(meta["num_rows"]):
+        source = (table, offset)
+        rows = table.slice(offset, n)
+        offset += n
+        groups.append(Group(key=meta["key"][i], group_id=meta["group_id"][i], prompt_index=meta["prompt_index"][i],
+                            oldest_version=meta["oldest_version"][i], table=rows, nbytes=meta["nbytes"][i],
+                            state=meta["state"][i], times_sampled=meta["times_sampled"][i],
+                            priority=meta["priority"][i], source=source))
+    return SnapshotData(lsn, groups, state, float(manifest.get("created_at", 0.0)))

@@ -1,0 +1,246 @@
+"""The replay state machine: every state change is one ``Record`` applied by ``ReplayState.apply``.
+
+Live operations and WAL replay go through the same ``apply``, so a restored buffer is the buffer
+that crashed. Applying a record is deterministic: everything random or time-dependent (which groups a
+sample picks, which group capacity evicts, which leases expired) is decided by the caller and written
+into the record. Not thread-safe and never waits; ``TrajectoryBuffer`` adds the lock, the waiting and
+the WAL.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pyarrow as pa
+
+from replay.config import ReplayConfig
+from replay.groups import GroupStore, split_groups
+from replay.ledger import PromptLedger
+from replay.rate_limiter import RateLimiter
+from replay.records import Record
+from replay.types import EXCLUDED, LEASED, POOLED, Counters, Group, GroupRows, InsertResult, Lease, UnknownLeaseError
+
+
+class ReplayState:
+    """Stored groups, leases, ledger, limiter and counters, changed only through ``apply``.
+
+    Args:
+        config: replay settings.
+        clock: seconds (wall clock by default, because deadlines are persisted).
+        rng: random source of the selectors.
+    """
+
+    def __init__(self, config: ReplayConfig, clock, rng: random.Random) -> None:
+        self.config, self._rng = config, rng
+        self.store = GroupStore(config, rng)
+        self.ledger = PromptLedger(config.num_prompts, clock)
+        self.limiter = RateLimiter(config.rate_limiter)
+        self.leases: dict[str, Lease] = {}
+        self.learner_version = -1
+        self.next_key = 0
+        self.counters = Counters()
+
+    def reset(self) -> None:
+        """Back to the empty state (after a snapshot failed to load half way)."""
+        self.__init__(self.config, self.ledger._clock, self._rng)
+
+    # ---- queries --------------------------------------------------------------------------------
+    def too_stale(self, oldest_version: int) -> bool:
+        return self.learner_version - oldest_version > self.config.max_staleness
+
+    @property
+    def size(self) -> int:
+        """Groups stored and not excluded (what ``min_size_to_sample`` counts)."""
+        return self.store.count[POOLED] + self.store.count[LEASED]
+
+    def can_sample(self, k: int) -> bool:
+        return self.limiter.can_sample(k, self.size, self.store.count[POOLED])
+
+    def can_insert(self, waiting_k: int) -> bool:
+        return self.limiter.can_insert(self.size, self.store.count[POOLED], waiting_k)
+
+    def eviction_keys(self, inserted: int = 0) -> list[int]:
+        """Groups to evict now to get back under ``capacity_groups`` (never leased ones); the newest
+        ``inserted`` groups are evicted only if nothing else can be."""
+        over = len(self.store) - self.config.capacity_groups
+        if over <= 0:
+            return []
+        return self.store.eviction_candidates(over, frozenset(range(self.next_key - inserted, self.next_key)))
+
+    def check_leases(self, lease_ids: list[str]) -> None:
+        """Raises ``UnknownLeaseError`` naming the first id not held."""
+        for lease_id in lease_ids:
+            if lease_id not in self.leases:
+                raise UnknownLeaseError(f"unknown lease id {lease_id!r}")
+
+    def check(self, rec: Record) -> None:
+        """Raise ``KeyError``/``ValueError`` if ``rec`` names groups or leases this state does not hold
+        (restore uses it so that a record which cannot apply is refused before it changes anything)."""
+        m = rec.meta
+        if rec.kind == "evict":
+            missing = [k for k in m["keys"] if k not in self.store.groups or self.store.groups[k].state == LEASED]
+            if missing:
+                raise KeyError(f"evict names groups {missing[:5]} that are not stored or are leased")
+        elif rec.kind == "lease":
+            if m["lease_id"] in self.leases:
+                raise KeyError(f"lease id {m['lease_id']!r} already exists")
+            bad = [k for k in m["keys"] if k not in self.store.sampler]
+            if bad:
+                raise KeyError(f"lease names groups {bad[:5]} that are not pooled")
+        elif rec.kind in ("ack", "release", "expire"):
+            self.check_leases(m["lease_ids"])
+        elif rec.kind not in ("insert", "learner_version", "prompt_lease", "prompt_expire", "priority"):
+            raise ValueError(f"unknown record kind {rec.kind!r}")
+
+    # ---- transitions ----------------------------------------------------------------------------
+    def apply(self, rec: Record, plan: list[GroupRows] | None = None):
+        """Apply one record; ``plan`` is the already split insert (else parsed from the payload)."""
+        m = rec.meta
+        if rec.kind == "insert":
+            return self._insert(plan if plan is not None else split_groups(pa.ipc.open_stream(rec.payload).read_all()))
+        if rec.kind == "evict":
+            for key in m["keys"]:
+                self.store.delete(key)
+            self.counters.evicted_groups_total += len(m["keys"])
+        elif rec.kind == "learner_version":
+            self._set_learner_version(m["version"])
+        elif rec.kind == "lease":
+            return self._lease(Lease(m["lease_id"], tuple(m["keys"]), m["consumer"], m["expires_at"]))
+        elif rec.kind in ("ack", "release", "expire"):
+            return self._end_leases(rec.kind, m["lease_ids"])
+        elif rec.kind == "prompt_lease":
+            self.ledger.apply_lease(m["consumer"], [tuple(x) for x in m["items"]], m["expires_at"])
+        elif rec.kind == "prompt_expire":
+            self.ledger.apply_expire([tuple(x) for x in m["items"]])
+        elif rec.kind == "priority":
+            for key, p in zip(m["keys"], m["priorities"]):
+                if key in self.store.groups:
+                    self.store.set_priority(key, p)
+        return None
+
+    def _insert(self, plan: list[GroupRows]) -> InsertResult:
+        result, c = InsertResult(), self.counters
+        for g in plan:
+            n = g.table.num_rows
+            if not self.ledger.complete(g.prompt_index):
+                result.duplicates += n
+                continue
+            stale = self.too_stale(g.oldest_version)
+            if stale and self.config.staleness_mode == "drop":
+                result.dropped_stale += n
+                c.dropped_stale_total += n
+                continue
+            self.store.add(Group(self.next_key, g.group_id, g.prompt_index, g.oldest_version, g.table,
+                                 g.nbytes, EXCLUDED if stale else POOLED,
+                                 priority=self.config.default_priority, source=g.source))
+            self.next_key += 1
+            if stale:
+                result.dropped_stale += n
+                c.excluded_stale_total += n
+                continue
+            self.limiter.on_insert(1)
+            result.accepted += n
+            for v, rows in g.newest_versions:
+                c.inserted_by_newest_version[v] = c.inserted_by_newest_version.get(v, 0) + rows
+            c.inserted_multi_version += g.multi_version
+        c.inserted_total += result.accepted
+        c.duplicates_total += result.duplicates
+        return result
+
+    def _set_learner_version(self, version: int) -> None:
+        self.learner_version = max(self.learner_version, version)
+        for key in self.store.pooled_older_than(self.learner_version - self.config.max_staleness):
+            self._stale(key)
+
+    def _stale(self, key: int) -> None:
+        rows = self.store.groups[key].table.num_rows
+        if self.config.staleness_mode == "drop":
+            self.store.delete(key)
+            self.counters.dropped_stale_total += rows
+        else:
+            self.store.set_state(key, EXCLUDED)
+            self.counters.excluded_stale_total += rows
+
+    def _lease(self, lease: Lease) -> list[Group]:
+        groups = [self.store.set_state(key, LEASED, sampled_delta=1) for key in lease.keys]
+        self.leases[lease.lease_id] = lease
+        self.limiter.on_sample(len(groups))
+        c = self.counters
+        c.sampled_groups_total += len(groups)
+        for g in groups:
+            lag = self.learner_version - g.oldest_version
+            c.staleness_at_sample[lag] = c.staleness_at_sample.get(lag, 0) + 1
+        return groups
+
+    def _end_leases(self, how: str, lease_ids: list[str]) -> int:
+        n = 0
+        for lease_id in lease_ids:
+            for key in self.leases.pop(lease_id).keys:
+                n += 1
+                if how == "ack":
+                    self._after_ack(key)
+                else:
+                    self.store.set_state(key, POOLED, sampled_delta=-1)
+                    self.limiter.on_unsample(1)
+                    if self.too_stale(self.store.groups[key].oldest_version):
+                        self._stale(key)
+        c = self.counters
+        if how == "ack":
+            c.acked_groups_total += n
+        elif how == "release":
+            c.released_groups_total += n
+        else:
+            c.expired_groups_total += n
+        return n
+
+    def _after_ack(self, key: int) -> None:
+        g = self.store.groups[key]
+        if g.times_sampled >= self.config.max_times_sampled:
+            self.store.delete(key)
+            self.counters.consumed_groups_total += 1
+        elif self.too_stale(g.oldest_version):
+            self.store.set_state(key, POOLED)
+            self._stale(key)
+        else:
+            self.store.set_state(key, POOLED)
+
+    def info(self) -> dict:
+        """Sizes and lifetime counters as plain values."""
+        store, c = self.store, self.counters
+        return {
+            "size_trajectories": store.rows[POOLED], "size_groups": store.count[POOLED],
+            "stored_trajectories": sum(store.rows.values()), "stored_groups": len(store),
+            "stored_bytes": store.nbytes, "leased_groups": store.count[LEASED],
+            "excluded_groups": store.count[EXCLUDED], "active_leases": len(self.leases),
+            "prompts_completed": self.ledger.num_completed, "prompts_leased": self.ledger.num_leased,
+            "learner_version": self.learner_version,
+            **{k: v for k, v in vars(c).items() if not isinstance(v, dict)},
+            "inserted_by_newest_version": dict(c.inserted_by_newest_version),
+            "staleness_at_sample": dict(c.staleness_at_sample),
+            **self.limiter.info(),
+        }
+
+    # ---- persistence ----------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Plain values of everything but the groups (those go to Arrow files)."""
+        c = self.counters
+        counters = {k: v for k, v in vars(c).items() if not isinstance(v, dict)}
+        counters["inserted_by_newest_version"] = [[k, v] for k, v in c.inserted_by_newest_version.items()]
+        counters["staleness_at_sample"] = [[k, v] for k, v in c.staleness_at_sample.items()]
+        return {"learner_version": self.learner_version, "next_key": self.next_key, "counters": counters,
+                "limiter": self.limiter.state_dict(), "ledger": self.ledger.state_dict(),
+                "leases": [[x.lease_id, list(x.keys), x.consumer, x.expires_at] for x in self.leases.values()]}
+
+    def load_state_dict(self, state: dict, groups: list[Group]) -> None:
+        """Replace everything with ``state`` and ``groups`` (from ``state_dict`` and a snapshot)."""
+        self.store = GroupStore(self.config, self._rng)
+        for g in groups:
+            self.store.add(g)
+        self.learner_version, self.next_key = int(state["learner_version"]), int(state["next_key"])
+        raw = dict(state["counters"])
+        by_version = {int(k): int(v) for k, v in raw.pop("inserted_by_newest_version")}
+        lags = {int(k): int(v) for k, v in raw.pop("staleness_at_sample")}
+        self.counters = Counters(**raw, inserted_by_newest_version=by_version, staleness_at_sample=lags)
+        self.ledger.load_state_dict(state["ledger"])
+        self.leases = {i: Lease(i, tuple(keys), c, float(t)) for i, keys, c, t in state["leases"]}
+        self.limiter.load_state_dict(state["limiter"])

@@ -1,0 +1,229 @@
+"""Write-ahead log writer: segments of Arrow IPC stream records, group-committed fsync.
+
+Layout: ``{dir}/wal/{first_lsn:020d}.arrows``. Every record has a log sequence number (LSN); a
+segment holds the records ``first_lsn, first_lsn + 1, ...`` in order, so LSNs are not stored. A writer
+never appends to a segment it did not create: after a restart it starts a new segment at the next LSN.
+
+Commit protocol (``durability="fsync"``): the caller appends a record's bytes with one ``write()``
+(under the buffer's lock, so log order is apply order), releases its lock and calls ``wait(lsn)``,
+which returns once a background syncer thread has fsync'd every segment up to ``lsn`` (and the WAL
+directory, when a segment was created). The syncer fsyncs whatever was appended while the previous
+fsync ran, optionally waiting ``group_commit_ms`` first, so concurrent operations share one fsync.
+An fsync error is not retried (the page cache state is unknown after it): the log fails and every
+later ``append``/``wait`` raises ``WalError`` — the service must restart and restore.
+
+Segments roll once they exceed ``segment_bytes``; the sealed segment is fsync'd and closed by the
+syncer before any record of the new segment is reported durable.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+from replay.config import WalConfig
+from replay.faults import fault_point
+from replay.files import fsync_dir
+from replay.records import end_of_stream, segment_header
+
+SEGMENT_SUFFIX = ".arrows"
+
+
+class WalError(OSError):
+    """The log cannot accept or persist records (disk error, closed); the message names the file."""
+
+
+def segment_path(wal_dir: Path, first_lsn: int) -> Path:
+    return wal_dir / f"{first_lsn:020d}{SEGMENT_SUFFIX}"
+
+
+class Wal:
+    """Appends encoded records to the current segment and makes them durable.
+
+    Args:
+        wal_dir: the segment directory (created if missing).
+        config: durability mode, group-commit window and segment size.
+        next_lsn: LSN of the first record this writer appends.
+    """
+
+    def __init__(self, wal_dir: Path, config: WalConfig, next_lsn: int) -> None:
+        self.dir, self.config = Path(wal_dir), config
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._cv = threading.Condition()
+        self._next_lsn = next_lsn
+        self._durable_lsn = next_lsn - 1
+        self._sealed: list[tuple[int, Path]] = []
+        self._pending: list[bytes] = []  # "buffered" mode only
+        self._error: BaseException | None = None
+        self._closed = False
+        self.bytes_written = 0
+        """Bytes appended by this writer (all segments)."""
+        self.fsyncs = 0
+        """fsync calls on segments (group commit shares one among many records)."""
+        self._open_segment()
+        self._thread = None
+        if config.durability != "write":
+            self._thread = threading.Thread(target=self._sync_loop, name="wal-sync", daemon=True)
+            self._thread.start()
+
+    @property
+    def next_lsn(self) -> int:
+        """LSN the next appended record gets."""
+        return self._next_lsn
+
+    def _open_segment(self) -> None:
+        self.path = segment_path(self.dir, self._next_lsn)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self._write(segment_header())
+        self._segment_bytes = 0
+        self._dir_dirty = True
+        if self.config.durability != "fsync":
+            fsync_dir(self.dir)
+
+    def _write(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(self._fd, view):]
+
+    def append(self, records: list[bytes]) -> int:
+        """Append encoded records (one write); returns the LSN of the last one.
+
+        Raises:
+            WalError: the log failed earlier or is closed.
+        """
+        with self._cv:
+            self._check()
+            data = b"".join(records)
+            try:
+                if self.config.durability == "buffered":
+                    self._pending.append(data)
+                else:
+                    self._write(data)
+            except OSError as exc:  # a partial record may be on disk: nothing may follow it
+                self._error = exc
+                self._cv.notify_all()
+                raise WalError(f"WAL append to {self.path} failed: {exc}") from exc
+            self._next_lsn += len(records)
+            self._segment_bytes += len(data)
+            self.bytes_written += len(data)
+            fault_point("wal.after_append")
+            if self._segment_bytes >= self.config.segment_bytes:
+                try:
+                    self._roll()
+                except OSError as exc:
+                    self._error = exc
+                    self._cv.notify_all()
+                    raise WalError(f"WAL could not start a segment after {self.path}: {exc}") from exc
+            self._cv.notify_all()
+            return self._next_lsn - 1
+
+    def _roll(self) -> None:
+        self._flush_pending()
+        self._write(end_of_stream())
+        if self.config.durability == "fsync":
+            self._sealed.append((self._fd, self.path))
+        else:
+            os.close(self._fd)
+        self._open_segment()
+        fault_point("wal.after_roll")
+
+    def _flush_pending(self) -> None:
+        if self._pending:
+            data, self._pending = b"".join(self._pending), []
+            self._write(data)
+
+    def wait(self, lsn: int) -> None:
+        """Block until the record ``lsn`` is durable under the configured mode. Raises ``WalError``."""
+        if self.config.durability != "fsync":
+            self._check()
+            return
+        with self._cv:
+            while self._durable_lsn < lsn:
+                self._check()
+                self._cv.wait(timeout=1.0)
+
+    def _check(self) -> None:
+        if self._error is not None:
+            raise WalError(f"WAL {self.dir} failed: {self._error}") from self._error
+        if self._closed:
+            raise WalError(f"WAL {self.dir} is closed")
+
+    def _sync_loop(self) -> None:
+        window = self.config.group_commit_ms / 1000.0
+        while True:
+            with self._cv:
+                while not self._closed and self._next_lsn - 1 <= self._durable_lsn and not self._pending:
+                    self._cv.wait(timeout=1.0 if self.config.durability == "fsync" else window or 0.005)
+                if self._closed:
+                    return
+            if window:
+                time.sleep(window)
+            try:
+                self._sync_once()
+            except OSError as exc:
+                with self._cv:
+                    self._error = exc
+                    self._cv.notify_all()
+                return
+
+    def _sync_once(self) -> None:
+        with self._cv:
+            target, sealed, self._sealed = self._next_lsn - 1, self._sealed, []
+            fd, dir_dirty, self._dir_dirty = self._fd, self._dir_dirty, False
+            if self.config.durability == "buffered":
+                self._flush_pending()
+                self._durable_lsn = target
+                return
+        for old_fd, _ in sealed:
+            os.fsync(old_fd)
+            os.close(old_fd)
+        os.fsync(fd)  # the current fd is only closed by close(), which joins this thread first
+        if dir_dirty:
+            fsync_dir(self.dir)
+        with self._cv:
+            self.fsyncs += 1 + len(sealed)
+            self._durable_lsn = max(self._durable_lsn, target)
+            self._cv.notify_all()
+
+    def close(self) -> None:
+        """Write what is pending, end the segment, fsync and close. Idempotent."""
+        with self._cv:
+            if self._closed:
+                return
+            self._closed = True
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+        with self._cv:
+            if self._error is None:
+                self._flush_pending()
+                self._write(end_of_stream())
+                for old_fd, _ in self._sealed:
+                    os.fsync(old_fd)
+                    os.close(old_fd)
+                os.fsync(self._fd)
+                fsync_dir(self.dir)
+                self._durable_lsn = self._next_lsn - 1
+            os.close(self._fd)
+
+    def segments(self) -> list[Path]:
+        """All segment files in the directory, oldest first."""
+        return sorted(self.dir.glob(f"*{SEGMENT_SUFFIX}"))
+
+    def delete_covered(self, lsn: int) -> list[Path]:
+        """Delete sealed segments whose records are all below ``lsn``; returns the deleted paths."""
+        with self._cv:
+            files = [p for p in self.segments() if p != self.path]
+            current_first = int(self.path.stem)
+            open_sealed = {p for _, p in self._sealed}
+        deleted = []
+        firsts = [int(p.stem) for p in files] + [current_first]
+        for path, next_first in zip(files, firsts[1:]):
+            if next_first <= lsn and path not in open_sealed:
+                path.unlink()
+                deleted.append(path)
+        if deleted:
+            fsync_dir(self.dir)
+        return deleted

@@ -1,0 +1,136 @@
+"""Sample leases (ack, release, expiry, reuse), the staleness modes and the prompt ledger."""
+
+import pyarrow as pa
+import pytest
+
+from proto.trajectory import SchemaError
+from replay.buffer import TrajectoryBuffer, UnknownLeaseError
+from replay.config import ReplayConfig
+from replay.ledger import PromptLedger
+from tests.fakes import FakeClock, group_table, make_group
+
+
+def make_buffer(**kw):
+    clock = FakeClock()
+    return TrajectoryBuffer(ReplayConfig(**kw), clock=clock), clock
+
+
+def test_bad_lease_ids_change_nothing():
+    buf, _ = make_buffer()
+    buf.insert(group_table(0))
+    lease, _ = buf.sample(1, 0)
+    with pytest.raises(UnknownLeaseError, match="'nope'"):
+        buf.ack([lease, "nope"])
+    assert lease in buf.state.leases and buf.info()["acked_groups_total"] == 0
+    assert buf.ack([lease, lease]) == 1  # a repeated id counts once
+
+
+def test_max_times_sampled_reuses_acked_groups():
+    buf, _ = make_buffer(max_times_sampled=2)
+    buf.insert(group_table(0))
+    for expected_left in (1, 0):
+        lease, _ = buf.sample(1, 0)
+        buf.ack([lease])
+        assert buf.info()["stored_groups"] == expected_left
+    assert buf.info()["consumed_groups_total"] == 1 and buf.info()["acked_groups_total"] == 2
+
+
+def test_release_and_expiry_do_not_count_as_samples():
+    buf, clock = make_buffer(max_times_sampled=1, lease_ttl_s=5)
+    buf.insert(group_table(0))
+    lease, _ = buf.sample(1, 0)
+    buf.release([lease])
+    lease, _ = buf.sample(1, 0)
+    clock.advance(6)
+    lease2, _ = buf.sample(1, 0)  # the expired lease came back untouched
+    assert buf.state.store.groups[0].times_sampled == 1
+    info = buf.info()
+    assert (info["released_groups_total"], info["expired_groups_total"], info["rl_sampled"]) == (1, 1, 1)
+    with pytest.raises(UnknownLeaseError):
+        buf.release([lease])
+
+
+def test_exclude_mode_keeps_stale_groups_but_never_hands_them_out():
+    buf, _ = make_buffer(max_staleness=1, staleness_mode="exclude")
+    buf.insert(group_table(0, version=0))
+    buf.insert(group_table(1, version=2))
+    _, table = buf.sample(1, learner_version=2)
+    assert set(table.column("prompt_index").to_pylist()) == {1}
+    info = buf.info()
+    assert (info["excluded_groups"], info["stored_groups"], info["dropped_stale_total"]) == (1, 2, 0)
+    assert buf.insert(group_table(2, version=0)).dropped_stale == 4
+    assert buf.info()["excluded_groups"] == 2 and buf.sample(1, 2) is None
+
+
+def test_a_released_group_that_became_stale_is_dropped():
+    buf, _ = make_buffer(max_staleness=0)
+    buf.insert(group_table(0, version=0))
+    buf.insert(group_table(1, version=1))
+    lease, _ = buf.sample(1, 0)
+    buf.sample(1, 1)  # learner moves on while group 0 is leased
+    buf.release([lease])
+    assert buf.info()["dropped_stale_total"] == 4 and buf.info()["stored_groups"] == 1
+
+
+def test_staleness_histogram_counts_lag_at_sample():
+    buf, _ = make_buffer(max_staleness=3)
+    buf.insert(group_table(0, version=0))
+    buf.insert(group_table(1, version=2))
+    buf.sample(2, learner_version=3)
+    assert buf.info()["staleness_at_sample"] == {3: 1, 1: 1}
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda t: t.set_column(0, "trajectory_id", pa.array(["x"] * t.num_rows)), "trajectory_id 'x' is not"),
+    (lambda t: pa.concat_tables([t, t]), "appears more than once"),
+])
+def test_malformed_ids_are_refused_and_nothing_changes(mutate, message):
+    buf, _ = make_buffer()
+    with pytest.raises(SchemaError, match=message):
+        buf.insert(mutate(group_table(0)))
+    assert buf.info()["stored_groups"] == 0 and buf.info()["prompts_completed"] == 0
+
+
+def test_groups_arrive_whole_even_when_rows_interleave():
+    rows = make_group(0) + make_group(1)
+    table = pa.Table.from_pylist([r.__dict__ for r in rows[::2] + rows[1::2]], schema=group_table(0).schema)
+    buf, _ = make_buffer()
+    assert buf.insert(table).accepted == 8
+    _, got = buf.sample(1, 0)
+    assert got.column("group_id").to_pylist() == ["0-0"] * 4
+
+
+def test_ledger_state_round_trip_and_watermark():
+    clock = FakeClock()
+    ledger = PromptLedger(num_prompts=None, clock=clock)
+    ledger.lease("a", 5, ttl_s=10)
+    for i in (0, 1, 3):
+        ledger.complete(i)
+    clock.advance(11)
+    assert ledger.expire() == [(2, 1), (4, 1)]
+    state = ledger.state_dict()
+    assert (state["done_below"], state["done_above"]) == (2, [3])
+    again = PromptLedger(clock=clock)
+    again.load_state_dict(state)
+    assert again.lease("b", 3, ttl_s=10) == [(2, 1), (4, 1), (5, 0)]
+    assert again.num_completed == 3 and not again.complete(3)
+
+
+def test_each_prompt_completes_once_across_reissue_and_restart(tmp_path):
+    cfg = ReplayConfig(dir=str(tmp_path), num_prompts=4, prompt_lease_ttl_s=5,
+                       snapshot={"interval_s": None, "wal_bytes": None})
+    clock = FakeClock(1000.0)
+    buf = TrajectoryBuffer(cfg, clock=clock)
+    assert buf.lease_prompts("r0", 4) == [(0, 0), (1, 0), (2, 0), (3, 0)]
+    buf.insert(group_table(0))
+    clock.advance(6)
+    assert buf.lease_prompts("r1", 2) == [(1, 1), (2, 1)]  # expired, re-issued with attempt + 1
+    buf.close()
+    buf = TrajectoryBuffer(cfg, clock=clock)  # restart: the same leases and queue
+    assert buf.lease_prompts("r2", 4) == [(3, 1)]
+    assert buf.insert(group_table(1, attempt=0)).accepted == 4  # the late first attempt wins
+    assert buf.insert(group_table(1, attempt=1)).duplicates == 4
+    buf.insert(group_table(2, attempt=1))
+    buf.insert(group_table(3, attempt=1))
+    assert buf.info()["prompts_completed"] == 4 and buf.lease_prompts("r3", 4) == []
+    buf.close()
