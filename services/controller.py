@@ -43,7 +43,8 @@ def actor_env() -> dict:
 def start_services(recipe: Recipe) -> Topology:
     """Replay first (everyone talks to it), then the learner (publishes version 0), then rollouts."""
     opts = {"num_cpus": 0, "runtime_env": {"env_vars": actor_env()}}
-    replay = ReplayActor.options(**opts).remote(recipe.replay.model_dump())
+    replay_dir = recipe.replay.dir or str(recipe.out_dir.resolve() / "replay")
+    replay = ReplayActor.options(**opts).remote(recipe.replay.model_dump(), dir=replay_dir)
     replay_address = ray.get(replay.address.remote())
     learner = LearnerActor.options(max_concurrency=4, **opts).remote(recipe.learner.model_dump(), replay_address)
     weights_address = ray.get(learner.weights_address.remote())
@@ -58,7 +59,10 @@ def run(recipe: Recipe, console: Console | None = None) -> dict:
     """Run a recipe end to end; returns the summary also written to ``{out_dir}/summary.json``."""
     console = console or Console()
     out = recipe.out_dir
-    out.mkdir(parents=True, exist_ok=True)
+    archived = archive_previous_run(out)
+    if archived:
+        console.print(f"moved the previous run in {out} to {archived} (resuming a run is not supported yet)")
+    out.mkdir(parents=True)
     (out / "recipe.json").write_text(recipe.model_dump_json(indent=2))
     t0 = time.time()
     ray.init(address=recipe.ray.address, num_cpus=recipe.ray.num_cpus, namespace=recipe.ray.namespace,
@@ -81,6 +85,18 @@ def run(recipe: Recipe, console: Console | None = None) -> dict:
     summary["wall_time_s"] = round(time.time() - t0, 1)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def archive_previous_run(out: Path) -> Path | None:
+    """Move an existing run directory aside as ``{out}.{timestamp}`` so a new run starts clean.
+
+    A fresh learner must never meet the previous run's replay state (its data would all be stale).
+    """
+    if not out.exists():
+        return None
+    target = out.with_name(f"{out.name}.{time.strftime('%Y%m%d-%H%M%S')}")
+    out.rename(target)
+    return target
 
 
 def _train(recipe: Recipe, topo: Topology, metrics: MetricsWriter, console: Console) -> dict:

@@ -32,6 +32,7 @@ def test_three_learner_steps_reach_the_rollout(tiny_llama, tmp_path):
     assert any(v >= 1 for v in by_version), by_version
     assert summary["replay"]["acked_groups_total"] == 3 * recipe.learner.groups_per_step
 
+    assert any((out / "replay" / "wal").iterdir())  # replay was durable under the run dir
     assert (out / "reward_accuracy.png").stat().st_size > 0
     assert (out / "final_policy" / "config.json").is_file()
     assert json.loads((out / "summary.json").read_text())["final_version"] == 3
