@@ -42,7 +42,7 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: f
 
 
 def grpo_advantages(rewards: torch.Tensor, eps: float) -> torch.Tensor:
-    """Group-normalised advantages ``(r - mean_g) / (std_g + eps)`` (GRPO, Shao et al. 2024, eq. in §4.1.2).
+    """Group-normalised advantages ``(r - mean_g) / (std_g + eps)`` (GRPO outcome supervision, Shao et al. 2024).
 
     ``std_g`` is the *population* std (divide by ``n``, ``unbiased=False``): it is defined for any
     group size including ``n = 1`` (the sample std is NaN there), and it makes the advantages of
@@ -80,7 +80,7 @@ def policy_loss(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Decoupled PPO-clip loss with a truncated importance weight, token-mean aggregated.
 
-    Per valid token (AReaL, Fu et al. 2025, eq. 5; TIS, Yao et al. 2025)::
+    Per valid token (decoupled objective of AReaL, Fu et al. 2025, with TIS of Yao et al. 2025)::
 
         r = exp(logprobs - proximal)                                  # current / proximal
         w = min(exp(proximal - behaviour), C)        (detached)       # proximal / behaviour, truncated

@@ -41,7 +41,9 @@ class LearnerConfig(BaseModel):
     """Path of a Hugging Face model folder (config + safetensors) to start from."""
 
     lr: float = Field(1e-6, gt=0.0)
-    """AdamW learning rate (constant; no schedule yet)."""
+    """AdamW learning rate (constant; no schedule yet). With ``bf16`` the published weights are the
+    fp32 master weights rounded to bf16 (relative step 2**-8), so an update of ``lr`` per element
+    shows in them only once it accumulates past that."""
 
     weight_decay: float = Field(0.0, ge=0.0)
     """AdamW decoupled weight decay (applied to every parameter)."""
