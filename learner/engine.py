@@ -7,7 +7,6 @@ process initialises a world-size-1 process group itself.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import socket
 import time
@@ -15,16 +14,19 @@ from pathlib import Path
 from typing import Any
 
 import deepspeed
+import structlog
 import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from learner import checkpoint as ckpt
 from learner.algorithms import policy_loss, token_logprobs
 from learner.batch import TrainBatch
 from learner.config import AlgorithmConfig, LearnerConfig
 
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 _MAX_METRICS = ("is_ratio_max",)
+log = structlog.get_logger("learner")
 
 
 def build_ds_config(config: LearnerConfig) -> dict[str, Any]:
@@ -92,6 +94,7 @@ class LearnerEngine:
         self.algo = algo
         self.step = 0
         self.version = 0
+        self.config_hash = ckpt.config_hash(config.model_dump_json() + algo.model_dump_json())
         ensure_distributed()
         torch.manual_seed(config.seed)
         model = AutoModelForCausalLM.from_pretrained(config.model, dtype=_DTYPES[config.dtype])
@@ -214,28 +217,56 @@ class LearnerEngine:
         dist.barrier()
 
     # ---- checkpoints --------------------------------------------------------------------------
-    def save_checkpoint(self, dir: Path, metadata: dict) -> None:
-        """DeepSpeed checkpoint (weights, optimizer, RNG) under tag ``step{step}`` plus ``metadata.json``
-        holding ``step``, ``version`` and ``metadata`` (JSON-serialisable)."""
-        dir = Path(dir)
-        self.engine.save_checkpoint(str(dir), tag=f"step{self.step}")
-        if dist.get_rank() == 0:
-            payload = {"step": self.step, "version": self.version, "tag": f"step{self.step}", **metadata}
-            (dir / "metadata.json").write_text(json.dumps(payload, indent=2, sort_keys=True))
-        dist.barrier()
+    def save_checkpoint(self, root: Path, pending_lease_ids: list[str] = (), acked_lease_count: int = 0,
+                        fingerprint: str = "", keep_last_n: int | None = None) -> Path:
+        """Commit ``{root}/global_step_{step}`` (``learner.checkpoint`` layout and protocol): DeepSpeed
+        state (weights, optimizer, LR schedule) under ``deepspeed/``, every rank's RNG, metadata, manifest.
 
-    def load_checkpoint(self, dir: Path) -> dict:
-        """Restore weights, optimizer, ``step`` and ``version`` from ``save_checkpoint``'s ``dir``.
-
-        Returns the ``metadata.json`` contents. Raises ``FileNotFoundError`` if it is missing.
+        Returns the committed checkpoint's path (the same on every rank).
         """
-        dir = Path(dir)
-        payload = json.loads((dir / "metadata.json").read_text())
-        path, _ = self.engine.load_checkpoint(str(dir), tag=payload["tag"])
-        if path is None:
-            raise FileNotFoundError(f"no DeepSpeed checkpoint with tag {payload['tag']!r} under {dir}")
-        self.step, self.version = int(payload["step"]), int(payload["version"])
-        return payload
+        root = Path(root)
+        rank = dist.get_rank()
+        if rank == 0:
+            root.mkdir(parents=True, exist_ok=True)
+        holder = [os.getpid()]
+        dist.broadcast_object_list(holder, src=0)
+        tmp = ckpt.temp_path(root, self.step, holder[0])
+        self.engine.save_checkpoint(str(tmp), tag="deepspeed", save_latest=False)
+        ckpt.save_rng(tmp, rank)
+        if rank == 0:
+            (tmp / ckpt.LEARNER_CONFIG).write_text(self.config.model_dump_json(indent=2))
+        dist.barrier()
+        final = ckpt.checkpoint_path(root, self.step)
+        if rank == 0:
+            meta = ckpt.CheckpointMetadata(
+                step=self.step, policy_version=self.version, pending_lease_ids=list(pending_lease_ids),
+                acked_lease_count=acked_lease_count, config_hash=self.config_hash, fingerprint=fingerprint,
+                world_size=dist.get_world_size(), wall_time=time.time())
+            ckpt.commit(tmp, final, meta)
+            if keep_last_n is not None:
+                ckpt.prune(root, keep_last_n)
+        dist.barrier()
+        return final
+
+    def load_checkpoint(self, path: Path, fingerprint: str = "", force: bool = False) -> ckpt.CheckpointMetadata:
+        """Verify ``path`` (a ``global_step_N`` dir), check it may be resumed
+        (``learner.checkpoint.check_resumable``), then restore weights, optimizer, LR schedule,
+        ``step``, ``version`` and this rank's RNG, so training continues bit-identically.
+
+        Raises:
+            learner.checkpoint.CheckpointError: corrupt/incomplete, or refused (the message says why).
+        """
+        path = Path(path)
+        meta = ckpt.verify(path)
+        ckpt.check_resumable(path, meta, fingerprint, dist.get_world_size(), self.config_hash, force)
+        loaded, _ = self.engine.load_checkpoint(str(path), tag="deepspeed")
+        if loaded is None:
+            raise ckpt.CheckpointError(f"checkpoint {path}: DeepSpeed found no state under deepspeed/")
+        ckpt.load_rng(path, dist.get_rank())
+        self.step, self.version = meta.step, meta.policy_version
+        log.info("checkpoint_loaded", path=str(path), step=meta.step, version=meta.policy_version,
+                 pending_leases=len(meta.pending_lease_ids), fingerprint_ok=meta.fingerprint == fingerprint)
+        return meta
 
 
 def _merge_metrics(parts: list[dict[str, float]]) -> dict[str, float]:

@@ -55,9 +55,15 @@ class ReplayActor:
 @ray.remote
 class LearnerActor:
     """The learner service: DeepSpeed engine + WeightService; ``run`` trains in a worker thread while
-    ``progress`` is polled (the actor is created with ``max_concurrency >= 2``)."""
+    ``progress`` is polled (the actor is created with ``max_concurrency >= 2``).
 
-    def __init__(self, config: dict, replay_address: str, host: str = "127.0.0.1") -> None:
+    Args:
+        checkpoint_dir: where the loop commits checkpoints (leases are acked only after a commit);
+            ``None`` defers every save (and ack) to ``finalize``.
+    """
+
+    def __init__(self, config: dict, replay_address: str, host: str = "127.0.0.1",
+                 checkpoint_dir: str | None = None) -> None:
         from learner.engine import LearnerEngine
         from learner.loop import LearnerLoop, LearnerLoopConfig
         from learner.publisher import WeightPublisher
@@ -71,7 +77,9 @@ class LearnerActor:
         self.server, self.port = weight_server.serve(self.publisher, host=host)
         self.host = host
         pad = AutoTokenizer.from_pretrained(self.config.engine.model).pad_token_id
-        self.loop = LearnerLoop(self.config, self.engine, ReplayClient(replay_address), self.publisher, pad)
+        self.loop = LearnerLoop(self.config, self.engine, ReplayClient(replay_address), self.publisher, pad,
+                                checkpoint_dir)
+        self.loop.resume()  # config.resume (auto: newest verified checkpoint, if any)
         self.loop.publish_current()
         self._rows: list[dict] = []
         self._error: str | None = None
@@ -97,10 +105,13 @@ class LearnerActor:
         return self._rows[cursor:], self._done.is_set(), self._error
 
     def finalize(self, out_dir: str) -> dict:
-        """Checkpoint and export the final policy as an HF folder; returns their paths."""
+        """Checkpoint (then ack the pending leases) and export the final policy as an HF folder; returns
+        their paths. Checkpoints go to the loop's ``checkpoint_dir``, else ``{out_dir}/checkpoints``."""
         out = Path(out_dir)
-        ckpt = out / "checkpoints" / f"global_step_{self.engine.version}"
-        self.engine.save_checkpoint(ckpt, {"step": self.engine.version, "policy_version": self.engine.version})
+        if self.loop.checkpoint_dir is None:
+            self.loop.checkpoint_dir = out / "checkpoints"
+        self.loop.checkpoint()
+        ckpt = self.loop.last_checkpoint
         export = out / "final_policy"
         self.engine.export_hf(export, self.config.engine.model)
         return {"checkpoint": str(ckpt), "export": str(export)}

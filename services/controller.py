@@ -3,6 +3,7 @@ the recipe, evaluates before/after, and writes the run directory."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -40,13 +41,23 @@ def actor_env() -> dict:
     return env
 
 
+def task_fingerprint(recipe: Recipe) -> str:
+    """``task=<sha256[:16] of the task config JSON>``: stored in learner checkpoints, so resuming
+    under another task or dataset is refused unless forced."""
+    digest = hashlib.sha256(recipe.task.model_dump_json().encode()).hexdigest()[:16]
+    return f"task={recipe.task.name}:{digest}"
+
+
 def start_services(recipe: Recipe) -> Topology:
     """Replay first (everyone talks to it), then the learner (publishes version 0), then rollouts."""
     opts = {"num_cpus": 0, "runtime_env": {"env_vars": actor_env()}}
     replay_dir = recipe.replay.dir or str(recipe.out_dir.resolve() / "replay")
     replay = ReplayActor.options(**opts).remote(recipe.replay.model_dump(), dir=replay_dir)
     replay_address = ray.get(replay.address.remote())
-    learner = LearnerActor.options(max_concurrency=4, **opts).remote(recipe.learner.model_dump(), replay_address)
+    learner_cfg = recipe.learner.model_dump()
+    learner_cfg["fingerprint"] = learner_cfg["fingerprint"] or task_fingerprint(recipe)
+    learner = LearnerActor.options(max_concurrency=4, **opts).remote(
+        learner_cfg, replay_address, checkpoint_dir=str(recipe.out_dir.resolve() / "checkpoints"))
     weights_address = ray.get(learner.weights_address.remote())
     rollouts = [RolloutActor.options(**opts).remote() for _ in range(recipe.rollout.num_workers)]
     ray.get([r.setup.remote(f"rollout-{i}", recipe.rollout.model_dump(), recipe.task.model_dump(),

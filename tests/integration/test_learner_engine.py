@@ -12,6 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from learner.batch import build_train_batch
+from learner.checkpoint import CheckpointError
 from learner.config import AlgorithmConfig, LearnerConfig
 from learner.engine import LearnerEngine
 from proto.trajectory import Trajectory, make_ids, to_table
@@ -94,13 +95,36 @@ def test_export_hf_reloads_with_same_logits(trained, tiny_llama, tmp_path):
 
 def test_checkpoint_roundtrip_restores_weights_and_version(trained, tmp_path):
     engine, _, _ = trained
-    engine.save_checkpoint(tmp_path / "ckpt", {"leases": ["a"]})
+    path = engine.save_checkpoint(tmp_path / "ckpt", pending_lease_ids=["a"], fingerprint="fp")
+    assert path == tmp_path / "ckpt" / "global_step_2" and (path / "manifest.json").is_file()
     saved = dict(engine.named_weights())
     engine.train_step(build_train_batch(_table(seed=9), 0, engine.version, ALGO))
     assert engine.version == 3
-    meta = engine.load_checkpoint(tmp_path / "ckpt")
-    assert meta["leases"] == ["a"] and engine.step == engine.version == 2
+    meta = engine.load_checkpoint(path, fingerprint="fp")
+    assert meta.pending_lease_ids == ["a"] and engine.step == engine.version == 2
     assert all(torch.equal(saved[n], t) for n, t in engine.named_weights())
+    with pytest.raises(CheckpointError, match="fingerprint: checkpoint 'fp' != current 'other'"):
+        engine.load_checkpoint(path, fingerprint="other")
+    (path / "metadata.json").write_text("{}")
+    with pytest.raises(CheckpointError, match=f"checkpoint {path}: metadata.json has 2 bytes"):
+        engine.load_checkpoint(path, fingerprint="fp")
+
+
+def test_gyre_export_of_a_checkpoint_has_the_engines_logits(trained, tmp_path, capsys):
+    from services import cli
+
+    engine, _, _ = trained
+    path = engine.save_checkpoint(tmp_path / "ckpt")
+    assert cli.main(["export", str(path), str(tmp_path / "hf")]) == 0
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.bfloat16).eval()
+    ids = torch.randint(1, 49000, (2, 12), generator=torch.Generator().manual_seed(6))
+    engine.module.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(input_ids=ids).logits, engine.module(input_ids=ids).logits,
+                                   atol=0, rtol=0)
+    (path / "learner_config.json").write_text("{}")
+    assert cli.main(["export", str(path), str(tmp_path / "hf2")]) == 2
+    assert "learner_config.json has 2 bytes" in capsys.readouterr().out
 
 
 def test_micro_batching_gives_the_full_batch_update(tiny_llama):

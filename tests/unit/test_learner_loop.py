@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -12,29 +14,47 @@ from tests.tiny_model import SMOLLM2_DIR
 
 class FakeLearnerEngine:
     def __init__(self):
-        self.version, self.batches = 0, []
+        self.step = self.version = 0
+        self.batches, self.saves = [], []
 
     def train_step(self, batch):
         self.batches.append(batch)
+        self.step += 1
         self.version += 1
         return {"loss": 0.5, "reward_mean": float(batch.rewards.mean())}
+
+    def load_checkpoint(self, path, fingerprint="", force=False):
+        from learner.checkpoint import verify
+
+        meta = verify(path)
+        self.step, self.version = meta.step, meta.policy_version
+        return meta
+
+    def save_checkpoint(self, root, pending_lease_ids=(), acked_lease_count=0, fingerprint="", keep_last_n=None):
+        self.saves.append((self.step, list(pending_lease_ids), acked_lease_count))
+        return root / f"global_step_{self.step}"
 
     def named_weights(self):
         return [("w", torch.full((4,), float(self.version)))]
 
 
-def make_loop(buf, **kw):
+def make_loop(buf, checkpoint_dir=Path("/ckpt"), **kw):
     cfg = LearnerLoopConfig(engine=LearnerConfig(model=str(SMOLLM2_DIR)), groups_per_step=2, **kw)
     pub = WeightPublisher()
-    loop = LearnerLoop(cfg, FakeLearnerEngine(), FakeReplay(buf), pub, pad_token_id=0)
+    loop = LearnerLoop(cfg, FakeLearnerEngine(), FakeReplay(buf), pub, pad_token_id=0, checkpoint_dir=checkpoint_dir)
     return loop, pub
 
 
-def test_step_trains_publishes_next_version_and_acks():
+def filled_buffer(groups: int = 4) -> TrajectoryBuffer:
     buf = TrajectoryBuffer(ReplayConfig())
-    for i in range(4):
+    for i in range(groups):
         buf.insert(group_table(i, rewards=[0.0, 1.0, 1.0, 0.0]))
-    loop, pub = make_loop(buf)
+    return buf
+
+
+def test_step_trains_publishes_next_version_and_acks_after_checkpoint():
+    buf = filled_buffer()
+    loop, pub = make_loop(buf, save_interval=1)
     loop.publish_current()
     assert pub.version == 0
     row = loop.step()
@@ -43,9 +63,90 @@ def test_step_trains_publishes_next_version_and_acks():
     assert buf.info()["acked_groups_total"] == 2 and buf.info()["leased_groups"] == 0
     loop.step()
     assert pub.version == 2 and buf.info()["acked_groups_total"] == 4
+    assert [s[0] for s in loop.engine.saves] == [1, 2]
+
+
+def test_lease_is_not_acked_before_the_checkpoint_that_holds_it():
+    buf = filled_buffer(6)
+    loop, _ = make_loop(buf, save_interval=2)
+    row = loop.step()
+    assert loop.engine.saves == [] and row["pending_leases"] == 1
+    assert buf.info()["acked_groups_total"] == 0 and buf.info()["leased_groups"] == 2
+    loop.step()  # step 2: checkpoint commits both steps' leases, then acks them
+    (saved_step, saved_pending, _), = loop.engine.saves
+    assert saved_step == 2 and len(saved_pending) == 2
+    assert buf.info()["acked_groups_total"] == 4 and buf.info()["leased_groups"] == 0
+    loop.step()
+    assert buf.info()["acked_groups_total"] == 4 and loop.pending_lease_ids
+    loop.checkpoint()  # the final checkpoint acks the rest
+    assert buf.info()["acked_groups_total"] == 6 and loop.acked_lease_count == 3
+    loop.checkpoint()  # nothing new: no second save of step 3
+    assert [s[0] for s in loop.engine.saves] == [2, 3]
+
+
+def test_without_checkpoint_dir_nothing_is_acked():
+    buf = filled_buffer()
+    loop, _ = make_loop(buf, checkpoint_dir=None, save_interval=1)
+    loop.step()
+    assert buf.info()["acked_groups_total"] == 0 and loop.engine.saves == []
+    with pytest.raises(RuntimeError, match="no checkpoint_dir"):
+        loop.checkpoint()
 
 
 def test_no_batch_within_timeout_is_a_clear_error():
     loop, _ = make_loop(TrajectoryBuffer(ReplayConfig()), sample_timeout_s=0.3)
     with pytest.raises(NoDataError, match="no batch of 2 groups within 0.3s at learner version 0"):
         loop.step()
+
+
+def test_restore_acks_the_checkpoints_pending_leases_and_skips_unknown_ones():
+    from learner.checkpoint import CheckpointMetadata
+
+    buf = filled_buffer()
+    lease_id, _ = buf.sample(2, 0)
+    loop, _ = make_loop(buf)
+    loop.restore(CheckpointMetadata(step=5, policy_version=5, pending_lease_ids=[lease_id, "gone"],
+                                    acked_lease_count=4))
+    assert buf.info()["acked_groups_total"] == 2 and loop.acked_lease_count == 5
+
+
+def test_sigusr1_checkpoints_and_continues_sigterm_checkpoints_and_stops():
+    import os
+    import signal
+
+    from learner.loop import StopRequested
+
+    buf = filled_buffer(6)
+    loop, _ = make_loop(buf, save_interval=100)
+    previous = loop.install_signal_handlers()
+    try:
+        loop.step()
+        assert loop.engine.saves == []
+        os.kill(os.getpid(), signal.SIGUSR1)
+        loop.step()  # the step in flight finishes, then the emergency checkpoint commits and acks
+        assert [s[0] for s in loop.engine.saves] == [2] and buf.info()["acked_groups_total"] == 4
+        os.kill(os.getpid(), signal.SIGTERM)
+        with pytest.raises(StopRequested) as stop:
+            loop.step()
+        assert stop.value.code == 0
+        assert [s[0] for s in loop.engine.saves] == [2, 3] and buf.info()["acked_groups_total"] == 6
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def test_resume_auto_loads_the_newest_verified_checkpoint_and_acks_its_pending_leases(tmp_path):
+    from learner import checkpoint as ckpt
+
+    buf = filled_buffer()
+    lease_id, _ = buf.sample(2, 0)
+    loop, _ = make_loop(buf, checkpoint_dir=tmp_path)
+    assert loop.resume() is None and loop.engine.version == 0  # nothing there: cold start
+    tmp = ckpt.temp_path(tmp_path, 7)
+    tmp.mkdir(parents=True)
+    ckpt.commit(tmp, ckpt.checkpoint_path(tmp_path, 7),
+                ckpt.CheckpointMetadata(step=7, policy_version=7, pending_lease_ids=[lease_id]))
+    assert loop.resume() == tmp_path / "global_step_7"
+    assert loop.engine.version == 7 and buf.info()["acked_groups_total"] == 2
+    none_loop, _ = make_loop(buf, checkpoint_dir=tmp_path, resume="none")
+    assert none_loop.resume() is None and none_loop.engine.version == 0

@@ -53,6 +53,9 @@ def test_cli_surface_is_frozen():
     """Changing the CLI is a deliberate act: update this test and the README together."""
     parser = cli.build_parser()
     sub = next(a for a in parser._actions if a.dest == "command")
-    assert sorted(sub.choices) == ["run"]
+    assert sorted(sub.choices) == ["export", "run"]
     run = sub.choices["run"]
     assert sorted(o for a in run._actions for o in a.option_strings) == ["--dry-run", "--help", "--set", "-h"]
+    export = sub.choices["export"]
+    assert [a.dest for a in export._actions if not a.option_strings] == ["checkpoint", "out_dir"]
+    assert sorted(o for a in export._actions for o in a.option_strings) == ["--help", "-h"]

@@ -1,0 +1,28 @@
+"""``gyre export CHECKPOINT OUT_DIR``: a verified learner checkpoint → a Hugging Face folder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def export_checkpoint(checkpoint: Path, out_dir: Path) -> Path:
+    """Rebuild the learner engine from the checkpoint's ``learner_config.json``, load the checkpoint
+    (manifest verified first) and write safetensors + config + tokenizer to ``out_dir``.
+
+    Raises:
+        learner.checkpoint.CheckpointError: missing, corrupt, or written without a learner config.
+    """
+    from learner import checkpoint as ckpt
+    from learner.config import AlgorithmConfig, LearnerConfig
+    from learner.engine import LearnerEngine
+
+    checkpoint = Path(checkpoint)
+    meta = ckpt.verify(checkpoint)
+    config_file = checkpoint / ckpt.LEARNER_CONFIG
+    if not config_file.is_file():
+        raise ckpt.CheckpointError(f"checkpoint {checkpoint}: {ckpt.LEARNER_CONFIG} is missing; cannot export")
+    config = LearnerConfig.model_validate_json(config_file.read_text())
+    engine = LearnerEngine(config, AlgorithmConfig())
+    engine.load_checkpoint(checkpoint, fingerprint=meta.fingerprint)
+    engine.export_hf(Path(out_dir), config.model)
+    return Path(out_dir)
