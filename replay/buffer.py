@@ -68,7 +68,7 @@ class TrajectoryBuffer:
         return self.state.counters
 
     # ---- protocol -------------------------------------------------------------------------------
-    def _commit(self, rec: Record, encoded: bytes | None = None, plan=None):
+    def _commit(self, rec: Record, encoded: pa.Buffer | None = None, plan=None):
         """Log then apply one record (caller holds the lock); returns ``(lsn, apply result)``."""
         lsn = -1
         if self._wal is not None:
@@ -109,7 +109,7 @@ class TrajectoryBuffer:
         rec, encoded = Record("insert"), None
         if self._wal is not None:
             rec = Record("insert", {}, payload if payload is not None else to_ipc(table))
-            encoded = encode(rec, self.config.wal.zstd_level)
+            encoded = encode(rec, self.config.wal.compression, self.config.wal.zstd_level)
         deadline = time.monotonic() + (self.config.insert_timeout_s if timeout_s is None else timeout_s)
         with self._lock:
             if not self._wait(lambda: self.state.can_insert(max(self._waiting, default=0)), deadline):

@@ -43,18 +43,24 @@ def _span_ends(table: pa.Table) -> tuple[np.ndarray, np.ndarray]:
     return values[offsets[:-1]], values[offsets[1:] - 1]
 
 
-def _group_rows(table: pa.Table) -> list[tuple[str, np.ndarray]]:
-    """``(group_id, row indices)`` in first-appearance order."""
-    rows_of: dict[str, list[int]] = {}
-    for i, g in enumerate(table.column("group_id").to_pylist()):
-        rows_of.setdefault(g, []).append(i)
-    return [(g, np.asarray(rows)) for g, rows in rows_of.items()]
+def _group_rows(table: pa.Table) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray]:
+    """Groups in first-appearance order: ``(group ids, row order, group starts in it, group sizes)``;
+    the rows of group ``i`` are ``order[starts[i]: starts[i] + sizes[i]]``, ascending (one stable sort)."""
+    encoded = pc.dictionary_encode(table.column("group_id")).combine_chunks()
+    codes = encoded.indices.to_numpy()
+    sizes = np.bincount(codes)
+    order = np.argsort(codes, kind="stable")
+    starts = np.zeros(len(sizes), np.int64)
+    np.cumsum(sizes[:-1], out=starts[1:])
+    return encoded.dictionary.to_pylist(), order, starts, sizes
 
 
 def split_groups(table: pa.Table) -> list[GroupRows]:
     """Validate an insert and split it into groups; nothing is stored.
 
-    Vectorised over groups (numpy ``reduceat`` on contiguous row runs), since it runs for every insert.
+    Vectorised over rows and groups (one dictionary encode and stable sort of ``group_id``, numpy
+    ``reduceat`` over the sorted runs), since it runs for every insert; a group whose rows are
+    contiguous (the usual case) is a zero-copy slice of the insert.
 
     Raises:
         SchemaError: schema problems (see ``validate_table``), a trajectory id that is not
@@ -62,31 +68,37 @@ def split_groups(table: pa.Table) -> list[GroupRows]:
     """
     validate_table(table)
     _check_ids(table)
-    groups = _group_rows(table)
-    order = np.concatenate([rows for _, rows in groups])
-    starts = np.cumsum([0] + [len(rows) for _, rows in groups[:-1]])
+    group_ids, order, starts, sizes = _group_rows(table)
     first, last = (x[order] for x in _span_ends(table))
     prompts, attempts = (table.column(c).to_numpy()[order] for c in ("prompt_index", "attempt"))
     uniform = ((np.minimum.reduceat(prompts, starts) == np.maximum.reduceat(prompts, starts))
                & (np.minimum.reduceat(attempts, starts) == np.maximum.reduceat(attempts, starts)))
-    oldest = np.minimum.reduceat(first, starts)
     one_newest = np.minimum.reduceat(last, starts) == np.maximum.reduceat(last, starts)
-    multi = np.add.reduceat((first != last).astype(np.int64), starts)
+    contiguous = order[starts + sizes - 1] - order[starts] + 1 == sizes
     per_row = table.nbytes / max(table.num_rows, 1)
+    p_l, a_l, n_l = prompts[starts].tolist(), attempts[starts].tolist(), sizes.tolist()
+    row0_l, new_l = order[starts].tolist(), last[starts].tolist()
+    oldest_l = np.minimum.reduceat(first, starts).tolist()
+    multi_l = np.add.reduceat((first != last).astype(np.int64), starts).tolist()
+    ok_l, one_l, cont_l = uniform.tolist(), one_newest.tolist(), contiguous.tolist()
     out = []
-    for i, (group_id, rows) in enumerate(groups):
-        p, a, n = int(prompts[starts[i]]), int(attempts[starts[i]]), len(rows)
-        if not uniform[i] or group_id != f"{p}-{a}":
+    for i, group_id in enumerate(group_ids):
+        p, a, n, row0 = p_l[i], a_l[i], n_l[i], row0_l[i]
+        if not ok_l[i] or group_id != f"{p}-{a}":
+            rows = order[starts[i]: starts[i] + n]
             seen = sorted(set(zip(table.column("prompt_index").to_numpy()[rows].tolist(),
                                   table.column("attempt").to_numpy()[rows].tolist())))
             raise SchemaError(f"group {group_id!r} mixes prompt indices/attempts {seen}")
-        contiguous = rows[-1] - rows[0] + 1 == n
-        part = table.slice(int(rows[0]), n) if contiguous else table.take(rows)
-        seg = last[starts[i]: starts[i] + n]
-        newest = ((int(seg[0]), n),) if one_newest[i] else tuple(
-            (int(v), int(c)) for v, c in zip(*np.unique(seg, return_counts=True)))
-        out.append(GroupRows(group_id, p, int(oldest[i]), part, int(per_row * n), newest, int(multi[i]),
-                             (table, int(rows[0])) if contiguous else None))
+        if one_l[i]:
+            newest = ((new_l[i], n),)
+        else:
+            seg = last[starts[i]: starts[i] + n]
+            newest = tuple((int(v), int(c)) for v, c in zip(*np.unique(seg, return_counts=True)))
+        if cont_l[i]:
+            part, source = table.slice(row0, n), (table, row0)
+        else:
+            part, source = table.take(order[starts[i]: starts[i] + n]), None
+        out.append(GroupRows(group_id, p, oldest_l[i], part, int(per_row * n), newest, multi_l[i], source))
     return out
 
 

@@ -2,9 +2,9 @@
 
 A WAL segment is one Arrow IPC stream with ``RECORD_SCHEMA``; each record is a one-row record batch
 (``kind``, ``meta``, ``payload``, ``crc32``), so any Arrow reader can open a segment. Inserts carry
-the trajectories as Arrow IPC stream bytes in ``payload`` (the bytes the client sent) and are written
-with zstd buffer compression; small records (leases, acks, ...) are written uncompressed — Arrow IPC
-records the compression per batch, so one stream mixes both.
+the trajectories as Arrow IPC stream bytes in ``payload`` (the bytes the client sent, appended as they
+are unless ``wal.compression="zstd"``); small records (leases, acks, ...) are always written
+uncompressed — Arrow IPC records the compression per batch, so one stream mixes both.
 
 ``crc32`` covers ``kind``, ``meta`` and ``payload``; Arrow IPC itself has no checksum, so this is what
 turns a flipped byte into a named error instead of silently different data.
@@ -96,15 +96,18 @@ def _zstd(level: int) -> pa.ipc.IpcWriteOptions:
     return _ZSTD[level]
 
 
-def encode(record: Record, zstd_level: int = 1) -> bytes:
-    """The Arrow IPC message bytes of ``record`` as a one-row batch (appendable to any segment);
-    a non-empty payload is zstd-compressed at ``zstd_level``.
+def encode(record: Record, compression: str = "none", zstd_level: int = 1) -> pa.Buffer:
+    """The Arrow IPC message bytes of ``record`` as a one-row batch (appendable to any segment), as a
+    zero-copy slice of the serialised stream; with ``compression="zstd"`` a non-empty payload is
+    zstd-compressed at ``zstd_level``.
 
     Raises:
         ValueError: unknown kind.
     """
     if record.kind not in KINDS:
         raise ValueError(f"unknown WAL record kind {record.kind!r}")
+    if compression not in ("none", "zstd"):
+        raise ValueError(f"WAL compression {compression!r} must be 'none' or 'zstd'")
     meta = json.dumps(record.meta, separators=(",", ":"))
     payload = pa.py_buffer(record.payload)
     offsets = pa.array([0, payload.size], pa.int32()).buffers()[1]
@@ -114,10 +117,11 @@ def encode(record: Record, zstd_level: int = 1) -> bytes:
          pa.array([_crc(record.kind, meta, payload)], pa.uint32())],
         schema=RECORD_SCHEMA)
     sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, RECORD_SCHEMA, options=_zstd(zstd_level) if payload.size else _PLAIN) as writer:
+    options = _zstd(zstd_level) if payload.size and compression == "zstd" else _PLAIN
+    with pa.ipc.new_stream(sink, RECORD_SCHEMA, options=options) as writer:
         writer.write_batch(batch)
     buf = sink.getvalue()
-    return buf[len(_SCHEMA_MESSAGE): buf.size - len(_EOS)].to_pybytes()
+    return buf.slice(len(_SCHEMA_MESSAGE), buf.size - len(_SCHEMA_MESSAGE) - len(_EOS))
 
 
 def decode(batch: pa.RecordBatch) -> Record:

@@ -55,7 +55,7 @@ class Wal:
         self._next_lsn = next_lsn
         self._durable_lsn = next_lsn - 1
         self._sealed: list[tuple[int, Path]] = []
-        self._pending: list[bytes] = []  # "buffered" mode only
+        self._pending: list = []  # "buffered" mode only
         self._error: BaseException | None = None
         self._closed = False
         self.bytes_written = 0
@@ -87,15 +87,15 @@ class Wal:
         while view:
             view = view[os.write(self._fd, view):]
 
-    def append(self, records: list[bytes]) -> int:
-        """Append encoded records (one write); returns the LSN of the last one.
+    def append(self, records: list) -> int:
+        """Append encoded records (bytes-like; one write); returns the LSN of the last one.
 
         Raises:
             WalError: the log failed earlier or is closed.
         """
         with self._cv:
             self._check()
-            data = b"".join(records)
+            data = records[0] if len(records) == 1 else b"".join(records)  # no copy of one record
             try:
                 if self.config.durability == "buffered":
                     self._pending.append(data)

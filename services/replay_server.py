@@ -37,10 +37,11 @@ def _check_schema(version: int) -> None:
                      f"schema_version {version} is not supported; this server speaks {SCHEMA_VERSION}")
 
 
-def _read_ipc(payload: bytes) -> pa.Table:
-    """Parse Arrow IPC bytes; the buffer validates the table (once). Raises ``SchemaError``."""
+def _read_ipc(payload) -> pa.Table:
+    """Parse Arrow IPC bytes (the table's buffers point into ``payload``, no copy); the buffer
+    validates the table (once). Raises ``SchemaError``."""
     try:
-        return pa.ipc.open_stream(payload).read_all()
+        return pa.ipc.open_stream(pa.py_buffer(payload)).read_all()
     except (pa.ArrowInvalid, OSError) as exc:
         raise SchemaError(f"payload is not an Arrow IPC stream: {exc}") from exc
 
