@@ -131,15 +131,8 @@ def load_rng(dir: Path, rank: int = 0) -> None:
 
 
 # ---- commit -------------------------------------------------------------------------------------
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_file(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """fsync a file's data, or a directory's entries (creations, renames, deletions)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -175,10 +168,10 @@ def commit(tmp: Path, final: Path, metadata: CheckpointMetadata) -> Path:
     fault_point("learner.ckpt.files_written")
     files: dict[str, dict] = {}
     for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
-        _fsync_file(path)
+        fsync_path(path)
         files[path.relative_to(tmp).as_posix()] = {"bytes": path.stat().st_size, "sha256": _sha256(path)}
     for d in sorted((p for p in tmp.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
-        fsync_dir(d)
+        fsync_path(d)
     fault_point("learner.ckpt.before_manifest")
     manifest = {"format_version": FORMAT_VERSION, "schema_version": metadata.schema_version,
                 "config_hash": metadata.config_hash, "step": metadata.step, "files": files}
@@ -186,14 +179,14 @@ def commit(tmp: Path, final: Path, metadata: CheckpointMetadata) -> Path:
         json.dump(manifest, f, indent=2, sort_keys=True)
         f.flush()
         os.fsync(f.fileno())
-    fsync_dir(tmp)
+    fsync_path(tmp)
     fault_point("learner.ckpt.before_rename")
     old = None
     if final.exists():
         old = final.with_name(f"{final.name}.old-{os.getpid()}")
         final.rename(old)
     tmp.rename(final)
-    fsync_dir(final.parent)
+    fsync_path(final.parent)
     fault_point("learner.ckpt.after_rename")
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
@@ -210,7 +203,7 @@ def prune(root: Path, keep_last_n: int) -> list[Path]:
     for path in removed:
         shutil.rmtree(path, ignore_errors=True)
     if removed:
-        fsync_dir(Path(root))
+        fsync_path(Path(root))
     return removed
 
 
