@@ -221,6 +221,8 @@ def verify(path: Path) -> CheckpointMetadata:
     """Check ``path``'s manifest (every listed file present with its size and sha256, metadata
     included); returns its metadata. Raises ``CheckpointError`` naming the checkpoint and the bad file."""
     path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint {path} does not exist or is not a directory")
     if not (path / MANIFEST).is_file():
         raise CheckpointError(f"checkpoint {path}: {MANIFEST} is missing (incomplete save?)")
     try:

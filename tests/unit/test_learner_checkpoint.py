@@ -124,3 +124,10 @@ def test_rng_roundtrip_restores_torch_numpy_python(tmp_path):
     got = (torch.rand(4), np.random.standard_normal(3), random.random(), random.gauss(0, 1))
     assert torch.equal(got[0], expected[0]) and np.array_equal(got[1], expected[1])
     assert got[2:] == expected[2:]
+
+
+def test_a_missing_checkpoint_path_is_named_as_missing(tmp_path):
+    from learner.checkpoint import CheckpointError, verify
+
+    with pytest.raises(CheckpointError, match="does not exist or is not a directory"):
+        verify(tmp_path / "global_step_7")
