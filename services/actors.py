@@ -136,7 +136,7 @@ class RolloutActor:
 
         cfg = RolloutConfig(**config)
         self.loop = asyncio.get_running_loop()
-        self.engine = await _start_engine(RolloutEngine, cfg.engine)
+        self.engine = await RolloutEngine.start(cfg.engine)
         tokenizer = AutoTokenizer.from_pretrained(cfg.engine.model)
         self.worker = RolloutWorker(rollout_id, cfg, TaskSource(TaskConfig(**task_config)), self.engine,
                                     ReplayClient(replay_address), tokenizer, seed)
@@ -176,9 +176,3 @@ class RolloutActor:
         self.subscriber.stop()
         await self.engine.shutdown()
 
-
-async def _start_engine(cls, config):
-    start = getattr(cls, "start", None)
-    if start is not None and asyncio.iscoroutinefunction(start):
-        return await start(config)
-    return cls(config)
