@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 import torch
 
-from learner.algorithms import grpo_advantages
+from learner.advantages import outcome_advantages
 from learner.config import AlgorithmConfig
 from proto.trajectory import validate_table
 
@@ -34,7 +34,9 @@ class TrainBatch:
     """[B, L - 1] float32: rollout logprob of the token scored at ``j``; 0 where ``response_mask`` is False."""
 
     advantages: torch.Tensor
-    """[B] float32: GRPO advantage of each row, computed within its group."""
+    """[B] float32: outcome advantage of each row (``AlgorithmConfig.advantage``), computed within its
+    group (``reinforce_pp`` also normalises over the batch); all 0 for ``gae``, whose per-token
+    advantages need the critic's values and are computed in ``learner.engine``."""
 
     rewards: torch.Tensor
     """[B] float32: raw verifier rewards (for metrics)."""
@@ -59,7 +61,7 @@ class TrainBatch:
 def build_train_batch(
     table: pa.Table, pad_token_id: int, learner_version: int, cfg: AlgorithmConfig
 ) -> TrainBatch:
-    """Pad a table of whole GRPO groups into a ``TrainBatch`` with per-group advantages.
+    """Pad a table of whole groups into a ``TrainBatch`` with the configured outcome advantages.
 
     Rows keep the table's order; groups are the rows sharing ``group_id`` (need not be contiguous).
 
@@ -67,13 +69,13 @@ def build_train_batch(
         table: trajectory rows (``proto.trajectory.TRAJECTORY_SCHEMA``), validated here.
         pad_token_id: token id used for right padding (masked out everywhere).
         learner_version: the learner's current policy version, for staleness.
-        cfg: ``adv_eps`` for the advantage normalisation.
+        cfg: ``advantage`` (the estimator; ``gae`` leaves ``advantages`` at 0) and ``adv_eps``.
 
     Raises:
         proto.trajectory.SchemaError: the table does not match the schema.
         ValueError: empty table; a row with an empty prompt; a group whose size differs from the
             first group's (ragged), whose rows disagree on the prompt tokens, or repeat a
-            ``sample_index`` — the message names the group.
+            ``sample_index`` — the message names the group; ``rloo`` with groups of one sample.
     """
     validate_table(table)
     if table.num_rows == 0:
@@ -93,8 +95,10 @@ def build_train_batch(
     groups = _group_rows(cols["group_id"], cols["sample_index"], cols["prompt_token_ids"])
     rewards = torch.tensor(cols["reward"], dtype=torch.float32)
     row_index = torch.tensor([rows for rows in groups.values()], dtype=torch.int64)  # [G, n]
-    advantages = torch.empty_like(rewards)
-    advantages[row_index.flatten()] = grpo_advantages(rewards[row_index], cfg.adv_eps).flatten()
+    advantages = torch.zeros_like(rewards)
+    if cfg.advantage != "gae":
+        grouped = outcome_advantages(cfg.advantage, rewards[row_index], cfg.adv_eps)
+        advantages[row_index.flatten()] = grouped.flatten()
     input_ids, attention_mask, response_mask, behaviour = _pad_rows(
         cols["prompt_token_ids"], cols["response_token_ids"], cols["behaviour_logprobs"], pad_token_id
     )

@@ -6,6 +6,7 @@ Layout of one checkpoint (``{root}/global_step_{N}/``)::
     rng_rank{r}.safetensors            torch CPU (and CUDA) RNG + numpy MT19937 key, per rank
     rng_rank{r}.json                   python ``random`` state + numpy's scalar fields, per rank
     learner_config.json                ``LearnerConfig`` that wrote it (``gyre export`` rebuilds the engine)
+    algorithm_config.json              ``AlgorithmConfig`` (a critic's ``value_head`` is part of the state)
     metadata.json                      ``CheckpointMetadata``
     manifest.json                      ``{"files": {relpath: {"bytes", "sha256"}}, ...}`` — written last
 
@@ -44,6 +45,7 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 METADATA = "metadata.json"
 LEARNER_CONFIG = "learner_config.json"
+ALGORITHM_CONFIG = "algorithm_config.json"
 _NAME = re.compile(r"^global_step_(\d+)$")
 
 
@@ -85,7 +87,8 @@ class CheckpointMetadata:
     schema_version: int = SCHEMA_VERSION
     """``proto.trajectory.SCHEMA_VERSION`` the learner trained on; a mismatch always refuses resume."""
     world_size: int = 1
-    """Data-parallel ranks that wrote the checkpoint (resharding is not supported: must match)."""
+    """Data-parallel ranks that wrote the checkpoint (a different world size resumes through
+    ``learner.reshard``'s universal checkpoint; ZeRO-0 checkpoints are refused)."""
     wall_time: float = 0.0
     """Unix time (seconds) of the save."""
     format_version: int = FORMAT_VERSION
@@ -262,15 +265,20 @@ def check_resumable(path: Path, meta: CheckpointMetadata, fingerprint: str, worl
     """Refuse to resume from an incompatible checkpoint.
 
     Raises:
-        CheckpointError: schema version differs (always, naming both), world size differs (always), or
+        CheckpointError: schema version differs (always, naming both), world size differs and the
+            checkpoint cannot be resharded (``learner.reshard.reshard_refusal``: ZeRO-0, no learner config), or
             the task/dataset fingerprint differs (unless ``force``), listing each difference.
     """
     if meta.schema_version != SCHEMA_VERSION:
         raise CheckpointError(f"checkpoint {path} was written with trajectory schema version "
                               f"{meta.schema_version}; this learner uses schema version {SCHEMA_VERSION}")
     if meta.world_size != world_size:
-        raise CheckpointError(f"checkpoint {path} was written by world size {meta.world_size}; this learner "
-                              f"has world size {world_size} (resharding is not supported)")
+        from learner.reshard import reshard_refusal  # deferred: learner.reshard imports this module
+
+        if refusal := reshard_refusal(path):
+            raise CheckpointError(f"checkpoint {path} was written by world size {meta.world_size}; this learner "
+                                  f"has world size {world_size} and cannot reshard it: {refusal}")
+        log.info("resume_reshard", path=str(path), saved_world_size=meta.world_size, world_size=world_size)
     if meta.fingerprint != fingerprint:
         diff = f"fingerprint: checkpoint {meta.fingerprint!r} != current {fingerprint!r}"
         if not force:

@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import os
 import time
+from concurrent.futures import Future
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import structlog
+import torch
 import torch.distributed as dist
+from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
 
 from learner import checkpoint as ckpt
+from learner.async_save import BackgroundSaver, snapshot, write_captured
 
 if TYPE_CHECKING:
     from learner.engine import LearnerEngine
@@ -20,11 +24,15 @@ log = structlog.get_logger("learner")
 
 
 def save_checkpoint(learner: LearnerEngine, root: Path, pending_lease_ids: list[str] = (), acked_lease_count: int = 0,
-                    fingerprint: str = "", keep_last_n: int | None = None) -> Path:
+                    fingerprint: str = "", keep_last_n: int | None = None,
+                    saver: BackgroundSaver | None = None) -> Path | Future:
     """Commit ``{root}/global_step_{step}`` (``learner.checkpoint`` layout and protocol): DeepSpeed
     state (weights, optimizer, LR schedule) under ``deepspeed/``, every rank's RNG, metadata, manifest.
 
-    Returns the committed checkpoint's path (the same on every rank).
+    With a ``saver`` and world size 1 the save is asynchronous (``learner.async_save``): the state is
+    cloned to memory here (the only time training waits), then written and committed by the saver's
+    thread; returns a ``Future`` of the committed path (its ``result()`` raises what the write raised).
+    Otherwise (no saver, or world size > 1) returns the committed path (the same on every rank).
     """
     root = Path(root)
     rank = dist.get_rank()
@@ -33,22 +41,45 @@ def save_checkpoint(learner: LearnerEngine, root: Path, pending_lease_ids: list[
     holder = [os.getpid()]
     dist.broadcast_object_list(holder, src=0)
     tmp = ckpt.temp_path(root, learner.step, holder[0])
+    final = ckpt.checkpoint_path(root, learner.step)
+    meta = ckpt.CheckpointMetadata(
+        step=learner.step, policy_version=learner.version, pending_lease_ids=list(pending_lease_ids),
+        acked_lease_count=acked_lease_count, config_hash=learner.config_hash, fingerprint=fingerprint,
+        world_size=dist.get_world_size(), wall_time=time.time())
+    if saver is not None and dist.get_world_size() == 1:
+        saver.wait()  # one save in flight: its temp dir and pruning must not interleave with this one
+        captured = capture(learner.engine, tmp, "deepspeed")
+        _write_side_files(learner, tmp, rank)
+
+        def finish() -> Path:
+            write_captured(captured)
+            captured.clear()  # free the in-memory copy as soon as it is on disk
+            return _commit(root, tmp, final, meta, keep_last_n)
+
+        return saver.submit(finish)
     learner.engine.save_checkpoint(str(tmp), tag="deepspeed", save_latest=False)
+    _write_side_files(learner, tmp, rank)
+    dist.barrier()
+    if rank == 0:
+        _commit(root, tmp, final, meta, keep_last_n)
+    dist.barrier()
+    return final
+
+
+def _write_side_files(learner: LearnerEngine, tmp: Path, rank: int) -> None:
+    """This rank's RNG state and (rank 0) the learner config, captured at save time."""
     ckpt.save_rng(tmp, rank)
     if rank == 0:
         (tmp / ckpt.LEARNER_CONFIG).write_text(learner.config.model_dump_json(indent=2))
-    dist.barrier()
-    final = ckpt.checkpoint_path(root, learner.step)
-    if rank == 0:
-        meta = ckpt.CheckpointMetadata(
-            step=learner.step, policy_version=learner.version, pending_lease_ids=list(pending_lease_ids),
-            acked_lease_count=acked_lease_count, config_hash=learner.config_hash, fingerprint=fingerprint,
-            world_size=dist.get_world_size(), wall_time=time.time())
-        ckpt.commit(tmp, final, meta)
-        if keep_last_n is not None:
-            ckpt.prune(root, keep_last_n)
-    dist.barrier()
+        (tmp / ckpt.ALGORITHM_CONFIG).write_text(learner.algo.model_dump_json(indent=2))
+
+
+def _commit(root: Path, tmp: Path, final: Path, meta: ckpt.CheckpointMetadata, keep_last_n: int | None) -> Path:
+    ckpt.commit(tmp, final, meta)
+    if keep_last_n is not None:
+        ckpt.prune(root, keep_last_n)
     return final
+
 
 def load_checkpoint(learner: LearnerEngine, path: Path, fingerprint: str = "", force: bool = False) -> ckpt.CheckpointMetadata:
     """Verify ``path`` (a ``global_step_N`` dir), check it may be resumed
@@ -61,6 +92,10 @@ def load_checkpoint(learner: LearnerEngine, path: Path, fingerprint: str = "", f
     path = Path(path)
     meta = ckpt.verify(path)
     ckpt.check_resumable(path, meta, fingerprint, dist.get_world_size(), learner.config_hash, force)
+    if meta.world_size != dist.get_world_size():  # via DeepSpeed's universal checkpoint
+        from learner.reshard import load_resharded
+
+        return load_resharded(learner, path, meta.world_size)
     loaded, _ = learner.engine.load_checkpoint(str(path), tag="deepspeed")
     if loaded is None:
         raise ckpt.CheckpointError(f"checkpoint {path}: DeepSpeed found no state under deepspeed/")
@@ -69,3 +104,43 @@ def load_checkpoint(learner: LearnerEngine, path: Path, fingerprint: str = "", f
     log.info("checkpoint_loaded", path=str(path), step=meta.step, version=meta.policy_version,
              pending_leases=len(meta.pending_lease_ids), fingerprint_ok=meta.fingerprint == fingerprint)
     return meta
+
+
+class SnapshotCheckpointEngine(CheckpointEngine):
+    """A DeepSpeed ``CheckpointEngine`` whose ``save`` captures ``(path, snapshot(state_dict))`` in
+    ``captured`` instead of writing; directories are still created. ``load`` is torch's (unused: the
+    engine's own checkpoint engine is restored before any load)."""
+
+    def __init__(self) -> None:
+        super().__init__(None)
+        self.name = "GyreSnapshotCheckpointEngine"
+        self.captured: list[tuple[str, Any]] = []
+
+    def create(self, info: CheckpointCommitInfo) -> None:
+        self.captured = []
+
+    def save(self, state_dict, path: str) -> None:
+        self.captured.append((str(path), snapshot(state_dict)))
+
+    def load(self, path: str, map_location=None):
+        return torch.load(path, map_location=map_location, weights_only=False)
+
+    def commit(self, info: CheckpointCommitInfo) -> bool:
+        return True
+
+    def preserves_storage_sharing(self) -> bool:
+        return False  # ``snapshot`` already clones every tensor
+
+
+def capture(ds_engine, save_dir: Path, tag: str) -> list[tuple[str, Any]]:
+    """Run ``ds_engine.save_checkpoint(save_dir, tag)`` with a ``SnapshotCheckpointEngine`` and return
+    what it would have written, as ``[(path, state)]``; the engine's own checkpoint engine is restored
+    even on error. Small side files DeepSpeed writes directly (``zero_to_fp32.py``) are on disk."""
+    original = ds_engine.checkpoint_engine
+    snap = SnapshotCheckpointEngine()
+    ds_engine.checkpoint_engine = snap
+    try:
+        ds_engine.save_checkpoint(str(save_dir), tag=tag, save_latest=False)
+    finally:
+        ds_engine.checkpoint_engine = original
+    return snap.captured

@@ -4,32 +4,116 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class AlgorithmConfig(BaseModel):
-    """GRPO advantages + decoupled PPO loss with truncated importance sampling (see ``learner.algorithms``)."""
+    """The RL algorithm: advantage estimator, off-policy correction, regularisers and critic
+    (see ``learner.advantages`` and ``learner.losses``). The defaults are GRPO advantages with the
+    decoupled PPO loss (AReaL) times a token-level truncated importance weight (TIS)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "gae"] = "grpo"
+    """Advantage estimator. ``grpo``: ``(r - mean_g) / (std_g + adv_eps)`` (Shao et al. 2024);
+    ``dr_grpo``: ``r - mean_g`` (Liu et al. 2025; with ``loss_norm: auto`` it also gets the constant
+    token-sum normaliser); ``rloo``: leave-one-out baseline ``r_i - mean_{j != i} r_j`` (Ahmadian et al.
+    2024; needs groups of >= 2); ``reinforce_pp``: group-mean baseline then whole-batch normalisation
+    (REINFORCE++-baseline, Hu 2025); ``gae``: PPO with a value head and GAE over the response tokens
+    (Schulman et al. 2016), the outcome reward sitting on the last response token."""
+
+    policy_ratio: Literal["proximal", "behaviour"] = "proximal"
+    """What the PPO ratio ``pi / pi_anchor`` is clipped against. ``proximal``: the learner's own
+    logprobs recomputed at the start of the step (decoupled PPO, AReaL, Fu et al. 2025); the
+    behaviour -> proximal gap is then corrected by ``is_weight``. ``behaviour``: the rollout's (vLLM's)
+    logprobs (standard PPO-clip against the behaviour policy); ``is_weight`` must then be ``none`` or a
+    ``mis_*`` mask, since a truncated weight on top would correct the same gap twice."""
+
+    is_weight: Literal["tis_token", "tis_seq", "mis_token", "mis_seq", "none"] = "tis_token"
+    """Importance correction on ``rho = pi_proximal / pi_behaviour`` (detached), multiplied into each
+    token's loss. ``tis_token``: ``min(rho_t, tis_cap)`` (TIS, Yao et al. 2025); ``tis_seq``:
+    ``min(prod_t rho_t, tis_cap)`` over the trajectory, shared by its tokens; ``mis_token``: weight 1,
+    but tokens with ``rho_t`` outside ``[mis_low, mis_high]`` are dropped from the loss (masked IS /
+    "icepop"); ``mis_seq``: the same test on the trajectory's ``prod_t rho_t``, dropping whole
+    trajectories; ``none``: weight 1."""
+
     clip_eps_low: float = Field(0.2, ge=0.0, lt=1.0)
-    """PPO clip range below 1: the ratio ``pi/pi_prox`` is clipped at ``1 - clip_eps_low``."""
+    """PPO clip range below 1: the ratio ``pi/pi_anchor`` is clipped at ``1 - clip_eps_low``."""
 
     clip_eps_high: float = Field(0.2, ge=0.0)
     """PPO clip range above 1: the ratio is clipped at ``1 + clip_eps_high`` (DAPO's clip-higher
     sets this above ``clip_eps_low``, e.g. 0.28)."""
 
     tis_cap: float = Field(2.0, ge=1.0)
-    """Truncation ``C`` of the token-wise importance weight ``min(pi_prox/pi_behaviour, C)``
+    """Truncation ``C`` of the importance weight ``min(rho, C)`` of ``tis_token`` / ``tis_seq``
     (TIS, Yao et al. 2025). ``>= 1`` so that on-policy tokens (weight 1) are never truncated."""
 
+    mis_low: float = Field(0.5, ge=0.0, le=1.0)
+    """Lower edge of the kept band of ``mis_token`` / ``mis_seq``: ratios below it are masked out.
+    In ``[0, 1]`` so that on-policy tokens (ratio 1) are always kept."""
+
+    mis_high: float = Field(2.0, ge=1.0)
+    """Upper edge of the kept band of ``mis_token`` / ``mis_seq``: ratios above it are masked out."""
+
+    loss_norm: Literal["auto", "token_mean", "token_sum"] = "auto"
+    """What the summed token losses are divided by. ``token_mean``: the batch's response-token count
+    (DAPO); ``token_sum``: the constant ``max_response_tokens * B`` (Dr.GRPO, Liu et al. 2025), so a
+    token's weight does not depend on the length of its own or other responses; ``auto``:
+    ``token_sum`` for ``advantage: dr_grpo``, ``token_mean`` otherwise."""
+
+    max_response_tokens: int | None = Field(None, ge=1)
+    """The ``token_sum`` constant's per-sequence length: the rollout's generation budget
+    (``max_tokens``). ``None``: the longest response of each batch (then not constant across batches)."""
+
+    kl_coef: float = Field(0.0, ge=0.0)
+    """Coefficient of the KL penalty to a frozen reference model (the initial weights). The
+    reference model is loaded only when this is > 0."""
+
+    kl_estimator: Literal["k1", "k3"] = "k3"
+    """Per-token estimator of KL(pi || pi_ref) on the sampled tokens, ``x = log pi - log pi_ref``:
+    ``k1 = x``; ``k3 = exp(-x) - 1 + x`` (unbiased, always >= 0; Schulman,
+    http://joschu.net/blog/kl-approx.html)."""
+
+    entropy_coef: float = Field(0.0, ge=0.0)
+    """Coefficient of the entropy bonus: ``entropy_coef * mean token entropy`` is subtracted from the loss."""
+
+    gamma: float = Field(1.0, ge=0.0, le=1.0)
+    """GAE discount (``advantage: gae`` only)."""
+
+    lam: float = Field(0.95, ge=0.0, le=1.0)
+    """GAE lambda (``advantage: gae`` only): 0 is one-step TD, 1 is the Monte-Carlo return minus V."""
+
+    value_coef: float = Field(0.5, gt=0.0)
+    """Weight of the critic's clipped value loss in the total loss (``advantage: gae`` only)."""
+
+    value_clip: float = Field(0.2, gt=0.0)
+    """PPO value clipping: the new value may move at most this far from the step-start value
+    before the clipped branch of ``max((V - R)^2, (V_clip - R)^2)`` takes over (``advantage: gae``)."""
+
     adv_eps: float = Field(1e-6, gt=0.0)
-    """Added to the group reward std before dividing (GRPO); keeps equal-reward groups at 0 advantage."""
+    """Added to the reward std before dividing (``grpo``, ``reinforce_pp``); keeps equal-reward groups
+    at 0 advantage."""
 
     temperature: float = Field(1.0, gt=0.0)
     """Sampling temperature the rollout used. vLLM reports ``processed_logprobs`` (after temperature),
     so the learner divides its logits by the same value before the log-softmax. The rollout must not
     use top-k/top-p, which would renormalise the behaviour distribution."""
+
+    @model_validator(mode="after")
+    def _check_combinations(self) -> AlgorithmConfig:
+        if self.policy_ratio == "behaviour" and self.is_weight.startswith("tis"):
+            raise ValueError(
+                f"is_weight ({self.is_weight!r}) with policy_ratio 'behaviour' corrects the behaviour gap "
+                "twice; expected is_weight 'none', 'mis_token' or 'mis_seq' (or policy_ratio 'proximal')"
+            )
+        if self.mis_low >= self.mis_high:
+            raise ValueError(f"mis_low ({self.mis_low}) must be < mis_high ({self.mis_high})")
+        return self
+
+    @property
+    def token_sum_norm(self) -> bool:
+        """Whether the loss uses the constant Dr.GRPO normaliser (``loss_norm`` resolved)."""
+        return self.loss_norm == "token_sum" or (self.loss_norm == "auto" and self.advantage == "dr_grpo")
 
 
 class LearnerConfig(BaseModel):

@@ -10,6 +10,7 @@ import contextlib
 import os
 import socket
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,12 +21,16 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from learner import checkpoint as ckpt
-from learner.algorithms import policy_loss, token_logprobs
+from learner.advantages import gae, outcome_token_rewards
+from learner.algorithms import token_logprobs
 from learner.batch import TrainBatch
 from learner.config import AlgorithmConfig, LearnerConfig
+from learner.losses import kl_penalty, loss_normaliser, policy_loss, token_entropy, value_loss
+from learner.step_metrics import explained_variance, kish_ess_fraction, merge_metrics, staleness_histogram
 
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-_MAX_METRICS = ("is_ratio_max",)
+VALUE_HEAD = "value_head"
+"""Attribute name of the critic's value head on the HF model (and prefix of its parameter names)."""
 log = structlog.get_logger("learner")
 
 
@@ -79,14 +84,40 @@ def ensure_distributed() -> None:
     dist.init_process_group(backend, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
 
 
+@dataclass(frozen=True)
+class CriticTargets:
+    """GAE quantities of one batch, from the critic at the start of the step (``advantage: gae``).
+    All ``[B, L - 1]`` float32 on CPU, aligned with ``TrainBatch.response_mask``, 0 off the mask."""
+
+    advantages: torch.Tensor
+    """Per-token GAE advantages (``learner.advantages.gae``)."""
+
+    returns: torch.Tensor
+    """Value targets ``A + V_old``."""
+
+    old_values: torch.Tensor
+    """``V_old(s_t)``: the value head's predictions before this step's update (the clip anchor)."""
+
+
 class LearnerEngine:
-    """A causal LM under DeepSpeed, trained with GRPO + decoupled PPO/TIS (``learner.algorithms``).
+    """A causal LM under DeepSpeed, trained with the ``AlgorithmConfig`` algorithm
+    (``learner.advantages``, ``learner.losses``).
+
+    Critic (``advantage: gae``): a ``torch.nn.Linear(hidden_size, 1)`` value head, zero-initialised,
+    registered as the submodule ``value_head`` of the HF model *before* ``deepspeed.initialize``, so
+    it is trained by the same optimizer and saved/loaded in DeepSpeed checkpoints with the policy.
+    It reads the last hidden state (after the final norm) of the shared trunk; ``named_weights``
+    leaves it out, so vLLM never sees it. Reference model (``kl_coef > 0``): a second, frozen
+    (``requires_grad=False``, eval, no grad) copy of ``config.model`` outside DeepSpeed, never
+    checkpointed (it is the initial model and is reloaded from ``config.model``).
 
     Attributes:
         step: optimizer steps taken so far.
         version: policy version of the current weights: 0 for the loaded model, +1 per ``train_step``
             (each step publishes a new version).
         tied_lm_head: whether ``lm_head.weight`` is the input embedding (then omitted from weights).
+        critic: whether the value head exists (``advantage == "gae"``).
+        ref_model: the frozen reference model, or None when ``kl_coef == 0``.
     """
 
     def __init__(self, config: LearnerConfig, algo: AlgorithmConfig) -> None:
@@ -103,39 +134,59 @@ class LearnerEngine:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         out_emb = model.get_output_embeddings()
         self.tied_lm_head = out_emb is not None and out_emb.weight is model.get_input_embeddings().weight
+        self.critic = algo.advantage == "gae"
+        if self.critic:
+            head = torch.nn.Linear(model.config.hidden_size, 1, dtype=_DTYPES[config.dtype])
+            torch.nn.init.zeros_(head.weight)
+            torch.nn.init.zeros_(head.bias)
+            model.add_module(VALUE_HEAD, head)
         self.ds_config = build_ds_config(config)
         self.engine, _, _, _ = deepspeed.initialize(
             model=model, model_parameters=model.parameters(), config=self.ds_config
         )
         self.device = self.engine.device
+        self.ref_model = self._load_reference() if algo.kl_coef > 0 else None
+
+    def _load_reference(self) -> torch.nn.Module:
+        ref = AutoModelForCausalLM.from_pretrained(self.config.model, dtype=_DTYPES[self.config.dtype])
+        ref.config.use_cache = False
+        return ref.to(self.device).eval().requires_grad_(False)
 
     @property
     def module(self) -> torch.nn.Module:
-        """The wrapped HF model (parameters partitioned under ZeRO-3)."""
+        """The wrapped HF model (parameters partitioned under ZeRO-3; holds ``value_head`` with a critic)."""
         return self.engine.module
 
     # ---- training -----------------------------------------------------------------------------
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """One optimizer step on ``batch``: micro-batched forward/backward, clip, AdamW update.
 
-        Every micro-batch's loss is divided by the *whole batch's* valid-token count, so the
-        accumulated gradient equals that of a single token-mean over the batch.
+        Every micro-batch's loss is divided by the *whole batch's* normaliser
+        (``learner.losses.loss_normaliser``), so the accumulated gradient equals that of the full
+        batch. With a critic, a no-grad pass over the batch first computes ``V_old`` and GAE.
 
         Returns:
-            metrics: ``loss``, ``grad_norm`` (before clipping), ``tokens`` (non-pad tokens forwarded),
-            ``response_tokens``, ``step_time_s``, ``tokens_per_s``, the ``policy_loss`` metrics
-            (token-weighted over micro-batches; ``is_ratio_max`` is the max), ``reward_mean``,
-            ``reward_std``, ``advantage_abs_mean``, ``staleness_mean``, ``staleness_max``, ``step``.
+            metrics: ``loss`` (total), ``grad_norm`` (before clipping), ``tokens`` (non-pad tokens
+            forwarded), ``response_tokens``, ``step_time_s``, ``tokens_per_s``, the ``policy_loss``
+            metrics (token-weighted over micro-batches; ``is_ratio_max`` is the max), ``is_ess_frac``
+            (Kish ESS of ``pi_proximal / pi_behaviour`` over valid tokens, as a fraction), ``entropy``
+            (token-mean nats), ``kl_to_ref`` (token-mean estimate, only with ``kl_coef > 0``),
+            ``value_loss`` / ``value_clip_frac`` / ``explained_variance`` (critic only),
+            ``reward_mean``, ``reward_std``, ``advantage_abs_mean``, ``staleness_mean``,
+            ``staleness_max``, ``staleness_hist_0 .. staleness_hist_8`` (trajectory counts per lag,
+            the last bucket ``>= 8``), ``step``.
         """
         start = time.perf_counter()
         self.engine.train()
-        normaliser = float(max(batch.num_response_tokens, 1))
-        loss_total, parts = 0.0, []
+        normaliser = loss_normaliser(self.algo, batch.response_mask)
+        targets = self._critic_targets(batch) if self.critic else None
+        loss_total, parts, rhos = 0.0, [], []
         for lo in range(0, batch.batch_size, self.config.micro_batch_size):
             rows = slice(lo, lo + self.config.micro_batch_size)
-            loss, metrics = self._forward_backward(batch, rows, normaliser)
+            loss, metrics, rho = self._forward_backward(batch, rows, normaliser, targets)
             loss_total += loss
             parts.append(metrics)
+            rhos.append(rho)
         local_norm = self._local_grad_norm() if self.engine.optimizer is self.engine.basic_optimizer else None
         self.engine.step()
         self.step += 1
@@ -151,34 +202,111 @@ class LearnerEngine:
             "response_tokens": float(batch.num_response_tokens),
             "step_time_s": elapsed,
             "tokens_per_s": tokens / elapsed,
-            **_merge_metrics(parts),
-            "reward_mean": float(batch.rewards.mean()),
-            "reward_std": float(batch.rewards.std(unbiased=False)),
-            "advantage_abs_mean": float(batch.advantages.abs().mean()),
-            "staleness_mean": float(batch.staleness.float().mean()),
-            "staleness_max": float(batch.staleness.max()),
+            **merge_metrics(parts),
+            "is_ess_frac": kish_ess_fraction(torch.cat(rhos)),
+            **self._batch_metrics(batch, targets),
             "step": float(self.step),
         }
 
-    def _forward_backward(self, batch: TrainBatch, rows: slice, normaliser: float) -> tuple[float, dict]:
-        """Forward/backward one micro-batch (trimmed to its longest row); returns (loss, metrics)."""
+    def _batch_metrics(self, batch: TrainBatch, targets: CriticTargets | None) -> dict[str, float]:
+        """Reward, advantage, staleness (and critic) metrics of the batch itself."""
+        if targets is None:
+            adv_abs = float(batch.advantages.abs().mean())
+            critic = {}
+        else:
+            adv_abs = float(targets.advantages[batch.response_mask].abs().mean())
+            critic = {"explained_variance": explained_variance(
+                targets.old_values, targets.returns, batch.response_mask)}
+        return {
+            "reward_mean": float(batch.rewards.mean()),
+            "reward_std": float(batch.rewards.std(unbiased=False)),
+            "advantage_abs_mean": adv_abs,
+            "staleness_mean": float(batch.staleness.float().mean()),
+            "staleness_max": float(batch.staleness.max()),
+            **staleness_histogram(batch.staleness),
+            **critic,
+        }
+
+    def _forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor):
+        """Policy forward: ``(logits [B, L, V], values [B, L - 1] float32 or None)``; ``values[:, j]`` is
+        ``V`` of the state after ``input_ids[:, :j + 1]``, aligned with ``token_logprobs``."""
+        out = self.engine(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=self.critic)
+        if not self.critic:
+            return out.logits, None
+        values = getattr(self.module, VALUE_HEAD)(out.hidden_states[-1]).squeeze(-1)
+        return out.logits, values[:, :-1].float()
+
+    def _micro_inputs(self, batch: TrainBatch, rows: slice):
+        """input_ids, attention_mask (trimmed to the micro-batch's longest row), response mask, on device."""
         attention_mask = batch.attention_mask[rows]
         length = int(attention_mask.sum(dim=1).max())
-        input_ids = batch.input_ids[rows, :length].to(self.device)
-        attention_mask = attention_mask[:, :length].to(self.device)
-        logits = self.engine(input_ids=input_ids, attention_mask=attention_mask).logits
+        return (batch.input_ids[rows, :length].to(self.device), attention_mask[:, :length].to(self.device),
+                batch.response_mask[rows, : length - 1].to(self.device))
+
+    @torch.no_grad()
+    def _critic_targets(self, batch: TrainBatch) -> CriticTargets:
+        """``V_old`` over the whole batch, then GAE with the outcome reward on each last response token."""
+        old_values = torch.zeros(batch.response_mask.shape, dtype=torch.float32)
+        for lo in range(0, batch.batch_size, self.config.micro_batch_size):
+            rows = slice(lo, lo + self.config.micro_batch_size)
+            input_ids, attention_mask, _ = self._micro_inputs(batch, rows)
+            _, values = self._forward(input_ids, attention_mask)
+            old_values[rows, : values.shape[1]] = values.cpu()
+        mask = batch.response_mask
+        old_values = old_values * mask
+        rewards = outcome_token_rewards(batch.rewards, mask)
+        advantages, returns = gae(rewards, old_values, mask, self.algo.gamma, self.algo.lam)
+        return CriticTargets(advantages=advantages, returns=returns, old_values=old_values)
+
+    def _forward_backward(
+        self, batch: TrainBatch, rows: slice, normaliser: float, targets: CriticTargets | None
+    ) -> tuple[float, dict, torch.Tensor]:
+        """Forward/backward one micro-batch; returns (loss, metrics, valid tokens' rho = prox/behaviour)."""
+        input_ids, attention_mask, mask = self._micro_inputs(batch, rows)
+        cols = slice(0, input_ids.shape[1] - 1)
+        logits, values = self._forward(input_ids, attention_mask)
         logprobs = token_logprobs(logits, input_ids, self.algo.temperature)
+        behaviour = batch.behaviour_logprobs[rows, cols].to(self.device)
+        advantages = batch.advantages[rows] if targets is None else targets.advantages[rows, cols]
         loss, metrics = policy_loss(
             logprobs,
             logprobs.detach(),  # one optimizer step per batch: proximal == current at step start
-            batch.behaviour_logprobs[rows, : length - 1].to(self.device),
-            batch.advantages[rows].to(self.device),
-            batch.response_mask[rows, : length - 1].to(self.device),
+            behaviour,
+            advantages.to(self.device),
+            mask,
             self.algo,
             normaliser=normaliser,
         )
+        loss = loss + self._regularisers(logits, logprobs, input_ids, attention_mask, mask, normaliser, metrics)
+        if values is not None:
+            vloss, vmetrics = value_loss(values, targets.old_values[rows, cols].to(self.device),
+                                         targets.returns[rows, cols].to(self.device), mask,
+                                         self.algo.value_clip, normaliser)
+            loss = loss + self.algo.value_coef * vloss
+            metrics["value_loss"] = float(vloss.detach()) * normaliser / max(vmetrics["valid_tokens"], 1.0)
+            metrics["value_clip_frac"] = vmetrics["value_clip_frac"]
         self.engine.backward(loss, scale_wrt_gas=False)
-        return float(loss.detach()), metrics
+        rho = torch.exp(logprobs.detach() - behaviour)[mask]
+        return float(loss.detach()), metrics, rho.cpu()
+
+    def _regularisers(
+        self, logits, logprobs, input_ids, attention_mask, mask, normaliser: float, metrics: dict
+    ) -> torch.Tensor | float:
+        """``kl_coef * KL(pi || pi_ref) - entropy_coef * H``, token sums over ``normaliser``; records
+        the token-mean ``entropy`` and ``kl_to_ref`` in ``metrics``; 0.0 (adds nothing) when both are off."""
+        n = max(float(mask.sum()), 1.0)
+        with torch.set_grad_enabled(self.algo.entropy_coef > 0 and torch.is_grad_enabled()):
+            entropy = token_entropy(logits, mask, self.algo.temperature).sum()
+        metrics["entropy"] = float(entropy.detach()) / n
+        total = -self.algo.entropy_coef * entropy / normaliser if self.algo.entropy_coef > 0 else 0.0
+        if self.ref_model is not None and self.algo.kl_coef > 0:
+            with torch.no_grad():
+                ref_logits = self.ref_model(input_ids=input_ids, attention_mask=attention_mask).logits
+                ref_logprobs = token_logprobs(ref_logits, input_ids, self.algo.temperature)
+            kl = kl_penalty(logprobs, ref_logprobs, mask, self.algo.kl_estimator).sum()
+            metrics["kl_to_ref"] = float(kl.detach()) / n
+            total = total + self.algo.kl_coef * kl / normaliser
+        return total
 
     def _local_grad_norm(self) -> float:
         """2-norm of this rank's gradients; used only where DeepSpeed keeps no norm (ZeRO-0 fp32,
@@ -191,11 +319,12 @@ class LearnerEngine:
         """Full HF-named parameters as CPU contiguous tensors (what the rollout loads into vLLM).
 
         Gathered one parameter at a time under ZeRO-3. ``lm_head.weight`` is omitted when tied to the
-        input embedding (vLLM ties it). ``dtype=None`` keeps the training dtype.
+        input embedding (vLLM ties it), and so is the critic's ``value_head`` (not part of the policy).
+        ``dtype=None`` keeps the training dtype.
         """
         out = []
         for name, param in self.module.named_parameters():
-            if self.tied_lm_head and name == "lm_head.weight":
+            if (self.tied_lm_head and name == "lm_head.weight") or name.startswith(VALUE_HEAD + "."):
                 continue
             with self._gathered([param]):
                 tensor = param.detach().to("cpu", dtype=dtype or param.dtype, copy=True).contiguous()
@@ -218,11 +347,12 @@ class LearnerEngine:
 
     # ---- checkpoints (learner.ckpt_engine) ------------------------------------------------------
     def save_checkpoint(self, root: Path, pending_lease_ids: list[str] = (), acked_lease_count: int = 0,
-                        fingerprint: str = "", keep_last_n: int | None = None) -> Path:
-        """Commit ``{root}/global_step_{step}``; see ``learner.ckpt_engine.save_checkpoint``."""
+                        fingerprint: str = "", keep_last_n: int | None = None, saver=None):
+        """Commit ``{root}/global_step_{step}`` (a ``Future`` of it with a ``saver``: async save); see
+        ``learner.ckpt_engine.save_checkpoint``."""
         from learner.ckpt_engine import save_checkpoint
 
-        return save_checkpoint(self, root, pending_lease_ids, acked_lease_count, fingerprint, keep_last_n)
+        return save_checkpoint(self, root, pending_lease_ids, acked_lease_count, fingerprint, keep_last_n, saver)
 
     def load_checkpoint(self, path: Path, fingerprint: str = "", force: bool = False) -> ckpt.CheckpointMetadata:
         """Restore from ``path``; see ``learner.ckpt_engine.load_checkpoint``."""
@@ -230,16 +360,3 @@ class LearnerEngine:
 
         return load_checkpoint(self, path, fingerprint, force)
 
-
-def _merge_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
-    """Token-weighted mean of per-micro-batch metrics (max for ``*_max``), dropping ``valid_tokens``."""
-    total = sum(p["valid_tokens"] for p in parts)
-    merged: dict[str, float] = {}
-    for key in parts[0]:
-        if key == "valid_tokens":
-            continue
-        if key in _MAX_METRICS:
-            merged[key] = max(p[key] for p in parts if p["valid_tokens"] > 0) if total else 0.0
-        else:
-            merged[key] = sum(p[key] * p["valid_tokens"] for p in parts) / total if total else 0.0
-    return merged

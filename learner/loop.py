@@ -14,18 +14,29 @@ from __future__ import annotations
 import signal
 import threading
 import time
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Protocol
 
 import pyarrow as pa
 import structlog
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from learner.batch import build_train_batch
 from learner.config import AlgorithmConfig, LearnerConfig
+from learner.async_save import BackgroundSaver
 from learner.publisher import WeightPublisher
 
 log = structlog.get_logger("learner")
+
+
+class SaveRange(BaseModel):
+    """From optimizer step ``from_step`` on, checkpoint every ``interval`` steps."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    from_step: int = Field(ge=0)
+    interval: int = Field(ge=1)
 
 
 class LearnerLoopConfig(BaseModel):
@@ -45,6 +56,14 @@ class LearnerLoopConfig(BaseModel):
     """Checkpoint every this many steps (and always at the end, ``LearnerLoop.checkpoint``); leases are
     acked to replay only after the checkpoint holding their update commits, so replay's
     ``lease_ttl_s`` must exceed the wall time of ``save_interval`` steps plus one save."""
+    save_schedule: list[SaveRange] = []
+    """Adaptive save interval by step range (the seeds' schedule), e.g. ``[{from_step: 0, interval: 5},
+    {from_step: 100, interval: 50}]``: at step ``s`` the range with the largest ``from_step <= s`` applies
+    and a checkpoint is due when ``s % interval == 0``. Empty: ``save_interval`` everywhere."""
+    async_save: bool = False
+    """Write checkpoints in the background (``learner.async_save``): training waits only for an
+    in-memory copy of the state; leases are acked when the background commit finishes. World size 1
+    only (larger worlds save synchronously)."""
     keep_last_n: int = Field(3, ge=1)
     """Committed checkpoints kept; older ones are deleted after each save."""
     fingerprint: str = ""
@@ -54,6 +73,23 @@ class LearnerLoopConfig(BaseModel):
     ``none``: always start fresh; otherwise the path of a ``global_step_N`` checkpoint."""
     force_resume: bool = False
     """Resume even when the checkpoint's task/dataset fingerprint differs (schema mismatches never)."""
+
+
+    @field_validator("save_schedule")
+    @classmethod
+    def _schedule_sorted(cls, schedule: list[SaveRange]) -> list[SaveRange]:
+        starts = [r.from_step for r in schedule]
+        if starts != sorted(set(starts)):
+            raise ValueError(f"save_schedule from_step values {starts} must be strictly increasing")
+        return schedule
+
+    def save_interval_at(self, step: int) -> int:
+        """The checkpoint interval in force at optimizer step ``step``."""
+        interval = self.save_interval
+        for r in self.save_schedule:
+            if r.from_step <= step:
+                interval = r.interval
+        return interval
 
 
 class ReplaySource(Protocol):
@@ -95,6 +131,8 @@ class LearnerLoop:
         """Leases trained on since the last committed checkpoint (not acked yet)."""
         self.acked_lease_count = 0
         self.last_checkpoint: Path | None = None
+        self._saver = BackgroundSaver() if config.async_save else None
+        self._inflight: tuple[Future, list[str], str, float] | None = None  # (future, leases, name, started)
         self._emergency: int | None = None  # signal number awaiting an emergency checkpoint
 
     def install_signal_handlers(self) -> dict:
@@ -132,8 +170,10 @@ class LearnerLoop:
         self.pending_lease_ids.append(lease_id)
         save_s = 0.0
         emergency, self._emergency = self._emergency, None
-        if self.checkpoint_dir is not None and (emergency or self.engine.step % self.config.save_interval == 0):
-            save_s = self.checkpoint()
+        due = emergency or self.engine.step % self.config.save_interval_at(self.engine.step) == 0
+        if self.checkpoint_dir is not None and due:
+            save_s = self.checkpoint(wait=bool(emergency) or not self.config.async_save)
+        background = self.poll_background_save()
         if emergency == signal.SIGTERM:
             log.warning("stopping_after_sigterm", step=self.engine.step, checkpoint=str(self.last_checkpoint))
             raise StopRequested()
@@ -141,26 +181,67 @@ class LearnerLoop:
             **metrics,
             "step": self.engine.version, "version": self.engine.version, "groups": self.config.groups_per_step,
             "trajectories": table.num_rows, "sample_wait_s": t_sampled - t0, "train_s": t_trained - t_sampled,
-            "publish_s": publish_s, "checkpoint_s": save_s,
+            "publish_s": publish_s, "checkpoint_s": save_s, **background,
             "pending_leases": len(self.pending_lease_ids), "step_s": time.monotonic() - t0, "time": time.time(),
         }
 
-    def checkpoint(self) -> float:
-        """Commit a checkpoint of the current step (unless one exists already) and then ack every
-        pending lease; returns seconds. Raises ``RuntimeError`` without a ``checkpoint_dir``."""
+    def checkpoint(self, wait: bool = True) -> float:
+        """Checkpoint the current step (unless one exists or is being written already) and ack every
+        pending lease once it commits; returns the seconds training was blocked.
+
+        With ``config.async_save`` and ``wait=False`` the commit happens in the background: the leases
+        it covers are acked by ``poll_background_save`` after it commits (or returned to the pending list
+        if it fails, so the next checkpoint covers them). Raises ``RuntimeError`` without a
+        ``checkpoint_dir``, and what the save raised when ``wait``.
+        """
         if self.checkpoint_dir is None:
             raise RuntimeError("LearnerLoop has no checkpoint_dir; cannot checkpoint or ack")
         t0 = time.monotonic()
-        if self.last_checkpoint is None or self.last_checkpoint.name != f"global_step_{self.engine.step}":
-            self.last_checkpoint = self.engine.save_checkpoint(
-                self.checkpoint_dir, pending_lease_ids=self.pending_lease_ids,
-                acked_lease_count=self.acked_lease_count, fingerprint=self.config.fingerprint,
-                keep_last_n=self.config.keep_last_n)
-        if self.pending_lease_ids:
-            self.replay.ack(self.pending_lease_ids)
-            self.acked_lease_count += len(self.pending_lease_ids)
-            self.pending_lease_ids = []
+        name = f"global_step_{self.engine.step}"
+        inflight_here = self._inflight is not None and self._inflight[2] == name
+        if not inflight_here and (self.last_checkpoint is None or self.last_checkpoint.name != name):
+            self._finish_background_save(wait=True)
+            leases, self.pending_lease_ids = self.pending_lease_ids, []
+            kwargs = {"saver": self._saver} if self.config.async_save else {}
+            result = self.engine.save_checkpoint(
+                self.checkpoint_dir, pending_lease_ids=leases, acked_lease_count=self.acked_lease_count,
+                fingerprint=self.config.fingerprint, keep_last_n=self.config.keep_last_n, **kwargs)
+            if isinstance(result, Future):
+                self._inflight = (result, leases, name, time.monotonic())
+            else:
+                self.last_checkpoint = result
+                self._ack(leases)
+        if wait:
+            self._finish_background_save(wait=True, raise_errors=True)
         return time.monotonic() - t0
+
+    def poll_background_save(self) -> dict:
+        """Ack the leases of a background save that has committed; returns its metrics
+        (``checkpoint_write_s``: capture-to-commit seconds) or ``{}``."""
+        return self._finish_background_save(wait=False)
+
+    def _finish_background_save(self, wait: bool, raise_errors: bool = False) -> dict:
+        if self._inflight is None:
+            return {}
+        future, leases, name, started = self._inflight
+        if not wait and not future.done():
+            return {}
+        self._inflight = None
+        try:
+            self.last_checkpoint = future.result()
+        except Exception as exc:  # the write failed: the leases stay pending for the next checkpoint
+            self.pending_lease_ids = leases + self.pending_lease_ids
+            log.error("checkpoint_failed", checkpoint=name, error=f"{type(exc).__name__}: {exc}")
+            if raise_errors:
+                raise
+            return {"checkpoint_failed": 1.0}
+        self._ack(leases)
+        return {"checkpoint_write_s": time.monotonic() - started}
+
+    def _ack(self, leases: list[str]) -> None:
+        if leases:
+            self.replay.ack(leases)
+            self.acked_lease_count += len(leases)
 
     def resume(self) -> Path | None:
         """Apply ``config.resume``: load the chosen checkpoint into the engine and ``restore`` from it;

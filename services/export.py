@@ -22,7 +22,10 @@ def export_checkpoint(checkpoint: Path, out_dir: Path) -> Path:
     if not config_file.is_file():
         raise ckpt.CheckpointError(f"checkpoint {checkpoint}: {ckpt.LEARNER_CONFIG} is missing; cannot export")
     config = LearnerConfig.model_validate_json(config_file.read_text())
-    engine = LearnerEngine(config, AlgorithmConfig())
+    algo_file = checkpoint / ckpt.ALGORITHM_CONFIG
+    algo = AlgorithmConfig.model_validate_json(algo_file.read_text()) if algo_file.is_file() else AlgorithmConfig()
+    # The state must match (a critic's value_head is in it); a KL reference model is not needed to export.
+    engine = LearnerEngine(config, algo.model_copy(update={"kl_coef": 0.0}))
     engine.load_checkpoint(checkpoint, fingerprint=meta.fingerprint)
     engine.export_hf(Path(out_dir), config.model)
     return Path(out_dir)

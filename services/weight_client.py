@@ -13,6 +13,7 @@ import torch
 from proto import weights_pb2, weights_pb2_grpc
 from proto.tensor_chunks import ChunkAssembler, ChunkError, TensorChunk
 from services import grpc_common
+from services.security import SecurityConfig
 
 log = structlog.get_logger("weights")
 
@@ -32,11 +33,14 @@ class WeightSubscriber:
         on_version: called in the subscriber thread with ``(version, [(name, tensor)])``; if it
             raises, the version is not counted as delivered and is fetched again on reconnect.
         have_version: newest version the caller already has (-1 for none).
+        security: TLS and token settings for the channel (``None``: plaintext, no token).
     """
 
     def __init__(self, address: str, on_version: OnVersion, have_version: int = -1, name: str = "",
-                 chunk_timeout_s: float = 30.0, backoff_s: float = 0.5, max_backoff_s: float = 10.0) -> None:
+                 chunk_timeout_s: float = 30.0, backoff_s: float = 0.5, max_backoff_s: float = 10.0,
+                 security: SecurityConfig | None = None) -> None:
         self.address = address
+        self.security = security
         self.on_version = on_version
         self.have_version = have_version
         self.name = name
@@ -72,7 +76,7 @@ class WeightSubscriber:
                 backoff = min(backoff * 2, self.max_backoff_s)
 
     def _stream_once(self) -> None:
-        with grpc_common.channel(self.address) as ch:
+        with grpc_common.channel(self.address, self.security) as ch:
             stub = weights_pb2_grpc.WeightServiceStub(ch)
             self._call = stub.Subscribe(weights_pb2.SubscribeRequest(have_version=self.have_version,
                                                                      subscriber=self.name))

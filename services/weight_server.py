@@ -10,6 +10,7 @@ from proto import weights_pb2, weights_pb2_grpc
 from proto.tensor_chunks import iter_chunks
 from proto.trajectory import SCHEMA_VERSION
 from services import grpc_common
+from services.security import SecurityConfig
 
 log = structlog.get_logger("weights")
 SERVICE_NAME = "gyre.weights.v1.WeightService"
@@ -42,10 +43,13 @@ class WeightServicer(weights_pb2_grpc.WeightServiceServicer):
         return weights_pb2.LatestResponse(version=self.publisher.version)
 
 
-def serve(publisher: WeightPublisher, host: str = "127.0.0.1", port: int = 0) -> tuple[grpc.Server, int]:
-    """Start a weight server on ``host:port`` (0 = free port); returns ``(server, bound_port)``."""
-    server, health_servicer = grpc_common.make_server()
+def serve(publisher: WeightPublisher, host: str | None = None, port: int = 0,
+          security: SecurityConfig | None = None) -> tuple[grpc.Server, int]:
+    """Start a weight server on ``host:port`` (0 = free port; host defaults to ``security.bind_host``,
+    else 127.0.0.1), with TLS and token auth per ``security``; returns ``(server, bound_port)``."""
+    host = grpc_common.bind_host(host, security)
+    server, health_servicer = grpc_common.make_server(security=security)
     weights_pb2_grpc.add_WeightServiceServicer_to_server(WeightServicer(publisher), server)
-    port = grpc_common.start(server, health_servicer, SERVICE_NAME, host, port)
+    port = grpc_common.start(server, health_servicer, SERVICE_NAME, host, port, security)
     log.info("weights_serving", address=f"{host}:{port}")
     return server, port

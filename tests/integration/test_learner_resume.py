@@ -62,10 +62,11 @@ def crashed(setup, name: str, *args: str, fault: str = "") -> Path:
 @pytest.mark.parametrize("crash, latest", [
     (("--kill-after", "3"), "global_step_2"),  # kill -9 after training step 3, before saving it
     ((), "global_step_2"),  # dies inside the save of step 3, before the rename
-], ids=["kill9_between_checkpoints", "exit_during_save_before_rename"])
+    (("--async-save",), "global_step_2"),  # background save of step 3 dies after its first file
+], ids=["kill9_between_checkpoints", "exit_during_save_before_rename", "async_save_dies_mid_write"])
 def test_killed_learner_resumes_bit_identically(setup, crash, latest):
     model, base, reference = setup
-    fault = "" if crash else "learner.ckpt.before_rename#3"
+    fault = {(): "learner.ckpt.before_rename#3", ("--async-save",): "learner.ckpt.mid_write#3"}.get(crash, "")
     root = crashed(setup, f"crash{len(crash)}", *crash, fault=fault)
     assert ckpt.find_latest_verified(root) == root / latest
     assert run(model, root, base / "resumed.safetensors", "--resume") == 0

@@ -1,4 +1,5 @@
-"""Hand-computed checks of learner.algorithms (GRPO advantages, decoupled PPO + TIS loss)."""
+"""Hand-computed checks of learner.algorithms (GRPO advantages, decoupled PPO + TIS loss) and of the
+per-step metrics of learner.step_metrics (ESS, staleness histogram, explained variance, merging)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 
 from learner.algorithms import grpo_advantages, policy_loss, token_logprobs
 from learner.config import AlgorithmConfig
+from learner.step_metrics import explained_variance, kish_ess_fraction, merge_metrics, staleness_histogram
 
 CFG = AlgorithmConfig(clip_eps_low=0.2, clip_eps_high=0.2, tis_cap=2.0, adv_eps=1e-6)
 LN = math.log
@@ -151,3 +153,37 @@ def test_policy_loss_validates_shapes():
         policy_loss(x, x, x, torch.zeros(2), mask.float(), CFG)
     with pytest.raises(ValueError, match="normaliser"):
         policy_loss(x, x, x, torch.zeros(2), mask, CFG, normaliser=0.0)
+
+
+def test_kish_ess_fraction():
+    # w = (1, 1, 2): (sum w)^2 / sum w^2 = 16 / 6 = 2.6667 effective of 3 -> 0.888889
+    assert kish_ess_fraction(torch.tensor([1.0, 1.0, 2.0])) == pytest.approx(8 / 9)
+    assert kish_ess_fraction(torch.full((5,), 0.7)) == pytest.approx(1.0)  # on-policy: all equal
+    assert kish_ess_fraction(torch.tensor([0.0, 0.0, 5.0])) == pytest.approx(1 / 3)  # one carries all
+    assert kish_ess_fraction(torch.zeros(0)) == 0.0
+    with pytest.raises(ValueError, match="must be >= 0; got min -1.0"):
+        kish_ess_fraction(torch.tensor([1.0, -1.0]))
+
+
+def test_staleness_histogram_caps_the_last_bucket():
+    # lags 0, 1, 1, 3, 12, -1 with max bucket 3: bucket 0 <- {0, -1}, 1 <- {1, 1}, 2 <- {}, 3 <- {3, 12}
+    hist = staleness_histogram(torch.tensor([0, 1, 1, 3, 12, -1]), max_bucket=3)
+    assert hist == {"staleness_hist_0": 2.0, "staleness_hist_1": 2.0, "staleness_hist_2": 0.0, "staleness_hist_3": 2.0}
+    assert list(staleness_histogram(torch.tensor([0]))) == [f"staleness_hist_{k}" for k in range(9)]
+
+
+def test_explained_variance():
+    # R = (1, 2, 3), V = (1, 2, 2): R - V = (0, 0, 1), var 2/9; var R = 2/3 -> 1 - 1/3 = 0.666667
+    mask = torch.tensor([[True, True, True, False]])
+    ev = explained_variance(torch.tensor([[1.0, 2.0, 2.0, 50.0]]), torch.tensor([[1.0, 2.0, 3.0, 0.0]]), mask)
+    assert ev == pytest.approx(2 / 3)
+    assert math.isnan(explained_variance(torch.zeros(1, 2), torch.ones(1, 2), torch.ones(1, 2, dtype=torch.bool)))
+
+
+def test_merge_metrics_token_weighted_and_max():
+    parts = [
+        {"ppo_clip_frac": 1.0, "is_ratio_max": 2.0, "entropy": 3.0, "valid_tokens": 1.0},
+        {"ppo_clip_frac": 4.0, "is_ratio_max": 3.0, "valid_tokens": 3.0},
+    ]
+    # (1 * 1 + 4 * 3) / 4 = 3.25; max 3; entropy only in the first part -> its own value
+    assert merge_metrics(parts) == {"ppo_clip_frac": 3.25, "is_ratio_max": 3.0, "entropy": 3.0}

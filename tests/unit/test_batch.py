@@ -99,3 +99,27 @@ def test_empty_prompt_is_rejected():
     rows = [_traj(1, 0, [], [5], 1.0), _traj(1, 1, [], [6], 0.0)]
     with pytest.raises(ValueError, match="empty prompt"):
         build_train_batch(to_table(rows), pad_token_id=PAD, learner_version=0, cfg=CFG)
+
+
+@pytest.mark.parametrize(
+    ("advantage", "expected"),
+    [
+        # rows: (group 7-0, r 1), (9-0, r 0), (7-0, r 0), (9-0, r 0); group 9-0 is constant -> 0 everywhere
+        ("grpo", [1.0, 0.0, -1.0, 0.0]),  # (1, 0): mean 0.5, std 0.5
+        ("dr_grpo", [0.5, 0.0, -0.5, 0.0]),  # no std division
+        ("rloo", [1.0, 0.0, -1.0, 0.0]),  # 1 - 0 and 0 - 1
+        # centred (0.5, 0, -0.5, 0): batch population std sqrt(0.5 / 4) = 0.353553 -> +-1.414214
+        ("reinforce_pp", [1.414214, 0.0, -1.414214, 0.0]),
+        ("gae", [0.0, 0.0, 0.0, 0.0]),  # computed in the engine from the critic's values
+    ],
+)
+def test_advantage_estimator_is_picked_from_config(advantage, expected):
+    cfg = AlgorithmConfig(advantage=advantage)
+    batch = build_train_batch(to_table(_rows()), pad_token_id=PAD, learner_version=4, cfg=cfg)
+    torch.testing.assert_close(batch.advantages, torch.tensor(expected), atol=1e-5, rtol=0)
+
+
+def test_rloo_rejects_single_sample_groups():
+    rows = [_traj(1, 0, [5], [6], 1.0), _traj(2, 0, [5], [7], 0.0)]
+    with pytest.raises(ValueError, match="group size 1"):
+        build_train_batch(to_table(rows), pad_token_id=PAD, learner_version=0, cfg=AlgorithmConfig(advantage="rloo"))

@@ -1,3 +1,5 @@
+import time
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,7 @@ class FakeLearnerEngine:
     def __init__(self):
         self.step = self.version = 0
         self.batches, self.saves = [], []
+        self.futures, self.future_paths = [], []
 
     def train_step(self, batch):
         self.batches.append(batch)
@@ -30,9 +33,15 @@ class FakeLearnerEngine:
         self.step, self.version = meta.step, meta.policy_version
         return meta
 
-    def save_checkpoint(self, root, pending_lease_ids=(), acked_lease_count=0, fingerprint="", keep_last_n=None):
+    def save_checkpoint(self, root, pending_lease_ids=(), acked_lease_count=0, fingerprint="", keep_last_n=None,
+                        saver=None):
         self.saves.append((self.step, list(pending_lease_ids), acked_lease_count))
-        return root / f"global_step_{self.step}"
+        path = root / f"global_step_{self.step}"
+        if saver is None:
+            return path
+        self.futures.append(Future())  # the test completes (or fails) it: the background write
+        self.future_paths.append(path)
+        return self.futures[-1]
 
     def named_weights(self):
         return [("w", torch.full((4,), float(self.version)))]
@@ -150,3 +159,72 @@ def test_resume_auto_loads_the_newest_verified_checkpoint_and_acks_its_pending_l
     assert loop.engine.version == 7 and buf.info()["acked_groups_total"] == 2
     none_loop, _ = make_loop(buf, checkpoint_dir=tmp_path, resume="none")
     assert none_loop.resume() is None and none_loop.engine.version == 0
+
+
+def test_async_save_acks_its_leases_only_after_the_background_commit():
+    buf = filled_buffer(6)
+    loop, _ = make_loop(buf, save_interval=2, async_save=True, sample_timeout_s=5)
+    engine = loop.engine
+    loop.step()
+    row = loop.step()  # step 2: the save starts in the background; training is not blocked on it
+    assert [s[0] for s in engine.saves] == [2] and len(engine.saves[0][1]) == 2
+    assert buf.info()["acked_groups_total"] == 0 and "checkpoint_write_s" not in row
+    assert loop.last_checkpoint is None and not loop.pending_lease_ids
+    engine.futures[0].set_result(engine.future_paths[0])
+    row = loop.step()  # step 3: the commit has finished -> its 2 leases are acked, step 3's stays pending
+    assert "checkpoint_write_s" in row and buf.info()["acked_groups_total"] == 4
+    assert loop.last_checkpoint.name == "global_step_2" and len(loop.pending_lease_ids) == 1
+
+
+def test_a_failed_async_save_returns_its_leases_to_the_next_checkpoint():
+    buf = filled_buffer(6)
+    loop, _ = make_loop(buf, save_interval=2, async_save=True, sample_timeout_s=5)
+    engine = loop.engine
+    loop.step()
+    loop.step()
+    first_leases = engine.saves[0][1]
+    engine.futures[0].set_exception(OSError(28, "No space left on device"))
+    row = loop.step()
+    assert row["checkpoint_failed"] == 1.0 and buf.info()["acked_groups_total"] == 0
+    assert loop.pending_lease_ids[:2] == first_leases and loop.last_checkpoint is None
+    _complete_soon(engine, 1)
+    loop.checkpoint()  # the final (waited-for) checkpoint covers all three steps' leases
+    assert engine.saves[1][1][:2] == first_leases and len(engine.saves[1][1]) == 3
+    assert buf.info()["acked_groups_total"] == 6 and loop.last_checkpoint.name == "global_step_3"
+
+
+def test_checkpoint_wait_raises_what_the_background_write_raised():
+    buf = filled_buffer(4)
+    loop, _ = make_loop(buf, save_interval=100, async_save=True, sample_timeout_s=5)
+    loop.step()
+    _complete_soon(loop.engine, 0, OSError(5, "Input/output error"))
+    with pytest.raises(OSError, match="Input/output error"):
+        loop.checkpoint(wait=True)
+    assert loop.pending_lease_ids and buf.info()["acked_groups_total"] == 0
+
+
+def _complete_soon(engine, index: int, error: Exception | None = None) -> None:
+    """From another thread, finish the ``index``-th background save once it exists (as the writer would)."""
+    import threading
+
+    def finish():
+        while len(engine.futures) <= index:
+            time.sleep(0.01)
+        if error is None:
+            engine.futures[index].set_result(engine.future_paths[index])
+        else:
+            engine.futures[index].set_exception(error)
+
+    threading.Thread(target=finish, daemon=True).start()
+
+
+def test_save_schedule_changes_the_interval_by_step_range():
+    cfg = LearnerLoopConfig(engine=LearnerConfig(model=str(SMOLLM2_DIR)), save_interval=10,
+                            save_schedule=[{"from_step": 0, "interval": 2}, {"from_step": 6, "interval": 5}])
+    due = [s for s in range(1, 21) if s % cfg.save_interval_at(s) == 0]
+    assert due == [2, 4, 10, 15, 20]
+    plain = LearnerLoopConfig(engine=LearnerConfig(model=str(SMOLLM2_DIR)), save_interval=10)
+    assert [s for s in range(1, 31) if s % plain.save_interval_at(s) == 0] == [10, 20, 30]
+    with pytest.raises(ValueError, match=r"save_schedule from_step values \[5, 0\] must be strictly increasing"):
+        LearnerLoopConfig(engine=LearnerConfig(model=str(SMOLLM2_DIR)),
+                          save_schedule=[{"from_step": 5, "interval": 2}, {"from_step": 0, "interval": 5}])

@@ -1,0 +1,218 @@
+"""Advantage estimators: outcome-reward baselines over groups, and GAE over a value model.
+
+Pure torch, no state. The outcome estimators map ``[G, n]`` group rewards (one scalar reward per
+trajectory, ``n`` samples of the same prompt per row) to ``[G, n]`` advantages that are broadcast
+over each trajectory's response tokens; ``gae`` maps per-token rewards and values to per-token
+advantages and returns.
+
+References:
+    - GRPO: Shao et al. 2024, "DeepSeekMath" (group mean/std normalisation).
+    - Dr.GRPO: Liu et al. 2025, "Understanding R1-Zero-Like Training: A Critical Perspective"
+      (no std division; the matching constant loss normaliser is ``learner.losses.loss_normaliser``).
+    - RLOO: Ahmadian et al. 2024, "Back to Basics: Revisiting REINFORCE Style Optimization for
+      Learning from Human Feedback in LLMs" (leave-one-out baseline).
+    - REINFORCE++-baseline: Hu 2025, "REINFORCE++: A Simple and Efficient Approach for Aligning
+      Large Language Models" (group-mean baseline, then normalised over the whole batch).
+    - GAE: Schulman et al. 2016, "High-Dimensional Continuous Control Using Generalized Advantage
+      Estimation".
+"""
+
+from __future__ import annotations
+
+import torch
+
+OUTCOME_ESTIMATORS: tuple[str, ...] = ("grpo", "dr_grpo", "rloo", "reinforce_pp")
+
+
+def _check_groups(rewards: torch.Tensor) -> torch.Tensor:
+    if rewards.dim() != 2:
+        raise ValueError(f"rewards must be [G, n]; got shape {tuple(rewards.shape)}")
+    return rewards.float()
+
+
+def _check_eps(eps: float) -> None:
+    if eps <= 0:
+        raise ValueError(f"eps ({eps}) must be > 0")
+
+
+def grpo_advantages(rewards: torch.Tensor, eps: float) -> torch.Tensor:
+    """Group-normalised advantages ``(r - mean_g) / (std_g + eps)`` (GRPO outcome supervision, Shao et al. 2024).
+
+    ``std_g`` is the *population* std (divide by ``n``, ``unbiased=False``): it is defined for any
+    group size including ``n = 1`` (the sample std is NaN there), and it makes the advantages of
+    every non-constant group have exactly unit root-mean-square. A group whose rewards are all equal
+    gets advantage 0 for every member (``0 / (0 + eps)``).
+
+    Args:
+        rewards: ``[G, n]`` float, one row per group.
+        eps: ``> 0``, added to the std.
+
+    Returns:
+        ``[G, n]`` float32 advantages.
+
+    Raises:
+        ValueError: ``rewards`` is not 2-D or ``eps`` is not positive.
+    """
+    r = _check_groups(rewards)
+    _check_eps(eps)
+    mean = r.mean(dim=1, keepdim=True)
+    std = r.std(dim=1, keepdim=True, unbiased=False)
+    return (r - mean) / (std + eps)
+
+
+def dr_grpo_advantages(rewards: torch.Tensor) -> torch.Tensor:
+    """Dr.GRPO advantages ``r - mean_g`` (Liu et al. 2025): GRPO without the std division, which
+    up-weights near-constant (too easy / too hard) groups.
+
+    Args:
+        rewards: ``[G, n]`` float.
+
+    Returns:
+        ``[G, n]`` float32; 0 for a group of equal rewards.
+
+    Raises:
+        ValueError: ``rewards`` is not 2-D.
+    """
+    r = _check_groups(rewards)
+    return r - r.mean(dim=1, keepdim=True)
+
+
+def rloo_advantages(rewards: torch.Tensor) -> torch.Tensor:
+    """REINFORCE leave-one-out advantages ``r_i - mean_{j != i} r_j`` (Ahmadian et al. 2024).
+
+    Equal to ``n / (n - 1) * (r_i - mean_g)``: the baseline of each sample is the mean reward of the
+    *other* samples of its group, so it is independent of ``r_i`` and the estimator is unbiased.
+
+    Args:
+        rewards: ``[G, n]`` float with ``n >= 2``.
+
+    Returns:
+        ``[G, n]`` float32.
+
+    Raises:
+        ValueError: ``rewards`` is not 2-D, or ``n < 2`` (no other sample to form a baseline).
+    """
+    r = _check_groups(rewards)
+    n = r.shape[1]
+    if n < 2:
+        raise ValueError(f"RLOO needs groups of >= 2 samples (a leave-one-out baseline); got group size {n}")
+    others_mean = (r.sum(dim=1, keepdim=True) - r) / (n - 1)
+    return r - others_mean
+
+
+def reinforce_pp_advantages(rewards: torch.Tensor, eps: float) -> torch.Tensor:
+    """REINFORCE++-baseline advantages (Hu 2025): subtract the group mean, then normalise the result
+    over the *whole batch*: ``a = r - mean_g``; ``A = (a - mean(a)) / (std(a) + eps)`` (population
+    std over all ``G * n`` entries).
+
+    Args:
+        rewards: ``[G, n]`` float.
+        eps: ``> 0``, added to the batch std.
+
+    Returns:
+        ``[G, n]`` float32; all 0 when every group has equal rewards.
+
+    Raises:
+        ValueError: ``rewards`` is not 2-D or ``eps`` is not positive.
+    """
+    _check_eps(eps)
+    centred = dr_grpo_advantages(rewards)
+    return (centred - centred.mean()) / (centred.std(unbiased=False) + eps)
+
+
+def outcome_advantages(estimator: str, rewards: torch.Tensor, eps: float) -> torch.Tensor:
+    """``[G, n]`` advantages of the named outcome estimator (``grpo``, ``dr_grpo``, ``rloo``,
+    ``reinforce_pp``); ``eps`` is used by ``grpo`` and ``reinforce_pp``.
+
+    Raises:
+        ValueError: unknown ``estimator`` (``gae`` is not an outcome estimator: it needs values), or
+            the estimator's own errors.
+    """
+    if estimator == "grpo":
+        return grpo_advantages(rewards, eps)
+    if estimator == "dr_grpo":
+        return dr_grpo_advantages(rewards)
+    if estimator == "rloo":
+        return rloo_advantages(rewards)
+    if estimator == "reinforce_pp":
+        return reinforce_pp_advantages(rewards, eps)
+    raise ValueError(
+        f"advantage estimator {estimator!r} is not an outcome estimator; expected one of {OUTCOME_ESTIMATORS}"
+    )
+
+
+def outcome_token_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Place each trajectory's outcome reward on its last response token (the GAE reward layout).
+
+    Args:
+        rewards: ``[B]`` float, one reward per trajectory.
+        mask: ``[B, T]`` bool, True on response tokens.
+
+    Returns:
+        ``[B, T]`` float32: ``rewards[b]`` at the last True index of row ``b``, 0 elsewhere (a row
+        without response tokens gets no reward).
+
+    Raises:
+        ValueError: shapes disagree or ``mask`` is not bool.
+    """
+    if mask.dim() != 2 or mask.dtype != torch.bool:
+        raise ValueError(f"mask must be a [B, T] bool tensor; got {tuple(mask.shape)} {mask.dtype}")
+    if rewards.shape != mask.shape[:1]:
+        raise ValueError(f"rewards has shape {tuple(rewards.shape)}; expected ({mask.shape[0]},)")
+    positions = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
+    last = torch.where(mask, positions, torch.full_like(positions, -1)).max(dim=1).values  # [B]
+    out = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+    has = last >= 0
+    out[has.nonzero().flatten(), last[has]] = rewards.float()[has]
+    return out
+
+
+def gae(
+    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation (Schulman et al. 2016) over each row's response tokens.
+
+    With ``m_t`` = mask, ``V_{T} = 0`` and the token after a row's last valid one treated as terminal::
+
+        delta_t = r_t + gamma * m_{t+1} * V_{t+1} - V_t
+        A_t     = delta_t + gamma * lam * m_{t+1} * A_{t+1}
+        R_t     = A_t + V_t                                   # the value target ("returns")
+
+    The valid tokens of a row must be one contiguous span (prompt before, padding after), as in
+    ``learner.batch.TrainBatch``; both outputs are 0 where ``mask`` is False.
+
+    Args:
+        rewards: ``[B, T]`` float, per-token rewards (outcome reward on the last token, see
+            ``outcome_token_rewards``).
+        values: ``[B, T]`` float, the critic's ``V(s_t)`` (detached here).
+        mask: ``[B, T]`` bool.
+        gamma: discount in ``[0, 1]``.
+        lam: GAE lambda in ``[0, 1]`` (0: one-step TD, 1: Monte-Carlo return minus ``V``).
+
+    Returns:
+        ``(advantages, returns)``, each ``[B, T]`` float32.
+
+    Raises:
+        ValueError: shapes disagree, ``mask`` is not bool, or ``gamma``/``lam`` outside ``[0, 1]``.
+    """
+    if mask.dtype != torch.bool or rewards.shape != mask.shape or values.shape != mask.shape or mask.dim() != 2:
+        raise ValueError(
+            f"rewards {tuple(rewards.shape)}, values {tuple(values.shape)} and mask {tuple(mask.shape)} "
+            f"({mask.dtype}) must all be [B, T] with a bool mask"
+        )
+    for name, x in (("gamma", gamma), ("lam", lam)):
+        if not 0.0 <= x <= 1.0:
+            raise ValueError(f"{name} ({x}) must lie in [0, 1]")
+    m = mask.float()
+    r = rewards.float() * m
+    v = values.detach().float() * m
+    advantages = torch.zeros_like(r)
+    next_value = torch.zeros_like(r[:, 0])
+    next_adv = torch.zeros_like(r[:, 0])
+    next_mask = torch.zeros_like(r[:, 0])
+    for t in range(r.shape[1] - 1, -1, -1):
+        delta = r[:, t] + gamma * next_mask * next_value - v[:, t]
+        adv_t = (delta + gamma * lam * next_mask * next_adv) * m[:, t]
+        advantages[:, t] = adv_t
+        next_value, next_adv, next_mask = v[:, t], adv_t, m[:, t]
+    return advantages, (advantages + v) * m

@@ -1,0 +1,282 @@
+"""Loss terms of the learner step: PPO-clip policy loss with off-policy corrections, KL to a
+reference model, entropy, and the critic's clipped value loss. Pure torch, no state.
+
+Every term is a *sum* over valid tokens divided by a caller-given ``normaliser`` (``loss_normaliser``),
+so per-micro-batch losses add up to the full batch's loss and gradient.
+
+References:
+    - Decoupled PPO: Fu et al. 2025, "AReaL" (clip against a *proximal* policy, correct behaviour ->
+      proximal by importance sampling).
+    - TIS: Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training"
+      (truncated importance weight ``min(pi_learner / pi_rollout, C)``, token or sequence level).
+    - MIS / "icepop": masked importance sampling of the 2025 off-policy RL literature (tokens or
+      trajectories whose ratio leaves a band are dropped from the gradient, not clipped).
+    - KL estimators k1/k3: Schulman, "Approximating KL Divergence", http://joschu.net/blog/kl-approx.html
+    - Value clipping: Schulman et al. 2017 "PPO" / OpenAI baselines ``ppo2``.
+    - Token-mean aggregation: Yu et al. 2025, "DAPO"; constant token-sum: Liu et al. 2025, "Dr.GRPO".
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from learner.config import AlgorithmConfig
+
+
+def loss_normaliser(cfg: AlgorithmConfig, response_mask: torch.Tensor) -> float:
+    """What the batch's summed token losses are divided by (``cfg.loss_norm``).
+
+    Args:
+        cfg: ``loss_norm`` / ``max_response_tokens`` / ``advantage``.
+        response_mask: ``[B, T]`` bool of the *whole* batch.
+
+    Returns:
+        ``token_mean``: number of valid tokens (at least 1). ``token_sum`` (Dr.GRPO): ``L * B`` with
+        ``L = cfg.max_response_tokens``, or the longest response of the batch when that is None.
+    """
+    if cfg.token_sum_norm:
+        length = cfg.max_response_tokens or int(response_mask.sum(dim=1).max())
+        return float(max(length * response_mask.shape[0], 1))
+    return float(max(int(response_mask.sum()), 1))
+
+
+def _masked_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return torch.where(mask, x, torch.zeros_like(x)).sum()
+
+
+def importance_weights(
+    log_rho: torch.Tensor, mask: torch.Tensor, cfg: AlgorithmConfig
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The ``cfg.is_weight`` correction from ``log_rho = log pi_proximal - log pi_behaviour``.
+
+    Args:
+        log_rho: ``[B, T]`` float32, detached, 0 where ``mask`` is False.
+        mask: ``[B, T]`` bool, valid tokens.
+        cfg: ``is_weight``, ``tis_cap``, ``mis_low``, ``mis_high``.
+
+    Returns:
+        ``(weight, keep, truncated)``, each ``[B, T]``: the float32 weight multiplied into each token's
+        loss; bool ``keep`` (False where MIS drops the token; all True otherwise); bool ``truncated``
+        (True where TIS capped the weight). Sequence-level modes use ``sum_t log_rho_t`` of the row
+        (the log of the product of token ratios) for every token of that row.
+    """
+    ones = torch.ones_like(log_rho)
+    every = torch.ones_like(mask)
+    none = torch.zeros_like(mask)
+    mode = cfg.is_weight
+    if mode == "none":
+        return ones, every, none
+    log_w = log_rho
+    if mode.endswith("_seq"):
+        log_w = torch.where(mask, log_rho, torch.zeros_like(log_rho)).sum(dim=1, keepdim=True).expand_as(log_rho)
+    if mode.startswith("tis"):
+        rho = torch.exp(log_w)  # a sequence's product may overflow to inf: truncated to the cap below
+        return torch.clamp(rho, max=cfg.tis_cap), every, (rho > cfg.tis_cap) & mask
+    low = math.log(cfg.mis_low) if cfg.mis_low > 0 else -math.inf
+    high = math.log(cfg.mis_high)
+    keep = (log_w >= low) & (log_w <= high)
+    return ones, keep, none
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    proximal_logprobs: torch.Tensor,
+    behaviour_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    cfg: AlgorithmConfig,
+    normaliser: float | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """PPO-clip policy loss with the configured off-policy correction, summed over valid tokens.
+
+    Per valid token, with ``anchor`` = proximal (``cfg.policy_ratio == "proximal"``, decoupled PPO) or
+    behaviour (``"behaviour"``, standard PPO against the rollout policy)::
+
+        r    = exp(logprobs - anchor)                              # current / anchor
+        rho  = exp(proximal - behaviour)          (detached)       # proximal / behaviour
+        w, keep = importance_weights(log rho)                      # TIS / MIS / none
+        l    = -w * min(r * A, clip(r, 1 - eps_low, 1 + eps_high) * A)    (0 where not keep)
+        loss = sum_valid(l) / normaliser
+
+    With the defaults (proximal anchor, ``tis_token``) this is AReaL's decoupled objective with
+    Yao et al.'s token TIS. MIS-dropped tokens still count in ``normaliser`` (they are masked, not
+    removed from the batch), so accumulation over micro-batches stays exact.
+
+    Args:
+        logprobs: ``[B, T]`` float32, current policy, with grad.
+        proximal_logprobs: ``[B, T]`` float32, the learner's logprobs at the start of the step
+            (detached here; with one optimizer step per batch this is ``logprobs.detach()``).
+        behaviour_logprobs: ``[B, T]`` float32, the rollout's logprobs (any value at masked positions).
+        advantages: ``[B]`` (one per trajectory, broadcast over its tokens) or ``[B, T]`` (per token,
+            GAE) float32.
+        mask: ``[B, T]`` bool, True at response tokens that count.
+        cfg: ``policy_ratio``, ``is_weight`` and its caps/band, clip ranges.
+        normaliser: what the token sum is divided by; pass the *full batch's* value
+            (``loss_normaliser``) when this call sees one micro-batch. Defaults to ``mask.sum()`` (>= 1).
+
+    Returns:
+        ``(loss, metrics)``: scalar loss tensor; metrics (floats over this call's valid tokens, 0 if
+        none): ``is_ratio_mean`` / ``is_ratio_max`` of ``rho`` before any truncation,
+        ``tis_clip_frac`` (fraction of tokens whose weight TIS capped), ``mis_masked_frac`` (fraction
+        MIS dropped), ``ppo_clip_frac`` (fraction where the clipped branch is active, i.e. zero
+        gradient), ``approx_kl`` = mean of Schulman's k3 estimator of KL(behaviour || current) with
+        ``rho``: ``rho - 1 - log rho`` (``>= 0``), and ``valid_tokens``.
+
+    Raises:
+        ValueError: shapes disagree or ``normaliser`` is not positive.
+    """
+    _check_shapes(logprobs, proximal_logprobs, behaviour_logprobs, advantages, mask)
+    if normaliser is None:
+        normaliser = max(float(mask.sum()), 1.0)
+    if normaliser <= 0:
+        raise ValueError(f"normaliser ({normaliser}) must be > 0")
+    zeros = torch.zeros_like(logprobs, dtype=torch.float32)
+    proximal = proximal_logprobs.detach().float()
+    behaviour = behaviour_logprobs.detach().float()
+    anchor = proximal if cfg.policy_ratio == "proximal" else behaviour
+    ratio = torch.exp(torch.where(mask, logprobs.float() - anchor, zeros))
+    log_rho = torch.where(mask, proximal - behaviour, zeros)
+    weight, keep, truncated = importance_weights(log_rho, mask, cfg)
+    adv = advantages.float() if advantages.dim() == 2 else advantages.float().unsqueeze(1)
+    unclipped = ratio * adv
+    clipped = torch.clamp(ratio, 1.0 - cfg.clip_eps_low, 1.0 + cfg.clip_eps_high) * adv
+    per_token = -torch.minimum(unclipped, clipped) * weight
+    loss = _masked_sum(per_token, mask & keep) / normaliser
+    with torch.no_grad():
+        metrics = _metrics(log_rho, clipped < unclipped, truncated, ~keep, mask)
+    return loss, metrics
+
+
+def _check_shapes(logprobs, proximal, behaviour, advantages, mask) -> None:
+    shape = logprobs.shape
+    if logprobs.dim() != 2:
+        raise ValueError(f"logprobs must be [B, T]; got {tuple(shape)}")
+    for name, t in (("proximal_logprobs", proximal), ("behaviour_logprobs", behaviour), ("mask", mask)):
+        if t.shape != shape:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}; expected {tuple(shape)}")
+    if mask.dtype != torch.bool:
+        raise ValueError(f"mask must be bool; got {mask.dtype}")
+    if advantages.shape not in (shape[:1], shape):
+        raise ValueError(f"advantages has shape {tuple(advantages.shape)}; expected ({shape[0]},) or {tuple(shape)}")
+
+
+def _metrics(log_rho, ppo_clipped, truncated, dropped, mask) -> dict[str, float]:
+    n = int(mask.sum())
+    keys = ("is_ratio_mean", "is_ratio_max", "tis_clip_frac", "mis_masked_frac", "ppo_clip_frac", "approx_kl")
+    if n == 0:
+        return {**{k: 0.0 for k in keys}, "valid_tokens": 0.0}
+    rho = torch.exp(log_rho[mask])
+    k3 = rho - 1.0 - log_rho[mask]
+    return {
+        "is_ratio_mean": float(rho.mean()),
+        "is_ratio_max": float(rho.max()),
+        "tis_clip_frac": float(truncated[mask].float().mean()),
+        "mis_masked_frac": float(dropped[mask].float().mean()),
+        "ppo_clip_frac": float(ppo_clipped[mask].float().mean()),
+        "approx_kl": float(k3.mean()),
+        "valid_tokens": float(n),
+    }
+
+
+def kl_penalty(
+    logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor, estimator: str
+) -> torch.Tensor:
+    """Per-token estimate of KL(pi || pi_ref) on sampled tokens (Schulman, http://joschu.net/blog/kl-approx.html).
+
+    With ``x = logprobs - ref_logprobs``: ``k1 = x``; ``k3 = exp(-x) - 1 + x`` (>= 0). Both are
+    differentiated through ``logprobs`` only (the reference is detached).
+
+    Args:
+        logprobs: ``[B, T]`` float32, current policy, with grad.
+        ref_logprobs: ``[B, T]`` float32, frozen reference model.
+        mask: ``[B, T]`` bool; ``x`` is set to 0 elsewhere *before* the estimator, so prompt and
+            padding positions can neither overflow ``exp(-x)`` nor leak NaN into the gradient.
+        estimator: ``"k1"`` or ``"k3"``.
+
+    Returns:
+        ``[B, T]`` float32 per-token estimates, 0 where ``mask`` is False.
+
+    Raises:
+        ValueError: shapes disagree or unknown ``estimator``.
+    """
+    for name, t in (("ref_logprobs", ref_logprobs), ("mask", mask)):
+        if t.shape != logprobs.shape:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}; expected {tuple(logprobs.shape)}")
+    x = logprobs.float() - ref_logprobs.detach().float()
+    x = torch.where(mask, x, torch.zeros_like(x))
+    if estimator == "k1":
+        return x
+    if estimator == "k3":
+        return torch.exp(-x) - 1.0 + x
+    raise ValueError(f"kl estimator {estimator!r}; expected 'k1' or 'k3'")
+
+
+def token_entropy(logits: torch.Tensor, mask: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Entropy (nats) of ``softmax(logits / temperature)`` at each scored position, only where ``mask``.
+
+    Args:
+        logits: ``[B, L, V]``; position ``j`` predicts token ``j + 1`` (as in ``token_logprobs``).
+        mask: ``[B, L - 1]`` bool; entropy is computed (in float32, ``[N, V]`` for N valid tokens)
+            only there, to spare the prompt and padding positions.
+        temperature: divides the logits.
+
+    Returns:
+        ``[B, L - 1]`` float32, ``H = logsumexp(z) - sum(softmax(z) * z)``, 0 where ``mask`` is False;
+        differentiable.
+
+    Raises:
+        ValueError: ``mask`` is not ``[B, L - 1]``.
+    """
+    if mask.shape != (logits.shape[0], logits.shape[1] - 1):
+        raise ValueError(f"mask has shape {tuple(mask.shape)}; expected {(logits.shape[0], logits.shape[1] - 1)}")
+    z = logits[:, :-1][mask].float() / temperature  # [N, V]
+    h = torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(dim=-1)
+    out = torch.zeros(mask.shape, dtype=torch.float32, device=logits.device)
+    return out.masked_scatter(mask, h)
+
+
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    clip: float,
+    normaliser: float,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """PPO clipped value loss (Schulman et al. 2017; OpenAI baselines ``ppo2``)::
+
+        V_clip = V_old + clamp(V - V_old, -clip, clip)
+        l      = 0.5 * max((V - R)^2, (V_clip - R)^2)
+        loss   = sum_valid(l) / normaliser
+
+    Args:
+        values: ``[B, T]`` float, the critic now, with grad.
+        old_values: ``[B, T]`` float, the critic at the start of the step (detached).
+        returns: ``[B, T]`` float, GAE value targets ``R`` (detached).
+        mask: ``[B, T]`` bool.
+        clip: ``> 0``, how far ``V`` may move from ``V_old`` before the clipped branch dominates.
+        normaliser: ``> 0``.
+
+    Returns:
+        ``(loss, metrics)``: ``value_clip_frac`` (fraction of valid tokens where the clipped branch is
+        the larger one) and ``valid_tokens``.
+
+    Raises:
+        ValueError: shapes disagree, ``clip`` or ``normaliser`` not positive.
+    """
+    for name, t in (("old_values", old_values), ("returns", returns), ("mask", mask)):
+        if t.shape != values.shape:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}; expected {tuple(values.shape)}")
+    if clip <= 0 or normaliser <= 0:
+        raise ValueError(f"clip ({clip}) and normaliser ({normaliser}) must be > 0")
+    v = values.float()
+    old = old_values.detach().float()
+    ret = returns.detach().float()
+    v_clip = old + torch.clamp(v - old, -clip, clip)
+    unclipped, clipped = (v - ret) ** 2, (v_clip - ret) ** 2
+    loss = _masked_sum(0.5 * torch.maximum(unclipped, clipped), mask) / normaliser
+    n = int(mask.sum())
+    frac = float((clipped > unclipped)[mask].float().mean()) if n else 0.0
+    return loss, {"value_clip_frac": frac, "valid_tokens": float(n)}
