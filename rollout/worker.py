@@ -18,7 +18,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from proto.trajectory import Trajectory, make_ids, to_table
 from rollout.config import EngineConfig, SamplingConfig
-from rollout.tasks import REWARD_FN_VERSION, TaskSource
+from rollout.spool import Spool, SpoolFlusher
+from rollout.rewards.scoring import score_many
+from rollout.tasks import TaskSource
 
 log = structlog.get_logger("rollout")
 
@@ -42,6 +44,14 @@ class RolloutConfig(BaseModel):
     """Greedy token budget for held-out evaluation."""
     retry_backoff_s: float = Field(1.0, gt=0)
     """First wait (seconds) before re-sending a batch replay did not acknowledge; doubles up to 30 s."""
+    spool_dir: str | None = None
+    """Durable local spool (``rollout.spool``) of groups replay has not acknowledged; one directory per
+    rollout service. ``None``: each group is inserted directly and its generation slot waits for the ack."""
+    spool_max_groups: int = Field(64, ge=1)
+    """Backpressure: no new prompt is leased while the spool holds at least this many groups (groups
+    already in flight still land in it, so it may exceed this by up to ``groups_in_flight``)."""
+    spool_max_bytes: int = Field(256 * 1024 * 1024, ge=1)
+    """Backpressure: no new prompt is leased while the spool holds at least this many bytes."""
 
 
 class ReplaySink(Protocol):
@@ -60,6 +70,8 @@ class RolloutStats:
     weight_updates: int = 0
     last_update_s: float = 0.0
     insert_retries: int = 0
+    spool: Spool | None = None
+    """The worker's spool, if configured; its gauges (``SpoolStats.as_dict``) join ``as_dict``."""
 
     def as_dict(self, version: int) -> dict:
         elapsed = max(time.monotonic() - self.started_at, 1e-9)
@@ -67,7 +79,7 @@ class RolloutStats:
                 "tokens": self.tokens, "tokens_per_s": self.tokens / elapsed,
                 "reward_mean": self.reward_sum / max(self.trajectories, 1),
                 "weight_updates": self.weight_updates, "last_update_s": self.last_update_s,
-                "insert_retries": self.insert_retries}
+                "insert_retries": self.insert_retries, **(self.spool.stats().as_dict() if self.spool else {})}
 
 
 class RolloutWorker:
@@ -88,6 +100,12 @@ class RolloutWorker:
         self.engine, self.replay, self.tokenizer, self.seed = engine, replay, tokenizer, seed
         self.stats = RolloutStats()
         self._stopping = asyncio.Event()
+        self.spool = (Spool(config.spool_dir, config.spool_max_bytes, config.spool_max_groups)
+                      if config.spool_dir else None)
+        self.stats.spool = self.spool
+        self.flusher = SpoolFlusher(self.spool, self._insert_with_retry) if self.spool else None
+        self._flush_wakeup = asyncio.Event()
+        self._puts: set[asyncio.Future] = set()
 
     # ---- weights ------------------------------------------------------------------------------
     async def apply_weights(self, version: int, named_tensors) -> None:
@@ -101,61 +119,109 @@ class RolloutWorker:
 
     # ---- generation loop ----------------------------------------------------------------------
     async def run(self) -> None:
-        """Generate until ``stop()``; at most ``groups_in_flight`` prompts at once."""
+        """Generate until ``stop()``; at most ``groups_in_flight`` prompts at once.
+
+        With a spool: first ``recover()`` it and start the flusher (which delivers what a previous
+        incarnation left, oldest first); on stop, groups still in the spool stay there for the next start
+        (or ``self.flusher.drain``). Raises whatever the flusher raised (not a retryable replay error).
+        """
         loop = asyncio.get_running_loop()
         tasks: set[asyncio.Task] = set()
-        while not self._stopping.is_set():
-            if len(tasks) < self.config.groups_in_flight:
-                try:
-                    leases = await self._lease_one(loop)
-                except ConnectionError as exc:
-                    log.warning("replay_unreachable", rollout=self.rollout_id, error=str(exc)[:200])
-                    leases = []
-                if leases:
-                    tasks.add(asyncio.create_task(self._one_group(*leases[0])))
-                    continue
-            if tasks:
-                done, tasks = await asyncio.wait(tasks, timeout=0.5, return_when=asyncio.FIRST_COMPLETED)
-                for t in done:
-                    t.result()
-            else:
-                await asyncio.sleep(0.2)
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        flusher = await self._start_spool(loop)
+        try:
+            while not self._stopping.is_set():
+                if flusher is not None and flusher.done():
+                    flusher.result()  # it only ends by raising
+                if len(tasks) < self.config.groups_in_flight:
+                    try:
+                        leases = await self._lease_one(loop)
+                    except ConnectionError as exc:
+                        log.warning("replay_unreachable", rollout=self.rollout_id, error=str(exc)[:200])
+                        leases = []
+                    if leases:
+                        tasks.add(asyncio.create_task(self._one_group(*leases[0])))
+                        continue
+                if tasks:
+                    done, tasks = await asyncio.wait(tasks, timeout=0.5, return_when=asyncio.FIRST_COMPLETED)
+                    for t in done:
+                        t.result()
+                else:
+                    await asyncio.sleep(0.2)
+        finally:  # also when run() itself is cancelled or fails: no group task or flusher outlives it
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.gather(*self._puts, return_exceptions=True)  # a cancelled group's put still finishes
+            if flusher is not None:
+                flusher.cancel()
+                await asyncio.gather(flusher, return_exceptions=True)
 
     def stop(self) -> None:
         self._stopping.set()
 
+    def swap_reward(self, config) -> dict[str, str]:
+        """Swap reward functions without restarting (``TaskSource.swap_reward``): validated first, an invalid
+        config raises and the old rewards keep scoring; groups started afterwards use the new ones.
+        Returns ``{task: reward_fn_version}`` now in force."""
+        versions = self.task.swap_reward(config)
+        log.info("reward_swapped", rollout=self.rollout_id, versions=versions)
+        return versions
+
     async def _lease_one(self, loop) -> list[tuple[int, int]]:
-        """One prompt lease, or none while replay already holds ``max_ready_groups`` ready groups."""
+        """One prompt lease, or none while the spool is full or replay already holds ``max_ready_groups``
+        ready groups. Raises ``ConnectionError`` when replay is unreachable: prompt leases come from replay,
+        so an outage stops new prompts; groups already leased still finish into the spool."""
+        if self.spool is not None and self.spool.full():
+            return []
         info = await loop.run_in_executor(None, self.replay.info)
         if info.size_groups >= self.config.max_ready_groups:
             return []
         return await loop.run_in_executor(None, self.replay.lease_prompts, self.rollout_id, 1)
 
     async def _one_group(self, prompt_index: int, attempt: int) -> None:
-        problem = self.task.train_problem(prompt_index)
-        prompt_ids = self._prompt_ids(problem["question"])
+        problem = self.task.problem(prompt_index)
+        reward_fn = self.task.reward_for(problem.task)  # bound at group start: a reward swap applies to later groups
+        prompt_ids = self._prompt_ids(problem)
         _, group_id = make_ids(prompt_index, 0, attempt)
         seed = zlib.crc32(f"{self.seed}-{group_id}".encode())
         samples = await self.engine.generate(prompt_ids, self.config.group_size, self.config.sampling,
                                              request_id=f"{group_id}@{self.rollout_id}", seed=seed)
+        scored = await score_many([(reward_fn, s.text, problem.entry) for s in samples])  # off the event loop
         rows = []
         for i, s in enumerate(samples):
             tid, gid = make_ids(prompt_index, i, attempt)
             rows.append(Trajectory(
                 trajectory_id=tid, group_id=gid, prompt_index=prompt_index, sample_index=i, attempt=attempt,
-                task=self.task.config.name, prompt_token_ids=prompt_ids, response_token_ids=list(s.token_ids),
-                behaviour_logprobs=list(s.logprobs), reward=self.task.score(s.text, problem),
+                task=problem.task, prompt_token_ids=prompt_ids, response_token_ids=list(s.token_ids),
+                behaviour_logprobs=list(s.logprobs), reward=scored[i].reward, reward_error=scored[i].error,
                 finish_reason=s.finish_reason, version_span_starts=list(s.version_span_starts),
-                version_span_versions=list(s.version_span_versions), reward_fn_version=REWARD_FN_VERSION,
+                version_span_versions=list(s.version_span_versions), reward_fn_version=scored[i].version,
                 rollout_id=self.rollout_id, created_at=time.time()))
-        await self._insert_with_retry(to_table(rows))
+        await self._deliver(to_table(rows))
         self.stats.groups += 1
         self.stats.trajectories += len(rows)
         self.stats.tokens += sum(len(r.response_token_ids) for r in rows)
         self.stats.reward_sum += sum(r.reward for r in rows)
+
+    async def _start_spool(self, loop) -> asyncio.Task | None:
+        """Recover the spool (quarantining corrupt files) and start its flusher task; None without a spool."""
+        if self.spool is None:
+            return None
+        entries = await loop.run_in_executor(None, self.spool.recover)
+        log.info("spool_recovered", rollout=self.rollout_id, pending_groups=len(entries),
+                 pending_bytes=sum(e.nbytes for e in entries))
+        return asyncio.create_task(self.flusher.run(self._flush_wakeup))
+
+    async def _deliver(self, table: pa.Table) -> None:
+        """Hand a finished group on: durable in the spool (the flusher sends it), else insert and wait."""
+        if self.spool is None:
+            await self._insert_with_retry(table)
+            return
+        put = asyncio.get_running_loop().run_in_executor(None, self.spool.put, table)
+        self._puts.add(put)
+        put.add_done_callback(self._puts.discard)
+        await asyncio.shield(put)  # once generated, a group reaches the disk even if this task is cancelled
+        self._flush_wakeup.set()
 
     async def _insert_with_retry(self, table: pa.Table) -> None:
         """Re-send until replay acknowledges; ids make a retried batch harmless."""
@@ -183,10 +249,11 @@ class RolloutWorker:
         Returns ``heldout_accuracy`` (fraction of exactly correct answers, in [0, 1]), ``heldout_correct``,
         ``heldout_size``, ``heldout_score_mean`` (mean verifier score, with its partial credit) and ``version``.
         """
-        problems = self.task.heldout_problems()
-        prompts = [self._prompt_ids(p["question"]) for p in problems]
+        problems = self.task.heldout()
+        prompts = [self._prompt_ids(p) for p in problems]
         samples = await self.engine.generate_greedy(prompts, self.config.eval_max_new_tokens)
-        scores = [self.task.score(s.text, p) for s, p in zip(samples, problems)]
+        results = await score_many([(self.task.reward_for(p.task), s.text, p.entry) for s, p in zip(samples, problems)])
+        scores = [r.reward for r in results]
         correct = sum(score >= 1.0 for score in scores)  # exact answers; the verifier gives partial credit
         return {"heldout_accuracy": correct / len(problems), "heldout_correct": correct,
                 "heldout_size": len(problems), "heldout_score_mean": sum(scores) / len(problems),

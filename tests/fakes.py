@@ -91,3 +91,61 @@ class FakeReplay:
 class FakeTokenizer:
     def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True):
         return [len(m["content"]) for m in messages]
+
+
+class SlowEngine(FakeEngine):
+    """``FakeEngine`` whose ``generate`` takes ``delay_s`` seconds and records each finished group's
+    request id (``"{group_id}@{rollout_id}"``) in ``generated``."""
+
+    def __init__(self, texts: list[str], delay_s: float, version: int = 0) -> None:
+        super().__init__(texts, version)
+        self.delay_s, self.generated = delay_s, []
+
+    async def generate(self, prompt_token_ids, n, sampling, request_id, seed=None):
+        import asyncio
+
+        await asyncio.sleep(self.delay_s)
+        out = await super().generate(prompt_token_ids, n, sampling, request_id, seed)
+        self.generated.append(request_id)
+        return out
+
+
+class OutageReplay(FakeReplay):
+    """``FakeReplay`` that can be switched off: while ``down`` every call raises ``ConnectionError``;
+    inserts of a prompt index in ``refuse`` raise ``refuse[index]`` (a permanent refusal)."""
+
+    def __init__(self, buffer, refuse: dict | None = None) -> None:
+        super().__init__(buffer)
+        self.down, self.refuse = False, refuse or {}
+
+    def _check(self) -> None:
+        if self.down:
+            raise ConnectionError("replay down (scripted outage)")
+
+    def lease_prompts(self, consumer, count, ttl_s=0.0):
+        self._check()
+        return super().lease_prompts(consumer, count, ttl_s)
+
+    def insert(self, table):
+        self.insert_calls += 1
+        self._check()
+        for index in set(table.column("prompt_index").to_pylist()) & self.refuse.keys():
+            raise self.refuse[index]
+        return self.buffer.insert(table)
+
+    def info(self):
+        self._check()
+        return super().info()
+
+
+class FakeRpcError(Exception):
+    """Stands in for ``grpc.RpcError``: ``code().name`` is the status name, e.g. ``"INVALID_ARGUMENT"``."""
+
+    def __init__(self, code_name: str, details: str = "") -> None:
+        super().__init__(f"{code_name}: {details}")
+        self._code_name = code_name
+
+    def code(self):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(name=self._code_name)

@@ -12,7 +12,7 @@ import torch
 
 from learner.publisher import WeightPublisher
 from proto import replay_pb2, replay_pb2_grpc
-from proto.trajectory import to_ipc
+from proto.trajectory import SCHEMA_VERSION, to_ipc
 from replay.buffer import TrajectoryBuffer
 from replay.config import ReplayConfig
 from services import grpc_common, replay_server, weight_server
@@ -87,9 +87,9 @@ def test_bad_inputs_get_named_errors_and_change_nothing(replay):
 
     cases = [
         (dict(schema_version=9, arrow_ipc=to_ipc(group_table(0))), "schema_version 9 is not supported"),
-        (dict(schema_version=1, arrow_ipc=b"junk"), "not an Arrow IPC stream"),
-        (dict(schema_version=1, arrow_ipc=to_ipc(group_table(0, response_len=5000))), "limit is 65536"),
-    ] + [(dict(schema_version=1, arrow_ipc=_raw_ipc(t)), m) for t, m in _bad_tables()]
+        (dict(schema_version=SCHEMA_VERSION, arrow_ipc=b"junk"), "not an Arrow IPC stream"),
+        (dict(schema_version=SCHEMA_VERSION, arrow_ipc=to_ipc(group_table(0, response_len=5000))), "limit is 65536"),
+    ] + [(dict(schema_version=SCHEMA_VERSION, arrow_ipc=_raw_ipc(t)), m) for t, m in _bad_tables()]
     for kwargs, message in cases:
         with pytest.raises(grpc.RpcError) as err:
             insert(**kwargs)

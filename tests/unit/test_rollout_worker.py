@@ -68,3 +68,64 @@ def test_evaluate_counts_exact_answers_only():
     worker = make_worker(FakeReplay(TrajectoryBuffer(ReplayConfig())), engine=ScriptedEngine([]))
     result = asyncio.run(worker.evaluate())
     assert result["heldout_correct"] == 2 and result["heldout_accuracy"] == 0.5
+
+
+def make_spool_worker(replay, spool_dir, engine=None, **cfg):
+    config = RolloutConfig.model_construct(
+        engine=None, sampling=SamplingConfig(), group_size=2, groups_in_flight=cfg.get("groups_in_flight", 2),
+        max_ready_groups=cfg.get("max_ready_groups", 1000), eval_max_new_tokens=8, retry_backoff_s=0.01,
+        num_workers=1, spool_dir=str(spool_dir), spool_max_groups=cfg.get("spool_max_groups", 5),
+        spool_max_bytes=cfg.get("spool_max_bytes", 10**9))
+    return RolloutWorker("r0", config, TASK, engine or FakeEngine(["7"]), replay, FakeTokenizer(), seed=3)
+
+
+def test_spool_keeps_generating_while_inserts_fail_until_its_limit_then_flushes(tmp_path):
+    buf = TrajectoryBuffer(ReplayConfig())
+    replay = FakeReplay(buf, fail_inserts=10**9)  # replay leases prompts but acknowledges no insert
+    worker = make_spool_worker(replay, tmp_path, spool_max_groups=5, groups_in_flight=1)
+    asyncio.run(run_for(worker, 1.0))
+    # Generation did not wait for acks: it stopped at the spool limit (5 groups), not at the first insert.
+    assert worker.stats.groups == 5 and buf.ledger.num_leased == 5
+    assert worker.spool.stats().pending_groups == 5 and buf.info()["prompts_completed"] == 0
+    assert worker.stats.insert_retries > 0 and worker.stats.as_dict(0)["spool_pending_groups"] == 5
+    replay.fail_inserts = 0  # replay is back; a new incarnation on the same spool dir flushes first
+    again = make_spool_worker(replay, tmp_path, spool_max_groups=5, groups_in_flight=1, max_ready_groups=7)
+    asyncio.run(run_for(again, 1.0))
+    assert asyncio.run(again.flusher.drain(5.0)) == 0
+    info = buf.info()
+    assert info["prompts_completed"] == 5 + again.stats.groups and info["duplicates_total"] == 0
+    assert again.stats.groups >= 2 and list(tmp_path.glob("*.arrow")) == []
+
+
+def test_full_outage_groups_in_flight_land_in_spool_and_nothing_is_lost(tmp_path):
+    from tests.fakes import OutageReplay, SlowEngine
+
+    async def until(cond, timeout_s=20.0):
+        for _ in range(int(timeout_s / 0.01)):
+            if cond():
+                return
+            await asyncio.sleep(0.01)
+        raise TimeoutError("condition not reached")
+
+    async def scenario(worker, replay):
+        task = asyncio.create_task(worker.run())
+        await until(lambda: buf.ledger.num_leased == 2)  # two groups leased and generating
+        replay.down = True
+        await asyncio.sleep(0.8)
+        in_outage = worker.spool.stats().pending_groups
+        replay.down = False
+        await until(lambda: len(engine.generated) >= 4)  # leasing resumed after the outage
+        worker.stop()
+        await task
+        return in_outage, await worker.flusher.drain(5.0)
+
+    buf = TrajectoryBuffer(ReplayConfig())
+    replay, engine = OutageReplay(buf), SlowEngine(["7"], delay_s=0.3)
+    worker = make_spool_worker(replay, tmp_path, engine=engine, groups_in_flight=2, spool_max_groups=50)
+    in_outage, left = asyncio.run(scenario(worker, replay))
+    assert in_outage == 2 and left == 0  # the groups leased before the outage finished into the spool
+    generated = sorted(int(r.split("-")[0]) for r in engine.generated)
+    _, table = buf.sample(buf.info()["size_groups"], learner_version=0)
+    assert sorted(set(table.column("prompt_index").to_pylist())) == generated
+    assert table.num_rows == 2 * len(generated) == len(set(table.column("trajectory_id").to_pylist()))
+    assert worker.stats.insert_retries > 0 and len(generated) >= 4 and engine.generated[:2] == ["0-0@r0", "1-0@r0"]

@@ -1,0 +1,222 @@
+"""Reward functions by name, each with a version string recorded on every trajectory it scores.
+
+Names:
+
+- ``reasoning_gym:<dataset>`` for any reasoning-gym dataset: the dataset's own ``score_answer`` on
+  the answer extracted from the response (param ``extract``: ``last_integer`` — gyre's original rule,
+  version ``rg-last-int-v1`` —, ``answer_tag`` — the last ``<answer>…</answer>``, reasoning-gym's
+  ``extract_answer`` — or ``full`` — the stripped response).
+- ``math_exact``: exact match after normalisation against ``entry["answer"]`` (``math_exact.py``).
+- ``humaneval``: the completion plus the problem's tests run in the sandbox (``sandbox.py``);
+  1.0 iff every test passes.
+
+A scorer never kills its caller: ``RewardFn.score`` turns an exception into reward 0.0 with a
+``reward_error`` (``raised: <Type>: <message>``); the sandbox's timeout/memory/forbidden/error
+outcomes of a code reward are reported the same way (``sandbox-<status>: <detail>``).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, Callable, Literal
+
+import reasoning_gym
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from rollout.rewards.code import build_program, check_problem
+from rollout.rewards.math_exact import MATH_EXACT_VERSION, math_exact_match
+from rollout.rewards.sandbox import SandboxConfig, run_python
+
+RG_PREFIX = "reasoning_gym:"
+
+
+class UnknownRewardError(ValueError):
+    """The reward name is not registered; the message lists the known ones."""
+
+
+class RewardConfig(BaseModel):
+    """Which reward function scores a task, with its parameters. A bare string means ``{name: ...}``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+    """A registered name: ``reasoning_gym:<dataset>``, ``math_exact`` or ``humaneval``."""
+    params: dict[str, Any] = Field(default_factory=dict)
+    """Parameters of that reward (validated by its own model, unknown keys refused)."""
+    timeout_s: float = Field(30.0, gt=0)
+    """Budget in seconds for scoring one response; past it the sample gets reward 0.0 and
+    ``reward_error = "timeout: ..."`` (an in-process scorer's thread cannot be killed and runs on)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_name(cls, data: Any) -> Any:
+        return {"name": data} if isinstance(data, str) else data
+
+
+@dataclass(frozen=True)
+class RewardResult:
+    """The reward of one response and where it came from."""
+
+    reward: float
+    """In [0, 1]; 0.0 when ``error`` is set."""
+    version: str
+    """Version of the reward function (``reward_fn_version`` on the trajectory)."""
+    error: str = ""
+    """``""`` when the verifier reached a verdict, else why it did not (``reward_error``)."""
+
+
+class RewardFn(ABC):
+    """A named, versioned scorer: ``(response text, problem entry) -> reward in [0, 1]``."""
+
+    name: str
+    version: str
+    timeout_s: float = 30.0
+
+    @abstractmethod
+    def _score(self, response: str, entry: dict) -> tuple[float, str]:
+        """(reward, error) for one response; may raise (``score`` records it)."""
+
+    def check_entry(self, entry: dict) -> None:
+        """Raise ``KeyError`` if ``entry`` lacks what this scorer reads."""
+        if "answer" not in entry:
+            raise KeyError(f"reward {self.name!r} needs entry['answer']; got keys {sorted(entry)}")
+
+    def score(self, response: str, entry: dict) -> RewardResult:
+        """Score one response; never raises: a failure gives reward 0.0 and a non-empty ``error``."""
+        try:
+            reward, error = self._score(response, entry)
+            reward = float(reward)
+            if not math.isfinite(reward):
+                raise ValueError(f"reward {reward} is not finite")
+        except Exception as exc:  # recovery path: a bad scorer costs one sample, not the worker
+            return RewardResult(0.0, self.version, f"raised: {type(exc).__name__}: {exc}"[:500])
+        return RewardResult(0.0 if error else reward, self.version, error)
+
+
+def extract_last_integer(text: str) -> str | None:
+    """The last integer in ``text`` (commas inside numbers are removed first), or ``None``."""
+    found = re.findall(r"-?\d+", text.replace(",", ""))
+    return found[-1] if found else None
+
+
+class _RGParams(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    extract: Literal["last_integer", "answer_tag", "full"] = "last_integer"
+
+
+_RG_EXTRACT: dict[str, tuple[str, Callable[[str], str | None]]] = {
+    "last_integer": ("rg-last-int-v1", extract_last_integer),
+    "answer_tag": ("rg-answer-tag-v1", lambda text: reasoning_gym.utils.extract_answer(text)),
+    "full": ("rg-full-v1", lambda text: text.strip() or None),
+}
+
+
+class ReasoningGymReward(RewardFn):
+    """``reasoning_gym:<dataset>``: the dataset's ``score_answer`` on the extracted answer."""
+
+    def __init__(self, dataset_name: str, params: _RGParams, dataset=None) -> None:
+        self.name = RG_PREFIX + dataset_name
+        self.version, self._extract = _RG_EXTRACT[params.extract]
+        self._score_answer = (dataset.score_answer if dataset is not None
+                              else reasoning_gym.get_score_answer_fn(dataset_name))
+
+    def _score(self, response: str, entry: dict) -> tuple[float, str]:
+        answer = self._extract(response)
+        return (0.0 if answer is None else self._score_answer(answer, entry)), ""
+
+
+class _NoParams(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class MathExactReward(RewardFn):
+    """``math_exact``: 1.0 iff the final answer equals ``entry["answer"]`` after normalisation."""
+
+    name, version = "math_exact", MATH_EXACT_VERSION
+
+    def _score(self, response: str, entry: dict) -> tuple[float, str]:
+        return float(math_exact_match(response, entry["answer"])), ""
+
+
+class _HumanEvalParams(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    sandbox: SandboxConfig = SandboxConfig()
+    """Limits of each sandboxed run."""
+
+
+class HumanEvalReward(RewardFn):
+    """``humaneval``: 1.0 iff the completion passes all of the problem's tests in the sandbox."""
+
+    name, version = "humaneval", "humaneval-sandbox-v1"
+
+    def __init__(self, params: _HumanEvalParams) -> None:
+        self.sandbox = params.sandbox
+
+    def check_entry(self, entry: dict) -> None:
+        check_problem(entry)
+
+    def _score(self, response: str, entry: dict) -> tuple[float, str]:
+        result = run_python(build_program(response, entry), self.sandbox)
+        if result.status in ("ok", "failed"):
+            return float(result.passed), ""
+        return 0.0, f"sandbox-{result.status}: {result.detail}"[:500]
+
+
+def _params(model: type[BaseModel], name: str, params: dict) -> BaseModel:
+    try:
+        return model.model_validate(params)
+    except ValidationError as exc:
+        raise ValueError(f"reward {name!r}: bad params {params}: {exc}") from exc
+
+
+def _math_exact(cfg: RewardConfig, dataset) -> RewardFn:
+    _params(_NoParams, cfg.name, cfg.params)
+    return MathExactReward()
+
+
+def _humaneval(cfg: RewardConfig, dataset) -> RewardFn:
+    return HumanEvalReward(_params(_HumanEvalParams, cfg.name, cfg.params))
+
+
+_FACTORIES: dict[str, Callable[[RewardConfig, Any], RewardFn]] = {"math_exact": _math_exact, "humaneval": _humaneval}
+
+
+def register_reward(name: str, factory: Callable[[RewardConfig, Any], RewardFn]) -> None:
+    """Add a reward factory ``(config, dataset_or_None) -> RewardFn`` under ``name``."""
+    if name in _FACTORIES or name.startswith(RG_PREFIX):
+        raise ValueError(f"reward name {name!r} is already taken")
+    _FACTORIES[name] = factory
+
+
+def known_rewards() -> list[str]:
+    """Registered names; ``reasoning_gym:<dataset>`` stands for every reasoning-gym dataset."""
+    return sorted(_FACTORIES) + [RG_PREFIX + "<dataset>"]
+
+
+def make_reward(config: RewardConfig | str | dict, dataset=None) -> RewardFn:
+    """Build the reward function named by ``config``.
+
+    Args:
+        config: a ``RewardConfig`` (or its dict / bare-name form).
+        dataset: for ``reasoning_gym:*``, the task's dataset instance whose ``score_answer`` is used
+            (default: one built with the dataset's default config).
+    Raises:
+        UnknownRewardError: unknown name (the message lists the known ones / the reasoning-gym datasets).
+        ValueError: params that do not fit the reward.
+    """
+    cfg = config if isinstance(config, RewardConfig) else RewardConfig.model_validate(config)
+    if cfg.name.startswith(RG_PREFIX):
+        ds_name = cfg.name[len(RG_PREFIX):]
+        if ds_name not in reasoning_gym.factory.DATASETS:
+            raise UnknownRewardError(f"unknown reward {cfg.name!r}: {ds_name!r} is not a reasoning-gym dataset; "
+                                     f"reasoning-gym has: {', '.join(sorted(reasoning_gym.factory.DATASETS))}")
+        reward: RewardFn = ReasoningGymReward(ds_name, _params(_RGParams, cfg.name, cfg.params), dataset)
+    elif cfg.name in _FACTORIES:
+        reward = _FACTORIES[cfg.name](cfg, dataset)
+    else:
+        raise UnknownRewardError(f"unknown reward {cfg.name!r}; known: {', '.join(known_rewards())}")
+    reward.timeout_s = cfg.timeout_s
+    return reward
