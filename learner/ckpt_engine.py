@@ -7,7 +7,7 @@ import os
 import time
 from concurrent.futures import Future
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import structlog
 import torch
@@ -25,7 +25,8 @@ log = structlog.get_logger("learner")
 
 def save_checkpoint(learner: LearnerEngine, root: Path, pending_lease_ids: list[str] = (), acked_lease_count: int = 0,
                     fingerprint: str = "", keep_last_n: int | None = None,
-                    saver: BackgroundSaver | None = None) -> Path | Future:
+                    saver: BackgroundSaver | None = None,
+                    after_commit: Callable[[Path], None] | None = None) -> Path | Future:
     """Commit ``{root}/global_step_{step}`` (``learner.checkpoint`` layout and protocol): DeepSpeed
     state (weights, optimizer, LR schedule) under ``deepspeed/``, every rank's RNG, metadata, manifest.
 
@@ -33,6 +34,8 @@ def save_checkpoint(learner: LearnerEngine, root: Path, pending_lease_ids: list[
     cloned to memory here (the only time training waits), then written and committed by the saver's
     thread; returns a ``Future`` of the committed path (its ``result()`` raises what the write raised).
     Otherwise (no saver, or world size > 1) returns the committed path (the same on every rank).
+    ``after_commit(path)`` runs on rank 0 right after the commit and pruning (in the saver's thread for
+    an async save), e.g. to mirror the checkpoint before its leases are acked.
     """
     root = Path(root)
     rank = dist.get_rank()
@@ -54,14 +57,14 @@ def save_checkpoint(learner: LearnerEngine, root: Path, pending_lease_ids: list[
         def finish() -> Path:
             write_captured(captured)
             captured.clear()  # free the in-memory copy as soon as it is on disk
-            return _commit(root, tmp, final, meta, keep_last_n)
+            return _commit(root, tmp, final, meta, keep_last_n, after_commit)
 
         return saver.submit(finish)
     learner.engine.save_checkpoint(str(tmp), tag="deepspeed", save_latest=False)
     _write_side_files(learner, tmp, rank)
     dist.barrier()
     if rank == 0:
-        _commit(root, tmp, final, meta, keep_last_n)
+        _commit(root, tmp, final, meta, keep_last_n, after_commit)
     dist.barrier()
     return final
 
@@ -74,10 +77,13 @@ def _write_side_files(learner: LearnerEngine, tmp: Path, rank: int) -> None:
         (tmp / ckpt.ALGORITHM_CONFIG).write_text(learner.algo.model_dump_json(indent=2))
 
 
-def _commit(root: Path, tmp: Path, final: Path, meta: ckpt.CheckpointMetadata, keep_last_n: int | None) -> Path:
+def _commit(root: Path, tmp: Path, final: Path, meta: ckpt.CheckpointMetadata, keep_last_n: int | None,
+            after_commit: Callable[[Path], None] | None) -> Path:
     ckpt.commit(tmp, final, meta)
     if keep_last_n is not None:
         ckpt.prune(root, keep_last_n)
+    if after_commit is not None:
+        after_commit(final)
     return final
 
 

@@ -159,6 +159,21 @@ class LearnerConfig(BaseModel):
     seed: int = 0
     """Seed for torch's RNG before the model is loaded."""
 
+    offload_optimizer: Literal["none", "cpu"] = "none"
+    """ZeRO-Offload: keep optimizer states (and run the update) in host memory (``cpu``); needs ZeRO >= 1.
+    Frees accelerator memory at the cost of step time; on a CPU-only host it changes little."""
+
+    log_comm_time: bool = True
+    """Time every DeepSpeed collective (its comms logger) and report ``comm_s`` per step. On GPUs this
+    synchronises after each collective, which costs a little overlap."""
+
+    @model_validator(mode="after")
+    def _offload_needs_zero(self) -> "LearnerConfig":
+        if self.offload_optimizer != "none" and self.zero_stage == 0:
+            raise ValueError(f"offload_optimizer={self.offload_optimizer!r} needs zero_stage >= 1 (got 0): "
+                             "ZeRO-Offload partitions the optimizer states it moves")
+        return self
+
     @field_validator("betas")
     @classmethod
     def _betas_in_range(cls, betas: tuple[float, float]) -> tuple[float, float]:

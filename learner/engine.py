@@ -65,7 +65,41 @@ def build_ds_config(config: LearnerConfig) -> dict[str, Any]:
     }
     if config.dtype == "bf16" and config.zero_stage >= 1:
         ds["data_types"] = {"grad_accum_dtype": "fp32"}
+    if config.offload_optimizer == "cpu":
+        # ZeRO-Offload (Ren et al. 2021): optimizer states and the update live in host memory. torch's
+        # AdamW instead of the JIT-built DeepSpeedCPUAdam (same math, slower on big models).
+        ds["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+        ds["zero_force_ds_cpu_optimizer"] = False
+    if config.log_comm_time:
+        ds["comms_logger"] = {"enabled": True, "prof_all": True, "verbose": False, "debug": False}
     return ds
+
+
+class CommTimer:
+    """Seconds spent in DeepSpeed collectives per step, from ``deepspeed.comm``'s comms logger.
+
+    The logger keeps, per op name, a cumulative timer whose running total it appends after every call
+    (milliseconds); the newest total per name minus the one seen at the previous ``lap`` is that op's
+    time since. Lists are trimmed to their newest entry so memory stays flat over a long run.
+    """
+
+    def __init__(self) -> None:
+        self._seen: dict[str, float] = {}
+        self.lap()  # the logger is process-wide: start from what earlier engines already logged
+
+    def lap(self) -> float:
+        """Collective seconds since the previous ``lap`` (0 when the logger is off)."""
+        from deepspeed.comm import comms_logger
+
+        total = 0.0
+        for name, sizes in comms_logger.comms_dict.items():
+            newest = max((v[1][-1] for v in sizes.values() if v[1]), default=0.0)
+            total += max(newest - self._seen.get(name, 0.0), 0.0)
+            self._seen[name] = max(newest, self._seen.get(name, 0.0))
+            for v in sizes.values():
+                for i in (1, 2, 3):
+                    del v[i][:-1]
+        return total / 1000.0
 
 
 def ensure_distributed() -> None:
@@ -141,6 +175,7 @@ class LearnerEngine:
             torch.nn.init.zeros_(head.bias)
             model.add_module(VALUE_HEAD, head)
         self.ds_config = build_ds_config(config)
+        self._comm = CommTimer()
         self.engine, _, _, _ = deepspeed.initialize(
             model=model, model_parameters=model.parameters(), config=self.ds_config
         )
@@ -188,10 +223,12 @@ class LearnerEngine:
             parts.append(metrics)
             rhos.append(rho)
         local_norm = self._local_grad_norm() if self.engine.optimizer is self.engine.basic_optimizer else None
+        t_update = time.perf_counter()
         self.engine.step()
         self.step += 1
         self.version += 1
         elapsed = time.perf_counter() - start
+        update_s = time.perf_counter() - t_update
         tokens = float(batch.attention_mask.sum())
         grad_norm = self.engine.get_global_grad_norm()
         grad_norm = local_norm if grad_norm is None else grad_norm
@@ -201,6 +238,9 @@ class LearnerEngine:
             "tokens": tokens,
             "response_tokens": float(batch.num_response_tokens),
             "step_time_s": elapsed,
+            "optimizer_step_s": update_s,
+            "comm_s": self._comm.lap(),
+            "micro_batches": float(len(parts)),
             "tokens_per_s": tokens / elapsed,
             **merge_metrics(parts),
             "is_ess_frac": kish_ess_fraction(torch.cat(rhos)),
@@ -347,12 +387,13 @@ class LearnerEngine:
 
     # ---- checkpoints (learner.ckpt_engine) ------------------------------------------------------
     def save_checkpoint(self, root: Path, pending_lease_ids: list[str] = (), acked_lease_count: int = 0,
-                        fingerprint: str = "", keep_last_n: int | None = None, saver=None):
+                        fingerprint: str = "", keep_last_n: int | None = None, saver=None, after_commit=None):
         """Commit ``{root}/global_step_{step}`` (a ``Future`` of it with a ``saver``: async save); see
         ``learner.ckpt_engine.save_checkpoint``."""
         from learner.ckpt_engine import save_checkpoint
 
-        return save_checkpoint(self, root, pending_lease_ids, acked_lease_count, fingerprint, keep_last_n, saver)
+        return save_checkpoint(self, root, pending_lease_ids, acked_lease_count, fingerprint, keep_last_n, saver,
+                               after_commit)
 
     def load_checkpoint(self, path: Path, fingerprint: str = "", force: bool = False) -> ckpt.CheckpointMetadata:
         """Restore from ``path``; see ``learner.ckpt_engine.load_checkpoint``."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 import signal
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Protocol
 
@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from learner.batch import build_train_batch
 from learner.config import AlgorithmConfig, LearnerConfig
+from learner.archive import ArchiveConfig
 from learner.async_save import BackgroundSaver
 from learner.publisher import WeightPublisher
 
@@ -64,6 +65,14 @@ class LearnerLoopConfig(BaseModel):
     """Write checkpoints in the background (``learner.async_save``): training waits only for an
     in-memory copy of the state; leases are acked when the background commit finishes. World size 1
     only (larger worlds save synchronously)."""
+    mirror_dir: str | None = None
+    """Double-write: every committed checkpoint is copied here (ideally another disk) with the same commit
+    protocol before its leases are acked; resume falls back to (and repairs from) it when the primary
+    copy is missing or corrupt (``learner.mirror``)."""
+    archive: ArchiveConfig | None = None
+    """Object-storage tier (``learner.archive``: any fsspec URL, e.g. ``s3://bucket/run``; optional
+    AES-256-GCM). Each checkpoint is uploaded in the background after its leases are acked; resume uses it
+    when no local copy verifies."""
     keep_last_n: int = Field(3, ge=1)
     """Committed checkpoints kept; older ones are deleted after each save."""
     fingerprint: str = ""
@@ -133,6 +142,10 @@ class LearnerLoop:
         self.last_checkpoint: Path | None = None
         self._saver = BackgroundSaver() if config.async_save else None
         self._inflight: tuple[Future, list[str], str, float] | None = None  # (future, leases, name, started)
+        self._uploader: ThreadPoolExecutor | None = None
+        self._uploads: list[Future] = []
+        self.tier_failures = 0
+        """Mirror copies and archive uploads that failed (logged; training went on)."""
         self._emergency: int | None = None  # signal number awaiting an emergency checkpoint
 
     def install_signal_handlers(self) -> dict:
@@ -168,12 +181,13 @@ class LearnerLoop:
         t_trained = time.monotonic()  # train_step advanced engine.version by one
         publish_s = self.publish_current()
         self.pending_lease_ids.append(lease_id)
-        save_s = 0.0
+        save_s, before = 0.0, self.last_checkpoint
         emergency, self._emergency = self._emergency, None
         due = emergency or self.engine.step % self.config.save_interval_at(self.engine.step) == 0
         if self.checkpoint_dir is not None and due:
             save_s = self.checkpoint(wait=bool(emergency) or not self.config.async_save)
         background = self.poll_background_save()
+        committed = {"checkpoint_committed": 1.0} if self.last_checkpoint != before else {}
         if emergency == signal.SIGTERM:
             log.warning("stopping_after_sigterm", step=self.engine.step, checkpoint=str(self.last_checkpoint))
             raise StopRequested()
@@ -181,7 +195,7 @@ class LearnerLoop:
             **metrics,
             "step": self.engine.version, "version": self.engine.version, "groups": self.config.groups_per_step,
             "trajectories": table.num_rows, "sample_wait_s": t_sampled - t0, "train_s": t_trained - t_sampled,
-            "publish_s": publish_s, "checkpoint_s": save_s, **background,
+            "publish_s": publish_s, "checkpoint_s": save_s, **background, **committed,
             "pending_leases": len(self.pending_lease_ids), "step_s": time.monotonic() - t0, "time": time.time(),
         }
 
@@ -203,6 +217,8 @@ class LearnerLoop:
             self._finish_background_save(wait=True)
             leases, self.pending_lease_ids = self.pending_lease_ids, []
             kwargs = {"saver": self._saver} if self.config.async_save else {}
+            if self.config.mirror_dir is not None:
+                kwargs["after_commit"] = self._mirror
             result = self.engine.save_checkpoint(
                 self.checkpoint_dir, pending_lease_ids=leases, acked_lease_count=self.acked_lease_count,
                 fingerprint=self.config.fingerprint, keep_last_n=self.config.keep_last_n, **kwargs)
@@ -210,7 +226,7 @@ class LearnerLoop:
                 self._inflight = (result, leases, name, time.monotonic())
             else:
                 self.last_checkpoint = result
-                self._ack(leases)
+                self._on_committed(leases)
         if wait:
             self._finish_background_save(wait=True, raise_errors=True)
         return time.monotonic() - t0
@@ -235,22 +251,59 @@ class LearnerLoop:
             if raise_errors:
                 raise
             return {"checkpoint_failed": 1.0}
-        self._ack(leases)
+        self._on_committed(leases)
         return {"checkpoint_write_s": time.monotonic() - started}
 
-    def _ack(self, leases: list[str]) -> None:
+    def _on_committed(self, leases: list[str]) -> None:
+        """A checkpoint holding ``leases`` committed: ack them, then queue its archive upload."""
         if leases:
             self.replay.ack(leases)
             self.acked_lease_count += len(leases)
+        if self.config.archive is not None and self.last_checkpoint is not None:
+            self._archive_async(self.last_checkpoint)
+
+    def _mirror(self, path: Path) -> None:
+        """Copy a just-committed checkpoint to ``mirror_dir`` (runs before its leases are acked). A failure
+        is logged, not raised: the primary copy is committed, so the leases may still be acked."""
+        from learner.mirror import mirror_checkpoint
+
+        try:
+            mirror_checkpoint(path, Path(self.config.mirror_dir), self.config.keep_last_n)
+        except Exception as exc:  # recovery path: the mirror disk failing must not stop training
+            self.tier_failures += 1
+            log.error("checkpoint_mirror_failed", path=str(path), error=f"{type(exc).__name__}: {exc}")
+
+    def _archive_async(self, path: Path) -> None:
+        """Upload ``path`` to the archive tier in the background (one upload at a time, in order)."""
+        from learner.archive import archive_checkpoint, prune_archive
+
+        def upload() -> None:
+            try:
+                archive_checkpoint(path, self.config.archive)
+                prune_archive(self.config.archive)
+            except Exception as exc:  # recovery path: an unreachable bucket must not stop training
+                self.tier_failures += 1
+                log.error("checkpoint_archive_failed", path=str(path), error=f"{type(exc).__name__}: {exc}")
+
+        if self._uploader is None:
+            self._uploader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gyre-ckpt-archive")
+        self._uploads.append(self._uploader.submit(upload))
+
+    def wait_for_uploads(self, timeout_s: float | None = None) -> None:
+        """Block until every queued archive upload finished (end of run, tests)."""
+        for fut in list(self._uploads):
+            fut.exception(timeout=timeout_s)
+        self._uploads = [f for f in self._uploads if not f.done()]
 
     def resume(self) -> Path | None:
         """Apply ``config.resume``: load the chosen checkpoint into the engine and ``restore`` from it;
         returns its path, or ``None`` for a cold start. Call before ``publish_current`` so the restored
         version is (re-)published. Raises ``learner.checkpoint.CheckpointError`` when refused."""
-        from learner.checkpoint import resolve_resume
+        from learner.mirror import resolve_resume
 
-        mode = self.config.resume
-        path = resolve_resume(mode, self.checkpoint_dir) if self.checkpoint_dir or mode != "auto" else None
+        mode, mirror = self.config.resume, self.config.mirror_dir
+        path = (resolve_resume(mode, self.checkpoint_dir, Path(mirror) if mirror else None, self.config.archive)
+                if self.checkpoint_dir or mode != "auto" else None)
         if path is None:
             log.info("cold_start", resume=mode, checkpoint_dir=str(self.checkpoint_dir))
             return None

@@ -7,20 +7,23 @@ import time
 
 import torch
 
-from proto.tensor_chunks import EncodedTensor, encode_tensors
+from proto.tensor_chunks import EncodedTensor, TensorMeta, encode_tensors
 
 
 class WeightPublisher:
     """Newest-version store behind ``WeightService``: versions only increase.
 
     Thread-safe. ``publish`` encodes the tensors to bytes + CRC32 once; every subscriber stream
-    reads the same ``EncodedTensor`` list.
+    reads the same ``EncodedTensor`` list. ``announce`` instead records only a version's manifest
+    (names, shapes, checksums) for transports whose bytes travel over NCCL
+    (``services.weight_transport.nccl``); one publisher holds one kind of version at a time.
     """
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._version = -1
         self._tensors: list[EncodedTensor] = []
+        self._manifest: list[TensorMeta] | None = None
         self._closed = False
         self.published_at = 0.0
         """Unix time (seconds) of the newest publish."""
@@ -32,20 +35,47 @@ class WeightPublisher:
 
     def publish(self, version: int, named: list[tuple[str, torch.Tensor]]) -> None:
         """Make ``version`` the newest. Raises ``ValueError`` if it is not newer than the current one."""
-        if version <= self._version:
-            raise ValueError(f"version {version} is not newer than published version {self._version}")
+        self._check_newer(version)
         encoded = encode_tensors(named)
         with self._cond:
-            self._version, self._tensors = version, encoded
+            self._check_newer(version)
+            self._version, self._tensors, self._manifest = version, encoded, None
             self.published_at = time.time()
             self._cond.notify_all()
+
+    def announce(self, version: int, manifest: list[TensorMeta]) -> None:
+        """Make ``version`` the newest, bytes sent elsewhere (a broadcast that follows); ``Announce``
+        streams ``manifest`` to subscribers. Raises ``ValueError`` if it is not newer than the current one."""
+        with self._cond:
+            self._check_newer(version)
+            self._version, self._tensors, self._manifest = version, [], list(manifest)
+            self.published_at = time.time()
+            self._cond.notify_all()
+
+    def _check_newer(self, version: int) -> None:
+        if version <= self._version:
+            raise ValueError(f"version {version} is not newer than published version {self._version}")
 
     def wait_newer(self, have_version: int, timeout_s: float) -> tuple[int, list[EncodedTensor]] | None:
         """Block up to ``timeout_s`` seconds for a version newer than ``have_version``; ``None`` on timeout or close."""
         with self._cond:
-            self._cond.wait_for(lambda: self._closed or self._version > have_version, timeout=timeout_s)
-            if self._version > have_version:
+            def ready() -> bool:
+                return self._version > have_version and self._manifest is None
+
+            self._cond.wait_for(lambda: self._closed or ready(), timeout=timeout_s)
+            if ready():
                 return self._version, self._tensors
+            return None
+
+    def wait_newer_manifest(self, have_version: int, timeout_s: float) -> tuple[int, list[TensorMeta]] | None:
+        """Like ``wait_newer`` for announced (manifest-only) versions; ``None`` on timeout or close."""
+        with self._cond:
+            def ready() -> bool:
+                return self._version > have_version and self._manifest is not None
+
+            self._cond.wait_for(lambda: self._closed or ready(), timeout=timeout_s)
+            if ready():
+                return self._version, self._manifest
             return None
 
     def close(self) -> None:

@@ -70,6 +70,8 @@ class RolloutStats:
     weight_updates: int = 0
     last_update_s: float = 0.0
     insert_retries: int = 0
+    groups_in_flight: int = 0
+    """Groups being generated now (generation tasks of ``RolloutWorker.run``)."""
     spool: Spool | None = None
     """The worker's spool, if configured; its gauges (``SpoolStats.as_dict``) join ``as_dict``."""
 
@@ -79,7 +81,8 @@ class RolloutStats:
                 "tokens": self.tokens, "tokens_per_s": self.tokens / elapsed,
                 "reward_mean": self.reward_sum / max(self.trajectories, 1),
                 "weight_updates": self.weight_updates, "last_update_s": self.last_update_s,
-                "insert_retries": self.insert_retries, **(self.spool.stats().as_dict() if self.spool else {})}
+                "insert_retries": self.insert_retries, "groups_in_flight": self.groups_in_flight,
+                **(self.spool.stats().as_dict() if self.spool else {})}
 
 
 class RolloutWorker:
@@ -140,9 +143,11 @@ class RolloutWorker:
                         leases = []
                     if leases:
                         tasks.add(asyncio.create_task(self._one_group(*leases[0])))
+                        self.stats.groups_in_flight = len(tasks)
                         continue
                 if tasks:
                     done, tasks = await asyncio.wait(tasks, timeout=0.5, return_when=asyncio.FIRST_COMPLETED)
+                    self.stats.groups_in_flight = len(tasks)
                     for t in done:
                         t.result()
                 else:
@@ -151,6 +156,7 @@ class RolloutWorker:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            self.stats.groups_in_flight = 0
             await asyncio.gather(*self._puts, return_exceptions=True)  # a cancelled group's put still finishes
             if flusher is not None:
                 flusher.cancel()

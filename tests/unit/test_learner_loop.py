@@ -67,7 +67,7 @@ def test_step_trains_publishes_next_version_and_acks_after_checkpoint():
     loop.publish_current()
     assert pub.version == 0
     row = loop.step()
-    assert (row["step"], row["version"], row["trajectories"]) == (1, 1, 8)
+    assert (row["step"], row["version"], row["trajectories"]) == (1, 1, 8) and row["checkpoint_committed"] == 1.0
     assert pub.version == 1 and pub.wait_newer(0, 0)[1][0].data == torch.full((4,), 1.0).numpy().tobytes()
     assert buf.info()["acked_groups_total"] == 2 and buf.info()["leased_groups"] == 0
     loop.step()
@@ -173,6 +173,7 @@ def test_async_save_acks_its_leases_only_after_the_background_commit():
     engine.futures[0].set_result(engine.future_paths[0])
     row = loop.step()  # step 3: the commit has finished -> its 2 leases are acked, step 3's stays pending
     assert "checkpoint_write_s" in row and buf.info()["acked_groups_total"] == 4
+    assert row["checkpoint_committed"] == 1.0
     assert loop.last_checkpoint.name == "global_step_2" and len(loop.pending_lease_ids) == 1
 
 
@@ -228,3 +229,66 @@ def test_save_schedule_changes_the_interval_by_step_range():
     with pytest.raises(ValueError, match=r"save_schedule from_step values \[5, 0\] must be strictly increasing"):
         LearnerLoopConfig(engine=LearnerConfig(model=str(SMOLLM2_DIR)),
                           save_schedule=[{"from_step": 5, "interval": 2}, {"from_step": 0, "interval": 5}])
+
+
+class CommittingEngine(FakeLearnerEngine):
+    """Commits a real (tiny) checkpoint with the real protocol, so mirror/archive/resume act on real files."""
+
+    def save_checkpoint(self, root, pending_lease_ids=(), acked_lease_count=0, fingerprint="", keep_last_n=None,
+                        saver=None, after_commit=None):
+        from learner import checkpoint as ckpt
+
+        self.saves.append((self.step, list(pending_lease_ids), acked_lease_count))
+        tmp = ckpt.temp_path(root, self.step)
+        (tmp / "deepspeed").mkdir(parents=True)
+        (tmp / "deepspeed" / "model.pt").write_bytes(bytes([self.step]) * 1024)
+        final = ckpt.commit(tmp, ckpt.checkpoint_path(root, self.step),
+                            ckpt.CheckpointMetadata(step=self.step, policy_version=self.version,
+                                                    pending_lease_ids=list(pending_lease_ids)))
+        if keep_last_n:
+            ckpt.prune(root, keep_last_n)
+        if after_commit is not None:
+            after_commit(final)
+        return final
+
+
+def test_checkpoints_are_mirrored_before_the_ack_and_archived_after(tmp_path):
+    import shutil
+
+    from learner import checkpoint as ckpt
+    from learner.archive import list_archived
+
+    buf = filled_buffer(6)
+    archive = {"url": f"file://{tmp_path / 'archive'}", "keep_last_n": 2}
+    cfg = dict(save_interval=1, keep_last_n=2, mirror_dir=str(tmp_path / "mirror"), archive=archive)
+    loop = LearnerLoop(LearnerLoopConfig(engine=LearnerConfig(model=str(SMOLLM2_DIR)), groups_per_step=2, **cfg),
+                       CommittingEngine(), FakeReplay(buf), WeightPublisher(), 0, tmp_path / "primary")
+    for _ in range(3):
+        loop.step()
+    loop.wait_for_uploads(60)
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path / "mirror")] == ["global_step_2", "global_step_3"]
+    assert ckpt.verify(tmp_path / "mirror" / "global_step_3").step == 3
+    assert list_archived(loop.config.archive) == [2, 3] and loop.tier_failures == 0
+    assert buf.info()["acked_groups_total"] == 6
+
+    # The primary copy of step 3 is corrupt: resume picks the mirror's and repairs the primary.
+    (tmp_path / "primary" / "global_step_3" / "deepspeed" / "model.pt").write_bytes(b"x" * 1024)
+    fresh = LearnerLoop(loop.config, CommittingEngine(), FakeReplay(buf), WeightPublisher(), 0, tmp_path / "primary")
+    assert fresh.resume() == tmp_path / "primary" / "global_step_3" and fresh.engine.step == 3
+    ckpt.verify(tmp_path / "primary" / "global_step_3")
+
+    # No local copy at all: resume fetches the newest archived checkpoint.
+    shutil.rmtree(tmp_path / "primary")
+    shutil.rmtree(tmp_path / "mirror")
+    fresh = LearnerLoop(loop.config, CommittingEngine(), FakeReplay(buf), WeightPublisher(), 0, tmp_path / "primary")
+    assert fresh.resume() == tmp_path / "primary" / "global_step_3" and fresh.engine.version == 3
+
+
+def test_a_failing_mirror_is_logged_and_training_goes_on(tmp_path):
+    buf = filled_buffer(4)
+    (tmp_path / "not-a-dir").write_text("a file where the mirror directory should be")
+    cfg = dict(save_interval=1, mirror_dir=str(tmp_path / "not-a-dir"))
+    loop = LearnerLoop(LearnerLoopConfig(engine=LearnerConfig(model=str(SMOLLM2_DIR)), groups_per_step=2, **cfg),
+                       CommittingEngine(), FakeReplay(buf), WeightPublisher(), 0, tmp_path / "primary")
+    loop.step()
+    assert loop.tier_failures == 1 and buf.info()["acked_groups_total"] == 2
