@@ -1,0 +1,170 @@
+"""Learner benchmark: ``python -m bench.learner [--quick] [--model DIR]``. The last line printed is one JSON object.
+
+Both ratios compare against a baseline measured in the same process, on the same batch, interleaved so
+that machine noise hits both sides alike (medians of the repetitions):
+
+- ``step_overhead_ratio``: ``LearnerEngine.train_step`` (GRPO batch → decoupled PPO + TIS loss, metrics,
+  comm timing) ÷ a bare DeepSpeed step on the same batch: the same DeepSpeed config and micro-batches,
+  forward, a plain policy-gradient loss on the response tokens, backward, ``engine.step()``. Goal ≤ 1.10.
+- ``async_save_overhead_ratio``: a learner step while an async checkpoint (``learner.async_save``) is being
+  written ÷ a learner step with no save in flight. Goal ≤ 1.15. Also reported: the time training is
+  blocked by the async save (``async_save_blocking_s``: the in-memory capture) and by a synchronous
+  save of the same state (``sync_save_s``), and the checkpoint size.
+
+Default model: SmolLM2-135M-Instruct (``make model``), bf16, ZeRO-2, CPU/gloo.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_MODEL = REPO / ".cache/models/SmolLM2-135M-Instruct"
+
+
+def make_table(groups: int, group_size: int, prompt_len: int, response_len: int, seed: int = 0):
+    """Whole GRPO groups of random tokens with plausible behaviour logprobs and 0/1 rewards."""
+    from proto.trajectory import Trajectory, make_ids, to_table
+
+    gen = torch.Generator().manual_seed(seed)
+    rows = []
+    for g in range(groups):
+        prompt = torch.randint(1, 49000, (prompt_len,), generator=gen).tolist()
+        for s in range(group_size):
+            response = torch.randint(1, 49000, (response_len,), generator=gen).tolist()
+            tid, gid = make_ids(g, s, 0)
+            rows.append(Trajectory(
+                trajectory_id=tid, group_id=gid, prompt_index=g, sample_index=s, attempt=0, task="bench",
+                prompt_token_ids=prompt, response_token_ids=response,
+                behaviour_logprobs=(-10.0 + torch.randn(response_len, generator=gen)).tolist(),
+                reward=float((g + s) % 2), finish_reason="stop", version_span_starts=[0],
+                version_span_versions=[0], reward_fn_version="bench", rollout_id="bench", created_at=0.0))
+    return to_table(rows)
+
+
+def bare_step(ds_engine, batch, micro_batch_size: int) -> float:
+    """The baseline: forward, plain REINFORCE loss on response tokens, backward, step; returns seconds."""
+    from learner.algorithms import token_logprobs
+
+    t0 = time.perf_counter()
+    ds_engine.train()
+    normaliser = float(max(batch.num_response_tokens, 1))
+    for lo in range(0, batch.batch_size, micro_batch_size):
+        rows = slice(lo, lo + micro_batch_size)
+        mask = batch.attention_mask[rows]
+        length = int(mask.sum(dim=1).max())
+        ids = batch.input_ids[rows, :length]
+        logits = ds_engine(input_ids=ids, attention_mask=mask[:, :length]).logits
+        logprobs = token_logprobs(logits, ids)
+        resp = batch.response_mask[rows, : length - 1]
+        loss = -(logprobs * batch.advantages[rows].unsqueeze(1))[resp].sum() / normaliser
+        ds_engine.backward(loss, scale_wrt_gas=False)
+    ds_engine.step()
+    return time.perf_counter() - t0
+
+
+def bare_engine(config):
+    """A DeepSpeed engine with exactly the learner's DeepSpeed config, nothing of gyre around it."""
+    import deepspeed
+    from transformers import AutoModelForCausalLM
+
+    from learner.engine import _DTYPES, build_ds_config
+
+    model = AutoModelForCausalLM.from_pretrained(config.model, dtype=_DTYPES[config.dtype])
+    model.config.use_cache = False
+    ds = build_ds_config(config)
+    ds.pop("comms_logger", None)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds)
+    return engine
+
+
+def measure_step_overhead(learner, bare, batch, reps: int) -> dict:
+    """Interleaved learner / bare steps on the same batch; medians."""
+    mine, base = [], []
+    learner.train_step(batch)  # warm-up both (allocator, first-touch)
+    bare_step(bare, batch, learner.config.micro_batch_size)
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        learner.train_step(batch)
+        mine.append(time.perf_counter() - t0)
+        base.append(bare_step(bare, batch, learner.config.micro_batch_size))
+    return {"learner_step_s": statistics.median(mine), "bare_step_s": statistics.median(base),
+            "step_overhead_ratio": statistics.median(mine) / statistics.median(base)}
+
+
+def measure_async_save(learner, batch, root: Path, rounds: int) -> dict:
+    """Steps with no save in flight vs steps while an async save writes; plus blocking times."""
+    from learner.async_save import BackgroundSaver
+
+    saver = BackgroundSaver()
+    idle, during, blocking, write_s = [], [], [], []
+    for r in range(rounds):
+        for _ in range(2):
+            t0 = time.perf_counter()
+            learner.train_step(batch)
+            idle.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        future = learner.save_checkpoint(root / "async", keep_last_n=1, saver=saver)
+        blocking.append(time.perf_counter() - t0)
+        steps = 0
+        while not future.done() or steps == 0:
+            t1 = time.perf_counter()
+            learner.train_step(batch)
+            if not future.done() or steps == 0:  # count steps that overlapped the write
+                during.append(time.perf_counter() - t1)
+            steps += 1
+        future.result()
+        write_s.append(time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    path = learner.save_checkpoint(root / "sync", keep_last_n=1)
+    sync_s = time.perf_counter() - t0
+    size = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+    saver.shutdown()
+    return {"idle_step_s": statistics.median(idle), "step_during_save_s": statistics.median(during),
+            "steps_overlapping_save": len(during),
+            "async_save_overhead_ratio": statistics.median(during) / statistics.median(idle),
+            "async_save_blocking_s": statistics.median(blocking), "async_save_total_s": statistics.median(write_s),
+            "sync_save_s": sync_s, "checkpoint_bytes": size}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions (~3 min on 2 CPU cores)")
+    parser.add_argument("--model", default=str(DEFAULT_MODEL))
+    parser.add_argument("--dir", default=None, help="where checkpoints go (default: a temp dir, removed)")
+    args = parser.parse_args()
+    from learner.batch import build_train_batch
+    from learner.config import AlgorithmConfig, LearnerConfig
+    from learner.engine import LearnerEngine
+
+    torch.manual_seed(0)
+    config = LearnerConfig(model=args.model, zero_stage=2, dtype="bf16", micro_batch_size=8, lr=1e-6)
+    algo = AlgorithmConfig()
+    groups, group_size = (2, 8) if args.quick else (4, 8)
+    batch = build_train_batch(make_table(groups, group_size, 48, 32), 0, 0, algo)
+    learner = LearnerEngine(config, algo)
+    bare = bare_engine(config)
+    result = {"model": Path(args.model).name, "batch_sequences": batch.batch_size,
+              "tokens_per_batch": int(batch.attention_mask.sum()), "quick": args.quick}
+    result |= measure_step_overhead(learner, bare, batch, reps=4 if args.quick else 10)
+    del bare
+    root = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="gyre-bench-learner-"))
+    try:
+        result |= measure_async_save(learner, batch, root, rounds=2 if args.quick else 4)
+    finally:
+        if not args.dir:
+            shutil.rmtree(root, ignore_errors=True)
+    result = {k: round(v, 4) if isinstance(v, float) else v for k, v in result.items()}
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
