@@ -63,14 +63,25 @@ def write_captured(captured: list[tuple[str, Any]]) -> int:
     return total
 
 
+def lower_thread_priority(nice: int = 19) -> None:
+    """Make the calling thread yield the CPU to training (Linux: a thread has its own nice value, set
+    through ``setpriority(PRIO_PROCESS, tid)``). Best effort: a platform without it keeps the default."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+    except (AttributeError, OSError):  # not Linux, or not permitted: the save just competes for the CPU
+        pass
+
+
 class BackgroundSaver:
-    """One background writer thread; at most one save in flight (``submit`` waits for the previous one).
+    """One background writer thread at the lowest CPU priority; at most one save in flight (``submit``
+    waits for the previous one).
 
     ``submit(fn)`` returns a ``Future`` of ``fn()``; exceptions surface from ``Future.result``.
     """
 
     def __init__(self) -> None:
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gyre-ckpt-writer")
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gyre-ckpt-writer",
+                                        initializer=lower_thread_priority)
         self._inflight: Future | None = None
         self._lock = threading.Lock()
 
