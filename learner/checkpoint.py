@@ -229,19 +229,20 @@ def verify(path: Path) -> CheckpointMetadata:
     if not (path / MANIFEST).is_file():
         raise CheckpointError(f"checkpoint {path}: {MANIFEST} is missing (incomplete save?)")
     try:
-        manifest = json.loads((path / MANIFEST).read_text())
+        manifest = json.loads((path / MANIFEST).read_bytes())  # ValueError covers bad UTF-8 and bad JSON
         files = manifest["files"]
-    except (json.JSONDecodeError, KeyError, TypeError) as exc:
-        raise CheckpointError(f"checkpoint {path}: {MANIFEST} is unreadable: {exc}") from exc
-    for name, want in files.items():
+        entries = [(name, int(want["bytes"]), str(want["sha256"])) for name, want in files.items()]
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise CheckpointError(f"checkpoint {path}: {MANIFEST} is unreadable: {exc!r}") from exc
+    for name, want_bytes, want_sha in entries:
         file = path / name
         if not file.is_file():
             raise CheckpointError(f"checkpoint {path}: {name} is missing")
         size = file.stat().st_size
-        if size != want["bytes"]:
-            raise CheckpointError(f"checkpoint {path}: {name} has {size} bytes; manifest says {want['bytes']} "
+        if size != want_bytes:
+            raise CheckpointError(f"checkpoint {path}: {name} has {size} bytes; manifest says {want_bytes} "
                                   "(truncated?)")
-        if _sha256(file) != want["sha256"]:
+        if _sha256(file) != want_sha:
             raise CheckpointError(f"checkpoint {path}: {name} sha256 does not match the manifest (corrupt)")
     if METADATA not in files:
         raise CheckpointError(f"checkpoint {path}: manifest does not cover {METADATA}")
