@@ -46,9 +46,21 @@ def trajectory_batch(first_prompt: int, groups: int, rng: np.random.Generator) -
         "version_span_versions": lists(1, pa.array(np.zeros(n, np.int64))),
         "reward_fn_version": ["v1"] * n, "rollout_id": ["bench"] * n, "created_at": np.zeros(n),
     }
-    arrays = [c if isinstance(c, pa.Array) else pa.array(c, type=f.type)
-              for c, f in zip(cols.values(), TRAJECTORY_SCHEMA)]
+    arrays = [_column(cols.get(f.name), f.type, n) for f in TRAJECTORY_SCHEMA]  # by name: columns may be added
     return pa.Table.from_arrays(arrays, schema=TRAJECTORY_SCHEMA)
+
+
+def _column(values, type_: pa.DataType, n: int) -> pa.Array:
+    """``values`` as an Arrow array of ``type_``; a column the bench does not know is ``n`` empty values."""
+    if isinstance(values, pa.Array):
+        return values
+    if values is not None:
+        return pa.array(values, type=type_)
+    if pa.types.is_string(type_):
+        return pa.array([""] * n, type_)
+    if pa.types.is_list(type_):
+        return pa.array([[]] * n, type_)
+    return pa.array(np.zeros(n)).cast(type_)
 
 
 def requests(first_prompt: int, batches: int, groups: int, seed: int):

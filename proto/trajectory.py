@@ -147,7 +147,8 @@ def from_ipc(payload: bytes) -> pa.Table:
     """
     try:
         table = pa.ipc.open_stream(payload).read_all()
-    except (pa.ArrowInvalid, OSError) as exc:
+        table.validate(full=True)
+    except (pa.ArrowException, OSError) as exc:
         raise SchemaError(f"payload is not an Arrow IPC stream: {exc}") from exc
     validate_table(table)
     return table
@@ -173,6 +174,13 @@ def validate_table(table: pa.Table) -> None:
             )
         if table.column(idx).null_count:
             raise SchemaError(f"column {field.name!r} has {table.column(idx).null_count} null values")
+    if table.schema.names != TRAJECTORY_SCHEMA.names:
+        extra = [n for n in table.schema.names if TRAJECTORY_SCHEMA.get_field_index(n) < 0]
+        raise SchemaError(f"unknown extra column(s) {extra}; expected exactly {TRAJECTORY_SCHEMA.names}" if extra
+                          else f"columns are in order {table.schema.names}; expected {TRAJECTORY_SCHEMA.names}")
+    nullable = [f.name for f in table.schema if f.nullable]
+    if nullable:
+        raise SchemaError(f"column(s) {nullable} are declared nullable; TRAJECTORY_SCHEMA fields are not")
     n_tok = pc.list_value_length(table.column("response_token_ids"))
     n_lp = pc.list_value_length(table.column("behaviour_logprobs"))
     bad = pc.not_equal(n_tok, n_lp)

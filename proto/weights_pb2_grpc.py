@@ -39,6 +39,11 @@ class WeightServiceStub:
                 request_serializer=proto_dot_weights__pb2.SubscribeRequest.SerializeToString,
                 response_deserializer=proto_dot_weights__pb2.WeightChunk.FromString,
                 _registered_method=True)
+        self.Announce = channel.unary_stream(
+                '/gyre.weights.v1.WeightService/Announce',
+                request_serializer=proto_dot_weights__pb2.SubscribeRequest.SerializeToString,
+                response_deserializer=proto_dot_weights__pb2.VersionManifest.FromString,
+                _registered_method=True)
         self.Latest = channel.unary_unary(
                 '/gyre.weights.v1.WeightService/Latest',
                 request_serializer=proto_dot_weights__pb2.LatestRequest.SerializeToString,
@@ -59,6 +64,16 @@ class WeightServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Announce(self, request, context):
+        """Server stream of manifests for versions whose bytes go over a collective (NCCL broadcast from the
+        learner, rank 0, to every rollout worker): the newest announced version greater than have_version,
+        then each later one. After receiving a manifest a subscriber must join the broadcast of exactly
+        those tensors, in order. Idempotent like Subscribe; after a restart pass the current version.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Latest(self, request, context):
         """The newest published version (-1 before the first).
         """
@@ -73,6 +88,11 @@ def add_WeightServiceServicer_to_server(servicer, server):
                     servicer.Subscribe,
                     request_deserializer=proto_dot_weights__pb2.SubscribeRequest.FromString,
                     response_serializer=proto_dot_weights__pb2.WeightChunk.SerializeToString,
+            ),
+            'Announce': grpc.unary_stream_rpc_method_handler(
+                    servicer.Announce,
+                    request_deserializer=proto_dot_weights__pb2.SubscribeRequest.FromString,
+                    response_serializer=proto_dot_weights__pb2.VersionManifest.SerializeToString,
             ),
             'Latest': grpc.unary_unary_rpc_method_handler(
                     servicer.Latest,
@@ -107,6 +127,33 @@ class WeightService:
             '/gyre.weights.v1.WeightService/Subscribe',
             proto_dot_weights__pb2.SubscribeRequest.SerializeToString,
             proto_dot_weights__pb2.WeightChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Announce(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/gyre.weights.v1.WeightService/Announce',
+            proto_dot_weights__pb2.SubscribeRequest.SerializeToString,
+            proto_dot_weights__pb2.VersionManifest.FromString,
             options,
             channel_credentials,
             insecure,

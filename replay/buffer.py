@@ -49,6 +49,10 @@ class TrajectoryBuffer:
         self.config = config
         self._clock = clock
         self._lock = threading.Condition()
+        self._prepare_lock = threading.Lock()
+        """Serialises the validate/split/encode step of concurrent inserts: it is many short pyarrow
+        calls, each releasing and retaking the GIL; two threads doing it at once hand the GIL back and
+        forth at every call (a context switch each) and together run ~2x slower than one after the other."""
         self.state = ReplayState(config, clock, random.Random(config.seed))
         self._wal = None
         self._waiting: Counter[int] = Counter()
@@ -105,11 +109,14 @@ class TrajectoryBuffer:
                       timeout_s: float | None = None) -> tuple[InsertResult, int]:
         """``insert`` without the durability wait: returns ``(result, lsn)``; the caller must
         ``wait_durable(lsn)`` before acknowledging (lets a stream store the next batch meanwhile)."""
-        plan = split_groups(table)
         rec, encoded = Record("insert"), None
-        if self._wal is not None:
-            rec = Record("insert", {}, payload if payload is not None else to_ipc(table))
-            encoded = encode(rec, self.config.wal.compression, self.config.wal.zstd_level)
+        with self._prepare_lock:
+            if self._wal is not None and payload is None:
+                payload = to_ipc(table)
+            plan = split_groups(table, None if payload is None else len(payload))
+            if self._wal is not None:
+                rec = Record("insert", {}, payload)
+                encoded = encode(rec, self.config.wal.compression, self.config.wal.zstd_level)
         deadline = time.monotonic() + (self.config.insert_timeout_s if timeout_s is None else timeout_s)
         with self._lock:
             if not self._wait(lambda: self.state.can_insert(max(self._waiting, default=0)), deadline):

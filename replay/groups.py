@@ -19,21 +19,40 @@ import pyarrow.compute as pc
 from proto.trajectory import SchemaError, validate_table
 from replay.config import ReplayConfig
 from replay.selectors import make_selector
-from replay.types import EXCLUDED, LEASED, POOLED, Group, GroupRows
+from replay.types import EXCLUDED, LEASED, POOLED, Group, InsertPlan
 
 def _check_ids(table: pa.Table) -> None:
-    expected = pc.binary_join_element_wise(
-        *(pc.cast(table.column(c), pa.utf8()) for c in ("prompt_index", "sample_index", "attempt")), "-")
-    bad = pc.invert(pc.equal(table.column("trajectory_id"), expected))
-    if pc.any(bad).as_py():
-        i = pc.index(bad, True).as_py()
+    """Every ``trajectory_id`` is ``"{prompt_index}-{sample_index}-{attempt}"`` (one int → string cast
+    of the three columns stacked). Uniqueness is checked in ``_check_unique`` once groups are known."""
+    n = table.num_rows
+    if n == 0:
+        return
+    for name in ("prompt_index", "sample_index", "attempt"):
+        col = table.column(name)
+        if pc.min(col).as_py() < 0:
+            i = pc.index(pc.less(col, 0), True).as_py()
+            raise SchemaError(f"row {i}: {name} {col[i].as_py()} must be >= 0")
+    stacked = np.concatenate([table.column(c).to_numpy().astype(np.int64)
+                              for c in ("prompt_index", "sample_index", "attempt")])
+    text = pc.cast(pa.array(stacked), pa.utf8())
+    expected = pc.binary_join_element_wise(text.slice(0, n), text.slice(n, n), text.slice(2 * n, n), "-")
+    ok = pc.equal(table.column("trajectory_id"), expected)
+    if not pc.all(ok).as_py():
+        i = pc.index(ok, False).as_py()
         raise SchemaError(f"row {i}: trajectory_id {table.column('trajectory_id')[i].as_py()!r} is not "
                           f"'{{prompt_index}}-{{sample_index}}-{{attempt}}' ({expected[i].as_py()!r})")
-    ids = table.column("trajectory_id")
-    if pc.count_distinct(ids).as_py() != table.num_rows:
-        counts = pc.value_counts(ids)
-        dup = counts.filter(pc.greater(counts.field("counts"), 1))[0]["values"].as_py()
-        raise SchemaError(f"trajectory_id {dup!r} appears more than once in one insert")
+
+
+def _check_unique(table: pa.Table, codes: np.ndarray) -> None:
+    """No trajectory id twice. Ids are ``"{prompt}-{sample}-{attempt}"`` (checked) and a group has
+    one prompt and attempt (checked), so an id repeats exactly when a (group, sample_index) pair does."""
+    key = (codes.astype(np.int64) << 32) | (table.column("sample_index").to_numpy().astype(np.int64) & 0xFFFFFFFF)
+    ranked = np.argsort(key, kind="stable")
+    same = key[ranked[1:]] == key[ranked[:-1]]
+    if same.any():
+        row = int(ranked[1:][same][0])
+        raise SchemaError(f"trajectory_id {table.column('trajectory_id')[row].as_py()!r} appears more than "
+                          "once in one insert")
 
 
 def _span_ends(table: pa.Table) -> tuple[np.ndarray, np.ndarray]:
@@ -43,24 +62,31 @@ def _span_ends(table: pa.Table) -> tuple[np.ndarray, np.ndarray]:
     return values[offsets[:-1]], values[offsets[1:] - 1]
 
 
-def _group_rows(table: pa.Table) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray]:
-    """Groups in first-appearance order: ``(group ids, row order, group starts in it, group sizes)``;
-    the rows of group ``i`` are ``order[starts[i]: starts[i] + sizes[i]]``, ascending (one stable sort)."""
+def _group_rows(table: pa.Table) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Groups in first-appearance order: ``(group ids, row order, group starts in it, group sizes,
+    per-row group index)``; the rows of group ``i`` are ``order[starts[i]: starts[i] + sizes[i]]``,
+    ascending (one stable sort)."""
     encoded = pc.dictionary_encode(table.column("group_id")).combine_chunks()
     codes = encoded.indices.to_numpy()
     sizes = np.bincount(codes)
     order = np.argsort(codes, kind="stable")
     starts = np.zeros(len(sizes), np.int64)
     np.cumsum(sizes[:-1], out=starts[1:])
-    return encoded.dictionary.to_pylist(), order, starts, sizes
+    return encoded.dictionary.to_pylist(), order, starts, sizes, codes
 
 
-def split_groups(table: pa.Table) -> list[GroupRows]:
+def split_groups(table: pa.Table, nbytes: int | None = None) -> InsertPlan:
     """Validate an insert and split it into groups; nothing is stored.
 
     Vectorised over rows and groups (one dictionary encode and stable sort of ``group_id``, numpy
-    ``reduceat`` over the sorted runs), since it runs for every insert; a group whose rows are
-    contiguous (the usual case) is a zero-copy slice of the insert.
+    ``reduceat`` over the sorted runs), since it runs for every insert. No per-group table is made: a
+    group is ``(offset, rows)`` into ``plan.table``, which is the insert itself when every group's rows
+    are contiguous (the usual case) and else one reordered copy (``take``) in which they are.
+
+    Args:
+        table: the insert, ``TRAJECTORY_SCHEMA``.
+        nbytes: bytes to apportion to the groups by row count: the Arrow IPC payload's size when the
+            table was read from one (live and WAL replay alike), else ``table.nbytes``.
 
     Raises:
         SchemaError: schema problems (see ``validate_table``), a trajectory id that is not
@@ -68,38 +94,33 @@ def split_groups(table: pa.Table) -> list[GroupRows]:
     """
     validate_table(table)
     _check_ids(table)
-    group_ids, order, starts, sizes = _group_rows(table)
+    group_ids, order, starts, sizes, codes = _group_rows(table)
     first, last = (x[order] for x in _span_ends(table))
     prompts, attempts = (table.column(c).to_numpy()[order] for c in ("prompt_index", "attempt"))
     uniform = ((np.minimum.reduceat(prompts, starts) == np.maximum.reduceat(prompts, starts))
                & (np.minimum.reduceat(attempts, starts) == np.maximum.reduceat(attempts, starts)))
-    one_newest = np.minimum.reduceat(last, starts) == np.maximum.reduceat(last, starts)
-    contiguous = order[starts + sizes - 1] - order[starts] + 1 == sizes
-    per_row = table.nbytes / max(table.num_rows, 1)
-    p_l, a_l, n_l = prompts[starts].tolist(), attempts[starts].tolist(), sizes.tolist()
-    row0_l, new_l = order[starts].tolist(), last[starts].tolist()
-    oldest_l = np.minimum.reduceat(first, starts).tolist()
-    multi_l = np.add.reduceat((first != last).astype(np.int64), starts).tolist()
-    ok_l, one_l, cont_l = uniform.tolist(), one_newest.tolist(), contiguous.tolist()
-    out = []
-    for i, group_id in enumerate(group_ids):
-        p, a, n, row0 = p_l[i], a_l[i], n_l[i], row0_l[i]
-        if not ok_l[i] or group_id != f"{p}-{a}":
-            rows = order[starts[i]: starts[i] + n]
-            seen = sorted(set(zip(table.column("prompt_index").to_numpy()[rows].tolist(),
-                                  table.column("attempt").to_numpy()[rows].tolist())))
-            raise SchemaError(f"group {group_id!r} mixes prompt indices/attempts {seen}")
-        if one_l[i]:
-            newest = ((new_l[i], n),)
-        else:
-            seg = last[starts[i]: starts[i] + n]
-            newest = tuple((int(v), int(c)) for v, c in zip(*np.unique(seg, return_counts=True)))
-        if cont_l[i]:
-            part, source = table.slice(row0, n), (table, row0)
-        else:
-            part, source = table.take(order[starts[i]: starts[i] + n]), None
-        out.append(GroupRows(group_id, p, oldest_l[i], part, int(per_row * n), newest, multi_l[i], source))
-    return out
+    p_l, a_l = prompts[starts].tolist(), attempts[starts].tolist()
+    bad = [i for i, (ok, g, p, a) in enumerate(zip(uniform.tolist(), group_ids, p_l, a_l)) if not ok or g != f"{p}-{a}"]
+    if bad:
+        rows = order[starts[bad[0]]: starts[bad[0]] + sizes[bad[0]]]
+        seen = sorted(set(zip(table.column("prompt_index").to_numpy()[rows].tolist(),
+                              table.column("attempt").to_numpy()[rows].tolist())))
+        raise SchemaError(f"group {group_ids[bad[0]]!r} mixes prompt indices/attempts {seen}")
+    _check_unique(table, codes)
+    per_row = (table.nbytes if nbytes is None else nbytes) / max(table.num_rows, 1)
+    if bool((order[starts + sizes - 1] - order[starts] + 1 == sizes).all()):
+        offsets = order[starts]  # every group is one run of the insert: keep the client's table
+    else:
+        table, offsets = table.take(order), starts
+    one_newest = (np.minimum.reduceat(last, starts) == np.maximum.reduceat(last, starts)).tolist()
+    n_l, new_l = sizes.tolist(), last[starts].tolist()
+    newest = [((new_l[i], n_l[i]),) if one else
+              tuple((int(v), int(c)) for v, c in zip(*np.unique(last[starts[i]: starts[i] + n_l[i]],
+                                                                  return_counts=True)))
+              for i, one in enumerate(one_newest)]
+    return InsertPlan(table, group_ids, p_l, np.minimum.reduceat(first, starts).tolist(), offsets.tolist(), n_l,
+                      (sizes * per_row).astype(np.int64).tolist(), newest,
+                      np.add.reduceat((first != last).astype(np.int64), starts).tolist())
 
 
 class GroupStore:
@@ -129,14 +150,14 @@ class GroupStore:
     def _set(self, new: Group) -> None:
         old = self.groups.get(new.key)
         if old is not None:
-            self.rows[old.state] -= old.table.num_rows
+            self.rows[old.state] -= old.num_rows
             self.count[old.state] -= 1
             if old.state == POOLED:
                 self._unpool(old)
             elif old.state == EXCLUDED:
                 del self.excluded[old.key]
         self.groups[new.key] = new
-        self.rows[new.state] += new.table.num_rows
+        self.rows[new.state] += new.num_rows
         self.count[new.state] += 1
         if new.state == POOLED:
             self.sampler.add(new.key, new.priority)
@@ -161,6 +182,31 @@ class GroupStore:
         self.nbytes += group.nbytes
         self._set(group)
 
+    def add_many(self, groups: list[Group]) -> None:
+        """``add`` for one insert's new groups: one pass and one call per index instead of one per group.
+        Raises ``KeyError`` on a reused key; then nothing is stored."""
+        stored, keys = self.groups, [g.key for g in groups]
+        if len(set(keys)) != len(keys) or any(k in stored for k in keys):
+            dup = next(k for i, k in enumerate(keys) if k in stored or k in keys[:i])
+            raise KeyError(f"group key {dup} is already stored")
+        pooled = []
+        for g in groups:
+            stored[g.key] = g
+            self.key_of[g.group_id] = g.key
+            self.nbytes += g.nbytes
+            self.rows[g.state] += g.num_rows
+            self.count[g.state] += 1
+            if g.state == POOLED:
+                pooled.append(g)
+            elif g.state == EXCLUDED:
+                self.excluded[g.key] = None
+        keys, priorities = [g.key for g in pooled], [g.priority for g in pooled]
+        self.sampler.add_many(keys, priorities)
+        self.evictor.add_many(keys, priorities)
+        by_version = self._pool_by_version
+        for g in pooled:
+            by_version.setdefault(g.oldest_version, set()).add(g.key)
+
     def set_state(self, key: int, state: str, sampled_delta: int = 0) -> Group:
         """Move a stored group to ``state`` (and add ``sampled_delta`` to its sample count)."""
         g = self.groups[key]
@@ -171,7 +217,7 @@ class GroupStore:
     def delete(self, key: int) -> Group:
         """Remove a group entirely. Raises ``KeyError`` if it is not stored."""
         g = self.groups[key]
-        self.rows[g.state] -= g.table.num_rows
+        self.rows[g.state] -= g.num_rows
         self.count[g.state] -= 1
         if g.state == POOLED:
             self._unpool(g)

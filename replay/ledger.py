@@ -112,6 +112,26 @@ class PromptLedger:
         self._expired = [(i, a) for i, a in self._expired if i != prompt_index]
         return True
 
+    def complete_many(self, prompt_indices: list[int]) -> list[bool]:
+        """``complete`` for each index in order (one insert's groups); returns the results."""
+        out, done, newly = [], self._done_above, []
+        for i in prompt_indices:
+            fresh = i >= self._done_below and i not in done
+            if fresh:
+                done.add(i)
+                newly.append(i)
+            out.append(fresh)
+        while self._done_below in done:
+            done.remove(self._done_below)
+            self._done_below += 1
+        if self._leases:
+            for i in newly:
+                self._leases.pop(i, None)
+        if self._expired:
+            gone = set(newly)
+            self._expired = [(i, a) for i, a in self._expired if i not in gone]
+        return out
+
     def is_complete(self, prompt_index: int) -> bool:
         return prompt_index < self._done_below or prompt_index in self._done_above
 

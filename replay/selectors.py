@@ -43,6 +43,18 @@ class Selector(ABC):
         self._live.add(key)
         self._add(key, priority)
 
+    def add_many(self, keys: list[int], priorities: list[float]) -> None:
+        """``add`` for many keys at once (one insert's groups). Raises ``KeyError`` on a pooled key;
+        then nothing is added."""
+        fresh = set(keys)
+        if len(fresh) != len(keys) or not self._live.isdisjoint(fresh):
+            dup = next(k for i, k in enumerate(keys) if k in self._live or k in keys[:i])
+            raise KeyError(f"group key {dup} is already pooled")
+        self._live |= fresh
+        add = self._add
+        for key, priority in zip(keys, priorities):
+            add(key, priority)
+
     def remove(self, key: int) -> None:
         """Take ``key`` out of the pool. Raises ``KeyError`` if it is not pooled."""
         self._live.remove(key)

@@ -18,7 +18,7 @@ from replay.groups import GroupStore, split_groups
 from replay.ledger import PromptLedger
 from replay.rate_limiter import RateLimiter
 from replay.records import Record
-from replay.types import EXCLUDED, LEASED, POOLED, Counters, Group, GroupRows, InsertResult, Lease, UnknownLeaseError
+from replay.types import EXCLUDED, LEASED, POOLED, Counters, Group, InsertPlan, InsertResult, Lease, UnknownLeaseError
 
 
 class ReplayState:
@@ -93,11 +93,13 @@ class ReplayState:
             raise ValueError(f"unknown record kind {rec.kind!r}")
 
     # ---- transitions ----------------------------------------------------------------------------
-    def apply(self, rec: Record, plan: list[GroupRows] | None = None):
+    def apply(self, rec: Record, plan: InsertPlan | None = None):
         """Apply one record; ``plan`` is the already split insert (else parsed from the payload)."""
         m = rec.meta
         if rec.kind == "insert":
-            return self._insert(plan if plan is not None else split_groups(pa.ipc.open_stream(rec.payload).read_all()))
+            if plan is None:
+                plan = split_groups(pa.ipc.open_stream(rec.payload).read_all(), len(rec.payload))
+            return self._insert(plan)
         if rec.kind == "evict":
             for key in m["keys"]:
                 self.store.delete(key)
@@ -118,31 +120,33 @@ class ReplayState:
                     self.store.set_priority(key, p)
         return None
 
-    def _insert(self, plan: list[GroupRows]) -> InsertResult:
-        result, c = InsertResult(), self.counters
-        for g in plan:
-            n = g.table.num_rows
-            if not self.ledger.complete(g.prompt_index):
+    def _insert(self, plan: InsertPlan) -> InsertResult:
+        result, c, cfg = InsertResult(), self.counters, self.config
+        by_version, new = c.inserted_by_newest_version, []
+        fresh = self.ledger.complete_many(plan.prompt_index)
+        for i, (ok, group_id, prompt, oldest, n) in enumerate(zip(fresh, plan.group_ids, plan.prompt_index,
+                                                                  plan.oldest_version, plan.num_rows)):
+            if not ok:
                 result.duplicates += n
                 continue
-            stale = self.too_stale(g.oldest_version)
-            if stale and self.config.staleness_mode == "drop":
-                result.dropped_stale += n
-                c.dropped_stale_total += n
-                continue
-            self.store.add(Group(self.next_key, g.group_id, g.prompt_index, g.oldest_version, g.table,
-                                 g.nbytes, EXCLUDED if stale else POOLED,
-                                 priority=self.config.default_priority, source=g.source))
-            self.next_key += 1
+            stale = self.learner_version - oldest > cfg.max_staleness
             if stale:
                 result.dropped_stale += n
+                if cfg.staleness_mode == "drop":
+                    c.dropped_stale_total += n
+                    continue
                 c.excluded_stale_total += n
+            new.append(Group(self.next_key, group_id, prompt, oldest, plan.table, plan.offset[i], n, plan.nbytes[i],
+                             EXCLUDED if stale else POOLED, priority=cfg.default_priority))
+            self.next_key += 1
+            if stale:
                 continue
-            self.limiter.on_insert(1)
             result.accepted += n
-            for v, rows in g.newest_versions:
-                c.inserted_by_newest_version[v] = c.inserted_by_newest_version.get(v, 0) + rows
-            c.inserted_multi_version += g.multi_version
+            for v, rows in plan.newest_versions[i]:
+                by_version[v] = by_version.get(v, 0) + rows
+            c.inserted_multi_version += plan.multi_version[i]
+        self.store.add_many(new)
+        self.limiter.on_insert(sum(g.state == POOLED for g in new))
         c.inserted_total += result.accepted
         c.duplicates_total += result.duplicates
         return result
@@ -153,7 +157,7 @@ class ReplayState:
             self._stale(key)
 
     def _stale(self, key: int) -> None:
-        rows = self.store.groups[key].table.num_rows
+        rows = self.store.groups[key].num_rows
         if self.config.staleness_mode == "drop":
             self.store.delete(key)
             self.counters.dropped_stale_total += rows
@@ -234,8 +238,7 @@ class ReplayState:
     def load_state_dict(self, state: dict, groups: list[Group]) -> None:
         """Replace everything with ``state`` and ``groups`` (from ``state_dict`` and a snapshot)."""
         self.store = GroupStore(self.config, self._rng)
-        for g in groups:
-            self.store.add(g)
+        self.store.add_many(groups)
         self.learner_version, self.next_key = int(state["learner_version"]), int(state["next_key"])
         raw = dict(state["counters"])
         by_version = {int(k): int(v) for k, v in raw.pop("inserted_by_newest_version")}

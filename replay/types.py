@@ -12,9 +12,14 @@ import pyarrow as pa
 POOLED, LEASED, EXCLUDED = "pooled", "leased", "excluded"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Group:
-    """One stored GRPO group (all rows of one prompt attempt that arrived in one insert)."""
+    """One stored GRPO group (all rows of one prompt attempt that arrived in one insert).
+
+    The rows are not copied or sliced per group: a group points at the Arrow table it arrived in (the
+    insert's one record batch, or the snapshot it was restored from) by row offset and count, so an
+    insert of G groups keeps one table and G small records; ``table`` slices on demand (zero-copy).
+    """
 
     key: int
     """Insertion sequence number, unique over the buffer's lifetime (smaller is older)."""
@@ -23,39 +28,50 @@ class Group:
     prompt_index: int
     oldest_version: int
     """Policy version of the oldest token in the group (min over rows of the first span)."""
-    table: pa.Table
-    """The group's rows, ``TRAJECTORY_SCHEMA``, ``[n]`` rows."""
+    source: pa.Table
+    """The table holding the group's rows contiguously (``TRAJECTORY_SCHEMA``)."""
+    offset: int
+    """Row of ``source`` where the group starts."""
+    num_rows: int
+    """``[n]`` rows of the group."""
     nbytes: int
-    """Arrow bytes of ``table``."""
+    """Arrow bytes of the rows (the source's bytes apportioned by row count)."""
     state: str = POOLED
     """``pooled | leased | excluded``."""
     times_sampled: int = 0
     """Leases that included this group and were not released or expired."""
     priority: float = 1.0
     """Sampling priority for the ``prioritized`` selector."""
-    source: tuple[pa.Table, int] | None = None
-    """``(table, row offset)`` when ``table`` is a zero-copy slice of a larger table (the insert it came
-    in, or the snapshot it was restored from); lets a snapshot write runs of groups without copying."""
+
+    @property
+    def table(self) -> pa.Table:
+        """The group's ``[num_rows]`` rows, a zero-copy slice of ``source``."""
+        return self.source.slice(self.offset, self.num_rows)
 
 
 @dataclass(frozen=True)
-class GroupRows:
-    """One group of an insert, split and checked before the buffer's lock is taken."""
+class InsertPlan:
+    """An insert, validated and split into groups before the buffer's lock is taken (columnar: one
+    entry per group in each list, in first-appearance order)."""
 
-    group_id: str
-    prompt_index: int
-    oldest_version: int
-    """min over rows of the first span's version."""
     table: pa.Table
-    """``[n]`` rows of ``TRAJECTORY_SCHEMA``."""
-    nbytes: int
-    """Arrow bytes of the rows (the insert's bytes apportioned by row count)."""
-    newest_versions: tuple[tuple[int, int], ...]
-    """``(version of the last span, rows)`` pairs."""
-    multi_version: int
-    """Rows whose spans name two or more versions."""
-    source: tuple[pa.Table, int] | None = None
-    """``(insert table, row offset)`` when ``table`` is a zero-copy slice of it."""
+    """The insert's rows with every group contiguous (the client's table, or one reordered copy)."""
+    group_ids: list[str]
+    prompt_index: list[int]
+    oldest_version: list[int]
+    """min over the group's rows of the first span's version."""
+    offset: list[int]
+    """First row of each group in ``table``."""
+    num_rows: list[int]
+    nbytes: list[int]
+    """Arrow bytes of each group (the insert's bytes apportioned by row count)."""
+    newest_versions: list[tuple[tuple[int, int], ...]]
+    """Per group: ``(version of the last span, rows)`` pairs."""
+    multi_version: list[int]
+    """Per group: rows whose spans name two or more versions."""
+
+    def __len__(self) -> int:
+        return len(self.group_ids)
 
 
 class UnknownLeaseError(KeyError):

@@ -9,8 +9,10 @@ Commit protocol (``durability="fsync"``): the caller appends a record's bytes wi
 which returns once a background syncer thread has fsync'd every segment up to ``lsn`` (and the WAL
 directory, when a segment was created). The syncer fsyncs whatever was appended while the previous
 fsync ran, optionally waiting ``group_commit_ms`` first, so concurrent operations share one fsync.
-An fsync error is not retried (the page cache state is unknown after it): the log fails and every
-later ``append``/``wait`` raises ``WalError`` — the service must restart and restore.
+A write or fsync error is not retried (after a failed fsync the page cache state is unknown — the
+"fsyncgate" lesson of PostgreSQL): the log fails for good, calls ``on_fail`` once, and every later
+``append``/``wait`` raises ``WalError`` naming the first error. The service reports NOT_SERVING and must
+be restarted, which restores from what is on disk (every acknowledged record was fsync'd before).
 
 Segments roll once they exceed ``segment_bytes``; the sealed segment is fsync'd and closed by the
 syncer before any record of the new segment is reported durable.
@@ -46,9 +48,11 @@ class Wal:
         wal_dir: the segment directory (created if missing).
         config: durability mode, group-commit window and segment size.
         next_lsn: LSN of the first record this writer appends.
+        on_fail: called once, with the exception, when the log fails (from the thread that saw it,
+            holding the log's lock: it must not call back into the log).
     """
 
-    def __init__(self, wal_dir: Path, config: WalConfig, next_lsn: int) -> None:
+    def __init__(self, wal_dir: Path, config: WalConfig, next_lsn: int, on_fail=None) -> None:
         self.dir, self.config = Path(wal_dir), config
         self.dir.mkdir(parents=True, exist_ok=True)
         self._cv = threading.Condition()
@@ -57,6 +61,7 @@ class Wal:
         self._sealed: list[tuple[int, Path]] = []
         self._pending: list = []  # "buffered" mode only
         self._error: BaseException | None = None
+        self._on_fail = on_fail
         self._closed = False
         self.bytes_written = 0
         """Bytes appended by this writer (all segments)."""
@@ -100,10 +105,10 @@ class Wal:
                 if self.config.durability == "buffered":
                     self._pending.append(data)
                 else:
+                    fault_point("wal.write")
                     self._write(data)
             except OSError as exc:  # a partial record may be on disk: nothing may follow it
-                self._error = exc
-                self._cv.notify_all()
+                self._fail(exc)
                 raise WalError(f"WAL append to {self.path} failed: {exc}") from exc
             self._next_lsn += len(records)
             self._segment_bytes += len(data)
@@ -113,8 +118,7 @@ class Wal:
                 try:
                     self._roll()
                 except OSError as exc:
-                    self._error = exc
-                    self._cv.notify_all()
+                    self._fail(exc)
                     raise WalError(f"WAL could not start a segment after {self.path}: {exc}") from exc
             self._cv.notify_all()
             return self._next_lsn - 1
@@ -144,6 +148,20 @@ class Wal:
                 self._check()
                 self._cv.wait(timeout=1.0)
 
+    def _fail(self, exc: BaseException) -> None:
+        """Mark the log failed (caller holds ``_cv``) and tell ``on_fail`` the first time."""
+        first = self._error is None
+        if first:
+            self._error = exc
+        self._cv.notify_all()
+        if first and self._on_fail is not None:
+            self._on_fail(exc)
+
+    @property
+    def error(self) -> BaseException | None:
+        """The error that failed the log, or ``None`` while it works."""
+        return self._error
+
     def _check(self) -> None:
         if self._error is not None:
             raise WalError(f"WAL {self.dir} failed: {self._error}") from self._error
@@ -164,8 +182,7 @@ class Wal:
                 self._sync_once()
             except OSError as exc:
                 with self._cv:
-                    self._error = exc
-                    self._cv.notify_all()
+                    self._fail(exc)
                 return
 
     def _sync_once(self) -> None:
@@ -176,6 +193,7 @@ class Wal:
                 self._flush_pending()
                 self._durable_lsn = target
                 return
+        fault_point("wal.fsync")
         for old_fd, _ in sealed:
             os.fsync(old_fd)
             os.close(old_fd)

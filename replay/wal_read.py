@@ -17,10 +17,11 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from replay.records import RECORD_SCHEMA, CorruptRecordError, Record, decode
+from replay.records import RECORD_SCHEMA, CorruptRecordError, Record, decode, end_of_stream
 from replay.wal import SEGMENT_SUFFIX
 
 _CONTINUATION = b"\xff\xff\xff\xff"
+_EOS = end_of_stream()
 
 
 @dataclass(frozen=True)
@@ -94,7 +95,9 @@ def read_segment(path: Path) -> SegmentScan:
             error = f"record {first_lsn + len(records)} at byte {good}: {exc}"
             break
         good = reader.tell()
-    after = _decodable_after(buf, good) if error else False
+    # A segment that ends with the end-of-stream marker was closed cleanly: nothing in it is torn.
+    closed = buf.size >= good + len(_EOS) and buf.slice(buf.size - len(_EOS)).to_pybytes() == _EOS
+    after = (closed or _decodable_after(buf, good)) if error else False
     return SegmentScan(path, first_lsn, records, ends, header, good, buf.size, error, after)
 
 

@@ -3,9 +3,50 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class GrpcTransportConfig(BaseModel):
+    """Weights stream over the learner's gRPC ``WeightService.Subscribe`` (portable default)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    type: Literal["grpc"] = "grpc"
+    chunk_timeout_s: float = Field(default=30.0, gt=0)
+    """Seconds a started version may go without a chunk before the stream is abandoned and retried."""
+    backoff_s: float = Field(default=0.5, gt=0)
+    """First reconnect delay in seconds; doubles per failure up to ``max_backoff_s``."""
+    max_backoff_s: float = Field(default=10.0, gt=0)
+    """Longest reconnect delay in seconds."""
+
+
+class NcclTransportConfig(BaseModel):
+    """Manifests (version, names, shapes, checksums) over gRPC ``WeightService.Announce``, bytes over an
+    NCCL broadcast from the learner (rank 0) into the vLLM workers through vLLM's weight-transfer API.
+    Needs CUDA on the learner and every rollout; the group has a fixed size."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    type: Literal["nccl"] = "nccl"
+    master_address: str
+    """Host of the learner's rendezvous store (TCPStore) for the NCCL group."""
+    master_port: int = Field(ge=1, le=65535)
+    """Port of that store."""
+    world_size: int = Field(ge=2)
+    """Ranks in the group: 1 (learner) + the vLLM workers of every rollout service."""
+    rank_offset: int = Field(ge=1)
+    """This rollout's first worker rank in the group (the learner is rank 0)."""
+    backoff_s: float = Field(default=0.5, gt=0)
+    """First reconnect delay of the control stream in seconds (doubles up to 10 s)."""
+    broadcast_timeout_s: float = Field(default=300.0, gt=0)
+    """Seconds one version's broadcast may take; past it the engine fails loudly (``EngineFailedError``)
+    instead of hanging in NCCL, and the rollout must be restarted (its weights are undefined)."""
+
+
+WeightTransportConfig = Annotated[Union[GrpcTransportConfig, NcclTransportConfig], Field(discriminator="type")]
+"""How policy versions reach a rollout service; chosen by ``type: grpc | nccl``."""
 
 
 class EngineConfig(BaseModel):
@@ -35,6 +76,17 @@ class EngineConfig(BaseModel):
 
     seed: int = 0
     """Engine-level seed; a request without its own seed samples from this stream."""
+
+    weight_transport: WeightTransportConfig = GrpcTransportConfig()
+    """How new policy versions arrive (``services.weight_transport.make_transport``)."""
+
+    bootstrap_wait_s: float = Field(default=60.0, ge=0)
+    """Seconds a starting rollout waits to catch up to the learner's newest version before it generates;
+    past it (learner unreachable or slow) it falls back to ``bootstrap_dir``."""
+
+    bootstrap_dir: str | None = None
+    """Folder of HF exports to start from when the learner is unreachable: one export folder, or a folder
+    of them, each with a ``gyre_version.json`` (``{"policy_version": N}``); the newest version wins."""
 
     @field_validator("model")
     @classmethod

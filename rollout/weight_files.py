@@ -1,7 +1,8 @@
 """Moving a policy version into vLLM's worker process through a safetensors file (no pickle).
 
 ``GyreWorkerExtension`` is mixed into vLLM's worker class (``worker_extension_cls``) and runs in the
-worker process; the rest runs in the rollout service. No vLLM import here.
+worker process; the rest runs in the rollout service. vLLM is imported only inside
+``register_nccl_backend`` (the NCCL transport's worker-side receiver).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 _SHM = Path("/dev/shm")
+NCCL_BACKEND = "gyre_nccl"
+"""vLLM ``WeightTransferConfig.backend`` name of ``register_nccl_backend``'s engine."""
 
 
 class GyreWorkerExtension:
@@ -54,3 +57,64 @@ def write_safetensors(tensors: dict[str, torch.Tensor]) -> Path:
     os.close(fd)
     save_file(tensors, name)
     return Path(name)
+
+
+def register_nccl_backend() -> None:
+    """Register vLLM weight-transfer backend ``gyre_nccl`` (idempotent; call in every process).
+
+    It is vLLM's dense NCCL engine with the receive step replaced: every tensor of the update is
+    received into a fresh buffer (``proto.tensor_chunks.receive_verified``), every checksum from the
+    manifest is verified, and only then are the weights loaded with vLLM's layerwise reload; a failed
+    check raises ``ChunkError`` with the model untouched. ``start/finish_weight_update`` are no-ops.
+    """
+    from dataclasses import dataclass
+
+    from vllm.distributed.weight_transfer import WeightTransferEngineFactory
+    from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine, NCCLWeightTransferUpdateInfo
+
+    if NCCL_BACKEND in WeightTransferEngineFactory._registry:
+        return
+
+    @dataclass
+    class GyreNcclUpdateInfo(NCCLWeightTransferUpdateInfo):
+        checksums: list[int]
+        checksum_kind: str
+
+    class GyreNcclWeightTransferEngine(NCCLWeightTransferEngine):
+        update_info_cls = GyreNcclUpdateInfo
+
+        def start_weight_update(self) -> None:
+            pass  # layerwise reload starts in receive_weights, once every checksum passed
+
+        def finish_weight_update(self) -> None:
+            pass
+
+        def receive_weights(self, update_info: GyreNcclUpdateInfo) -> None:
+            load_broadcast_verified(self, update_info)
+
+    WeightTransferEngineFactory.register_engine(NCCL_BACKEND, GyreNcclWeightTransferEngine)
+
+
+def load_broadcast_verified(engine, info) -> int:
+    """Worker side of one ``gyre_nccl`` update on vLLM's NCCL ``engine``; returns tensors loaded.
+
+    Raises:
+        ChunkError: unknown checksum kind, dtype, or a checksum mismatch (nothing loaded).
+    """
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+    from proto.tensor_chunks import CHECKSUM_KIND, ChunkError, TensorMeta, receive_verified
+
+    if info.checksum_kind != CHECKSUM_KIND:
+        raise ChunkError(f"checksum kind {info.checksum_kind!r}, expected {CHECKSUM_KIND!r}")
+    metas = [TensorMeta(n, d, tuple(s), 0, c)
+             for n, d, s, c in zip(info.names, info.dtype_names, info.shapes, info.checksums, strict=True)]
+    group = engine.model_update_group
+    if group is None:
+        raise RuntimeError("gyre_nccl: init_weight_transfer_engine was not called")
+    stream = torch.cuda.current_stream()
+    tensors = receive_verified(lambda t, src: group.broadcast(t, src=src, stream=stream), metas, engine.device)
+    initialize_layerwise_reload(engine.model)
+    engine.model.load_weights(tensors)
+    finalize_layerwise_reload(engine.model, engine.model_config)
+    return len(tensors)

@@ -192,6 +192,20 @@ class RolloutWorker:
         seed = zlib.crc32(f"{self.seed}-{group_id}".encode())
         samples = await self.engine.generate(prompt_ids, self.config.group_size, self.config.sampling,
                                              request_id=f"{group_id}@{self.rollout_id}", seed=seed)
+        finish = self._finish_group(prompt_index, attempt, problem, reward_fn, prompt_ids, samples)
+        if self.spool is None:
+            await finish
+            return
+        # With a spool, a generated group is scored and made durable even if this task is cancelled (stop,
+        # shutdown): run() waits for these before it returns.
+        task = asyncio.ensure_future(finish)
+        self._puts.add(task)
+        task.add_done_callback(self._puts.discard)
+        await asyncio.shield(task)
+
+    async def _finish_group(self, prompt_index: int, attempt: int, problem, reward_fn, prompt_ids: list[int],
+                            samples) -> None:
+        """Score a generated group, build its trajectories and deliver them (spool or replay)."""
         scored = await score_many([(reward_fn, s.text, problem.entry) for s in samples])  # off the event loop
         rows = []
         for i, s in enumerate(samples):

@@ -3,7 +3,7 @@
 A custom collector instead of gauges the servicer would have to keep updating: every scrape sees the
 buffer's current counters, and nothing runs between scrapes. Names are ``gyre_replay_*``:
 size (pooled/stored groups, trajectories, bytes), inserts/s and samples/s, lease counts, WAL bytes and
-fsyncs, last snapshot age, rate-limiter diff, and the staleness-at-sample histogram.
+fsyncs, last snapshot age, WAL failed (0/1), rate-limiter diff, and the staleness-at-sample histogram.
 """
 
 from __future__ import annotations
@@ -51,6 +51,11 @@ class ReplayCollector:
         for key, doc in _COUNTERS.items():
             if key in info:
                 yield CounterMetricFamily(f"gyre_replay_{key}", doc, value=float(info[key]))
+        durability = getattr(self.buffer, "durability", None)
+        if durability is not None:
+            failed = float(durability.failure is not None)
+            yield GaugeMetricFamily("gyre_replay_wal_failed", "1 once the WAL failed (disk full, I/O error): "
+                                    "the service is NOT_SERVING until restarted", value=failed)
         lags = sorted(info.get("staleness_at_sample", {}).items())
         buckets, total = [], 0
         for lag, n in lags:

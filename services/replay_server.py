@@ -8,11 +8,14 @@ its WAL fsync, so one stream gets group commit too. Responses stay in request or
 from __future__ import annotations
 
 import queue
+import sys
 import threading
 
 import grpc
 import pyarrow as pa
 import structlog
+
+from grpc_health.v1 import health_pb2
 
 from proto import replay_pb2, replay_pb2_grpc
 from proto.trajectory import SCHEMA_VERSION, SchemaError, to_ipc
@@ -23,6 +26,10 @@ from services import grpc_common
 log = structlog.get_logger("replay")
 SERVICE_NAME = "gyre.replay.v1.ReplayService"
 _END = object()
+_GIL_SWITCH_S = 0.001
+"""GIL switch interval of a replay process (CPython's default is 5 ms): a thread that holds the GIL in
+pure Python (a snapshot building its group table, a restore, a big Info) makes every RPC thread
+waiting for it wait up to this long, so insert and sample tail latency follow it."""
 
 
 class _Abort(Exception):
@@ -41,9 +48,12 @@ def _read_ipc(payload) -> pa.Table:
     """Parse Arrow IPC bytes (the table's buffers point into ``payload``, no copy); the buffer
     validates the table (once). Raises ``SchemaError``."""
     try:
-        return pa.ipc.open_stream(pa.py_buffer(payload)).read_all()
-    except (pa.ArrowInvalid, OSError) as exc:
+        table = pa.ipc.open_stream(pa.py_buffer(payload)).read_all()
+        # Offsets and lengths in range: compute kernels trust them (a bad offset reads wild memory).
+        table.validate(full=True)
+    except (pa.ArrowException, OSError) as exc:  # ArrowInvalid, ArrowNotImplementedError (unknown types), ...
         raise SchemaError(f"payload is not an Arrow IPC stream: {exc}") from exc
+    return table
 
 
 def _aborting(fn):
@@ -99,8 +109,11 @@ class ReplayServicer(replay_pb2_grpc.ReplayServiceServicer):
                     pending.put(self._store(req, context))
             except _Abort as exc:
                 pending.put(exc)
-            except Exception as exc:  # the stream broke (client gone); nothing more to store
+            except grpc.RpcError as exc:  # the stream broke (client gone); nothing more to store
                 pending.put(_Abort(grpc.StatusCode.CANCELLED, f"insert stream ended: {exc}"))
+            except Exception as exc:  # a bug: say so (INTERNAL), never CANCELLED, which clients may retry
+                log.exception("insert_failed")
+                pending.put(_Abort(grpc.StatusCode.INTERNAL, f"insert failed: {type(exc).__name__}: {exc}"))
             finally:
                 pending.put(_END)
 
@@ -169,9 +182,22 @@ class ReplayServicer(replay_pb2_grpc.ReplayServiceServicer):
 
 
 def serve(buffer: TrajectoryBuffer, host: str = "127.0.0.1", port: int = 0) -> tuple[grpc.Server, int]:
-    """Start a replay server on ``host:port`` (0 = free port); returns ``(server, bound_port)``."""
+    """Start a replay server on ``host:port`` (0 = free port); returns ``(server, bound_port)``.
+
+    Health: SERVING once started; NOT_SERVING (both ``""`` and the service name) from the moment the
+    WAL fails (disk full, I/O error) until the process is restarted — a failed log is never written
+    again, so every insert and every other change answers UNAVAILABLE naming the error meanwhile.
+    """
+    sys.setswitchinterval(_GIL_SWITCH_S)
     server, health_servicer = grpc_common.make_server()
     replay_pb2_grpc.add_ReplayServiceServicer_to_server(ReplayServicer(buffer), server)
     port = grpc_common.start(server, health_servicer, SERVICE_NAME, host, port)
+    if buffer.durability is not None:
+        def not_serving(failure: str) -> None:
+            log.error("replay_not_serving", reason=failure)
+            for name in ("", SERVICE_NAME):
+                health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+        buffer.durability.add_failure_listener(not_serving)
     log.info("replay_serving", address=f"{host}:{port}", dir=buffer.config.dir)
     return server, port

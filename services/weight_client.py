@@ -7,6 +7,7 @@ import time
 from typing import Callable
 
 import grpc
+from google.protobuf.message import DecodeError
 import structlog
 import torch
 
@@ -31,7 +32,8 @@ class WeightSubscriber:
     Args:
         address: ``host:port`` of the learner's WeightService.
         on_version: called in the subscriber thread with ``(version, [(name, tensor)])``; if it
-            raises, the version is not counted as delivered and is fetched again on reconnect.
+            raises, the version is not counted as delivered, the stream is retried after backoff and
+            the newest version is fetched again (the engine keeps serving the old one meanwhile).
         have_version: newest version the caller already has (-1 for none).
         security: TLS and token settings for the channel (``None``: plaintext, no token).
     """
@@ -67,41 +69,112 @@ class WeightSubscriber:
             try:
                 self._stream_once()
                 backoff = self.backoff_s
-            except (grpc.RpcError, ChunkError, TimeoutError) as exc:
+            except (grpc.RpcError, ChunkError, TimeoutError, VersionRefusedError) as exc:
                 if self._stop.is_set():
                     return
                 self.errors += 1
-                log.warning("weight_stream_broken", subscriber=self.name, error=str(exc)[:300], retry_in_s=backoff)
+                log.warning("weight_stream_broken", subscriber=self.name, error=str(exc)[:300],
+                            kind=type(exc).__name__, retry_in_s=backoff)
                 self._stop.wait(backoff)
                 backoff = min(backoff * 2, self.max_backoff_s)
 
     def _stream_once(self) -> None:
         with grpc_common.channel(self.address, self.security) as ch:
-            stub = weights_pb2_grpc.WeightServiceStub(ch)
-            self._call = stub.Subscribe(weights_pb2.SubscribeRequest(have_version=self.have_version,
-                                                                     subscriber=self.name))
+            subscribe = ch.unary_stream(SUBSCRIBE_METHOD, request_serializer=weights_pb2.SubscribeRequest.SerializeToString,
+                                        response_deserializer=parse_chunk)
+            self._call = subscribe(weights_pb2.SubscribeRequest(have_version=self.have_version, subscriber=self.name))
             watchdog = _Watchdog(self._call, self.chunk_timeout_s)
             assembler = ChunkAssembler()
             try:
                 for msg in self._call:
                     watchdog.kick(in_version=True)
-                    done = assembler.feed(_to_chunk(msg))
+                    done = assembler.feed(msg)
                     if done is None:
                         continue
                     watchdog.kick(in_version=False)
                     version, tensors = done
                     if version > self.have_version:
-                        self.on_version(version, tensors)
-                        self.have_version = version
+                        self._deliver(version, tensors)
             finally:
                 watchdog.stop()
             if watchdog.fired:
                 raise TimeoutError(f"no weight chunk for {self.chunk_timeout_s}s; stream abandoned")
 
 
-def _to_chunk(msg: weights_pb2.WeightChunk) -> TensorChunk:
+    def _deliver(self, version: int, tensors) -> None:
+        try:
+            self.on_version(version, tensors)
+        except Exception as exc:  # the engine refused it (bad weights): keep the old version, retry later
+            raise VersionRefusedError(f"version {version} refused by on_version: {exc!r}") from exc
+        self.have_version = version
+
+
+def latest_version(address: str, timeout_s: float, security: SecurityConfig | None = None) -> int | None:
+    """``WeightService.Latest`` with a deadline of ``timeout_s`` seconds: the newest published version
+    (-1 before the first), or ``None`` when the learner did not answer in time."""
+    with grpc_common.channel(address, security) as ch:
+        try:
+            return weights_pb2_grpc.WeightServiceStub(ch).Latest(weights_pb2.LatestRequest(), timeout=timeout_s).version
+        except grpc.RpcError as exc:
+            log.info("weights_latest_unanswered", address=address, code=str(exc.code()))
+            return None
+
+
+class VersionRefusedError(RuntimeError):
+    """``on_version`` raised for a verified version (e.g. the engine refused its names or shapes)."""
+
+
+SUBSCRIBE_METHOD = "/gyre.weights.v1.WeightService/Subscribe"
+_DATA_FIELD = 6  # WeightChunk.data
+
+
+def _varint(raw: bytes, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if pos >= len(raw):
+            raise ChunkError("malformed WeightChunk: truncated varint")
+        b = raw[pos]
+        value |= (b & 0x7F) << shift
+        pos, shift = pos + 1, shift + 7
+        if not b & 0x80:
+            return value, pos
+
+
+def parse_chunk(raw: bytes) -> TensorChunk:
+    """``WeightChunk`` wire bytes → ``TensorChunk`` whose ``data`` is a zero-copy view of ``raw``.
+
+    The message is scanned field by field (protobuf wire format: varint key, then a varint, 8 or 4
+    bytes, or a varint length and that many bytes) to find ``data`` (field 6); protobuf parses the
+    rest. Saves two copies of every weight byte against ``WeightChunk.FromString(raw).data``.
+
+    Raises:
+        ChunkError: a malformed message (truncated, unknown wire type).
+    """
+    pos, span = 0, None
+    while pos < len(raw):
+        key_at = pos
+        key, pos = _varint(raw, pos)
+        wire_type = key & 7
+        if wire_type == 0:
+            _, pos = _varint(raw, pos)
+        elif wire_type == 2:
+            length, pos = _varint(raw, pos)
+            if key >> 3 == _DATA_FIELD:
+                span = (key_at, pos, pos + length)
+            pos += length
+        elif wire_type in (1, 5):
+            pos += 8 if wire_type == 1 else 4
+        else:
+            raise ChunkError(f"malformed WeightChunk: wire type {wire_type} at byte {key_at}")
+    if pos != len(raw):
+        raise ChunkError(f"malformed WeightChunk: field runs past the end ({pos} > {len(raw)} bytes)")
+    head, data = (raw, b"") if span is None else (raw[:span[0]] + raw[span[2]:], memoryview(raw)[span[1]:span[2]])
+    try:
+        msg = weights_pb2.WeightChunk.FromString(head)
+    except DecodeError as exc:  # e.g. a string field that is not UTF-8
+        raise ChunkError(f"malformed WeightChunk: {exc}") from exc
     return TensorChunk(version=msg.version, name=msg.name, dtype=msg.dtype, shape=tuple(msg.shape),
-                       offset=msg.offset, data=msg.data, nbytes=msg.nbytes, last_of_tensor=msg.last_of_tensor,
+                       offset=msg.offset, data=data, nbytes=msg.nbytes, last_of_tensor=msg.last_of_tensor,
                        crc32=msg.crc32, last_of_version=msg.last_of_version, num_tensors=msg.num_tensors)
 
 

@@ -8,6 +8,7 @@ import shutil
 import pytest
 import structlog
 
+from proto.trajectory import SCHEMA_VERSION
 from replay.buffer import TrajectoryBuffer
 from replay.config import ReplayConfig
 from replay.restore import RestoreError
@@ -91,7 +92,7 @@ def test_schema_version_mismatch_in_a_snapshot_names_both_versions(two_snapshots
     (newest / "manifest.json").write_text(json.dumps({**manifest, "schema_version": 99}))
     buf, logs = restore_logged(cfg(two_snapshots))
     err = next(e for e in logs if e["event"] == "replay_snapshot_corrupt")["error"]
-    assert "schema version 99 is not supported; expected 1" in err
+    assert f"schema version 99 is not supported; expected {SCHEMA_VERSION}" in err
     assert groups_of(buf) == list(range(18))
     buf.close()
 

@@ -103,3 +103,25 @@ def test_insert_completes_prompt_in_ledger():
     assert buf.lease_prompts("r", 2, ttl_s=5) == [(0, 0), (1, 0)]
     buf.insert(group_table(0))
     assert buf.info()["prompts_completed"] == 1
+
+
+def test_an_empty_insert_stores_nothing_and_replays(tmp_path):
+    cfg = dict(dir=str(tmp_path), snapshot={"interval_s": None, "wal_bytes": None})
+    buf = TrajectoryBuffer(ReplayConfig(**cfg))
+    assert buf.insert(group_table(0).slice(0, 0)).accepted == 0
+    assert buf.insert(group_table(1)).accepted == 4
+    buf.close()
+    restored = TrajectoryBuffer(ReplayConfig(**cfg))
+    assert restored.info()["restore_records_replayed"] == 2
+    assert [g.group_id for g in restored.state.store.groups.values()] == ["1-0"]
+    restored.close()
+
+
+def test_an_insert_stores_one_table_and_groups_point_into_it():
+    buf, _ = make_buffer()
+    table = pa.concat_tables([group_table(0), group_table(1), group_table(2)])
+    buf.insert(table)
+    groups = list(buf.state.store.groups.values())
+    assert len({id(g.source) for g in groups}) == 1  # no per-group table
+    assert [(g.group_id, g.offset, g.num_rows) for g in groups] == [("0-0", 0, 4), ("1-0", 4, 4), ("2-0", 8, 4)]
+    assert groups[1].table.equals(table.slice(4, 4))

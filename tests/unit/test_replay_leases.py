@@ -81,7 +81,8 @@ def test_staleness_histogram_counts_lag_at_sample():
 
 
 @pytest.mark.parametrize("mutate, message", [
-    (lambda t: t.set_column(0, "trajectory_id", pa.array(["x"] * t.num_rows)), "trajectory_id 'x' is not"),
+    (lambda t: t.set_column(0, pa.field("trajectory_id", pa.utf8(), nullable=False), pa.array(["x"] * t.num_rows)),
+     "trajectory_id 'x' is not"),
     (lambda t: pa.concat_tables([t, t]), "appears more than once"),
 ])
 def test_malformed_ids_are_refused_and_nothing_changes(mutate, message):

@@ -1,0 +1,142 @@
+"""Rollout benchmark: ``python -m bench.rollout [--quick]``. The last line printed is one JSON object.
+
+Baselines are measured in the same run, on the same machine:
+
+- ``rollout_overhead_ratio``: tokens/s of gyre's ``RolloutEngine.generate`` (groups of ``n``, behaviour
+  logprobs, version spans, ``Sample`` conversion) with a weight subscriber attached ÷ bare vLLM
+  ``AsyncLLM.generate`` of the same prompts, ``n`` and lengths on the same engine (alternated, medians).
+- ``weight_sync_ratio``: GB/s of one version delivered to 2 ``WeightSubscriber``s (staged, CRC32
+  verified) from a WeightService subprocess ÷ 2 clients draining a raw grpcio byte stream of the same
+  bytes in the same message size from a subprocess with the same server options (alternated, medians).
+- ``smollm2_sync_apply_s``: SmolLM2-135M, seconds from ``publish`` (encode included) on an in-process
+  WeightService to the engine reporting the new version (gRPC transfer, verify, /dev/shm safetensors,
+  vLLM load, cache reset), median over rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from bench.rollout_parts import (WeightServerProc, bare_vllm_tokens, gyre_fetch_s, gyre_tokens, raw_fetch_s,
+                                 serve_weights)
+from bench.replay_parts import free_port
+
+SMOLLM2 = Path(__file__).resolve().parents[1] / ".cache/models/SmolLM2-135M-Instruct"
+
+
+def weight_sync(total_bytes: int, rounds: int) -> dict:
+    gyre_s, raw_s, nbytes = [], [], 0
+    for _ in range(rounds):
+        server = WeightServerProc("gyre", free_port(), total_bytes)
+        try:
+            gyre_s.append(gyre_fetch_s(server.address, 2))
+        finally:
+            server.stop()
+        server = WeightServerProc("raw", free_port(), total_bytes)
+        try:
+            seconds, nbytes = raw_fetch_s(server.address, 2)
+            raw_s.append(seconds)
+        finally:
+            server.stop()
+    gyre_gb_s = 2 * nbytes / statistics.median(gyre_s) / 1e9
+    raw_gb_s = 2 * nbytes / statistics.median(raw_s) / 1e9
+    return {"weight_sync_ratio": round(gyre_gb_s / raw_gb_s, 3), "weight_sync_gb_s": round(gyre_gb_s, 3),
+            "raw_stream_gb_s": round(raw_gb_s, 3), "weight_sync_bytes": nbytes}
+
+
+async def generation(engine, prompts, n: int, max_tokens: int, rounds: int) -> dict:
+    await gyre_tokens(engine, prompts[:2], n, 4)  # warm up both paths
+    await bare_vllm_tokens(engine._llm, prompts[:2], n, 4)
+    gyre, bare = [], []
+    runs = [(bare, lambda: bare_vllm_tokens(engine._llm, prompts, n, max_tokens)),
+            (gyre, lambda: gyre_tokens(engine, prompts, n, max_tokens))]
+    for r in range(rounds):
+        for rates, run in runs if r % 2 == 0 else runs[::-1]:  # alternate which goes first
+            t0 = time.perf_counter()
+            tokens = await run()
+            rates.append(tokens / (time.perf_counter() - t0))
+    g, b = statistics.median(gyre), statistics.median(bare)
+    return {"rollout_overhead_ratio": round(g / b, 3), "gyre_tok_s": round(g, 1), "bare_vllm_tok_s": round(b, 1)}
+
+
+async def sync_apply(engine, rounds: int) -> dict:
+    from learner.publisher import WeightPublisher
+    from services import weight_server
+    from services.weight_transport import make_transport
+    from services.weight_transport.bootstrap import load_export
+
+    base = load_export(SMOLLM2)
+    pub = WeightPublisher()
+    server, port = weight_server.serve(pub)
+    loop = asyncio.get_running_loop()
+    arrived, applied = [], []
+
+    def on_version(version, tensors) -> None:
+        arrived.append(time.perf_counter())
+        applied.append(asyncio.run_coroutine_threadsafe(engine.update_weights(version, tensors), loop).result())
+    transport = make_transport(engine._config.weight_transport, f"127.0.0.1:{port}", on_version,
+                               have_version=engine.version, name="bench").start()
+    times, delivered = [], []
+    try:
+        for i in range(rounds):
+            version = engine.version + 1
+            named = [(n, t * (1.0 + 1e-3 * (i + 1))) for n, t in base]
+            t0 = time.perf_counter()
+            pub.publish(version, named)
+            while engine.version < version:
+                await asyncio.sleep(0.005)
+            times.append(time.perf_counter() - t0)
+            delivered.append(arrived[-1] - t0)
+    finally:
+        transport.stop()
+        server.stop(0)
+    nbytes = sum(t.numel() * t.element_size() for _, t in base)
+    return {"smollm2_sync_apply_s": round(statistics.median(times), 3), "smollm2_bytes": nbytes,
+            "smollm2_publish_to_verified_s": round(statistics.median(delivered), 3),
+            "smollm2_engine_apply_s": round(statistics.median(applied), 3)}
+
+
+async def engine_part(quick: bool) -> dict:
+    from rollout.config import EngineConfig
+    from rollout.engine import RolloutEngine
+
+    engine = await RolloutEngine.start(EngineConfig(model=str(SMOLLM2), kv_cache_gib=1.0, max_model_len=512,
+                                                    max_num_seqs=64), initial_version=0)
+    try:
+        prompts = [[1 + (7 * i + j) % 4000 for j in range(32)] for i in range(8)]
+        out = await generation(engine, prompts, n=4, max_tokens=32 if quick else 96, rounds=4 if quick else 10)
+        out.update(await sync_apply(engine, rounds=3 if quick else 7))
+        return out
+    finally:
+        await engine.shutdown()
+        del engine
+        gc.collect()  # vLLM's AsyncLLM.__del__ fails if it first runs at interpreter exit
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--weights-server", nargs=3, metavar=("KIND", "PORT", "BYTES"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.weights_server:
+        kind, port, nbytes = args.weights_server
+        serve_weights(kind, int(port), int(nbytes))
+        return
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    result = {"quick": args.quick}
+    result.update(weight_sync(270 << 20, rounds=3 if args.quick else 7))
+    print(json.dumps(result), file=sys.stderr)
+    result.update(asyncio.run(engine_part(args.quick)))
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

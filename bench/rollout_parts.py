@@ -1,0 +1,135 @@
+"""Pieces of ``bench.rollout``: weight-server subprocesses (gyre WeightService and a raw grpcio byte
+stream baseline), subscriber clients, and the generation loops compared by ``rollout_overhead_ratio``."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import grpc
+import torch
+
+from learner.publisher import WeightPublisher
+from proto.tensor_chunks import encode_tensors
+from services import grpc_common, weight_server
+from services.weight_client import WeightSubscriber
+
+REPO = Path(__file__).resolve().parents[1]
+RAW_SERVICE, RAW_METHOD = "gyre.bench.v1.RawWeights", "/gyre.bench.v1.RawWeights/Subscribe"
+
+
+def bench_tensors(total_bytes: int, seed: int = 0) -> list[tuple[str, torch.Tensor]]:
+    """bf16 tensors of a 135M-class model's sizes (9 MiB matrices) adding up to ~``total_bytes``."""
+    gen = torch.Generator().manual_seed(seed)
+    per, out = 576 * 8192, []
+    for i in range(max(1, total_bytes // (per * 2))):
+        out.append((f"layers.{i}.w", torch.randn(per, generator=gen).to(torch.bfloat16)))
+    return out
+
+
+def serve_weights(kind: str, port: int, total_bytes: int) -> None:
+    """Subprocess body: serve one version of ``bench_tensors`` as gyre chunks or as raw bytes messages
+    of the same size (``CHUNK_BYTES``) on the same server options, until SIGTERM."""
+    named = bench_tensors(total_bytes)
+    server, health = grpc_common.make_server()
+    if kind == "gyre":
+        pub = WeightPublisher()
+        pub.publish(0, named)
+        weight_server.add_servicer(weight_server.WeightServicer(pub), server)
+        name = weight_server.SERVICE_NAME
+    else:
+        blobs = [bytes(t.data) for t in encode_tensors(named)]
+        chunk = weight_server.CHUNK_BYTES
+
+        def raw(request, context):
+            for blob in blobs:
+                for off in range(0, len(blob), chunk):
+                    yield blob[off:off + chunk]
+        handler = grpc.unary_stream_rpc_method_handler(raw, request_deserializer=lambda b: b,
+                                                       response_serializer=lambda b: b)
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(RAW_SERVICE, {"Subscribe": handler}),))
+        name = RAW_SERVICE
+    grpc_common.start(server, health, name, "127.0.0.1", port)
+    signal.sigwait({signal.SIGTERM, signal.SIGINT})
+
+
+class WeightServerProc:
+    """A ``serve_weights`` subprocess; waits until it is healthy."""
+
+    def __init__(self, kind: str, port: int, total_bytes: int) -> None:
+        self.address = f"127.0.0.1:{port}"
+        self.proc = subprocess.Popen([sys.executable, "-m", "bench.rollout", "--weights-server", kind, str(port),
+                                      str(total_bytes)], cwd=REPO)
+        deadline = time.monotonic() + 120
+        while not grpc_common.check_health(self.address, timeout_s=0.5):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"weight server {kind} did not start (exit {self.proc.poll()})")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait()
+
+
+def gyre_fetch_s(address: str, subscribers: int) -> float:
+    """Seconds until ``subscribers`` WeightSubscribers each hold the verified version (staged, CRC32)."""
+    done = threading.Barrier(subscribers + 1)
+    subs = [WeightSubscriber(address, lambda v, t: done.wait(), name=f"b{i}") for i in range(subscribers)]
+    t0 = time.perf_counter()
+    for s in subs:
+        s.start()
+    done.wait()
+    seconds = time.perf_counter() - t0
+    for s in subs:
+        s.stop()
+    return seconds
+
+
+def raw_fetch_s(address: str, subscribers: int) -> tuple[float, int]:
+    """Seconds for ``subscribers`` clients to each drain the raw byte stream; and bytes per client."""
+    got = [0] * subscribers
+
+    def run(i: int) -> None:
+        with grpc_common.channel(address) as ch:
+            call = ch.unary_stream(RAW_METHOD, request_serializer=lambda b: b, response_deserializer=lambda b: b)
+            for msg in call(b"", timeout=600):
+                got[i] += len(msg)
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(subscribers)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - t0, got[0]
+
+
+async def bare_vllm_tokens(llm, prompts: list[list[int]], n: int, max_tokens: int) -> int:
+    """Bare ``AsyncLLM.generate`` of every prompt (groups of ``n``) concurrently; returns tokens made."""
+    from vllm import SamplingParams
+    from vllm.inputs.engine import tokens_input
+    from vllm.sampling_params import RequestOutputKind
+
+    params = SamplingParams(n=n, temperature=1.0, max_tokens=max_tokens, ignore_eos=True,
+                            output_kind=RequestOutputKind.FINAL_ONLY)
+
+    async def one(p: list[int]) -> int:
+        final = None
+        async for final in llm.generate(tokens_input(list(p)), params, f"bare-{uuid.uuid4().hex}"):
+            pass
+        return sum(len(c.token_ids) for c in final.outputs)
+    return sum(await asyncio.gather(*(one(p) for p in prompts)))
+
+
+async def gyre_tokens(engine, prompts: list[list[int]], n: int, max_tokens: int) -> int:
+    """The same load through ``RolloutEngine.generate`` (behaviour logprobs, version spans, ``Sample``s)."""
+    from rollout.config import SamplingConfig
+
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=max_tokens, ignore_eos=True)
+    groups = await asyncio.gather(*(engine.generate(p, n, sampling, f"gyre-{uuid.uuid4().hex}") for p in prompts))
+    return sum(len(s.token_ids) for g in groups for s in g)

@@ -1,0 +1,24 @@
+"""Weight transports (``type: grpc | nccl``) behind one ABC, chosen by ``EngineConfig.weight_transport``."""
+
+from __future__ import annotations
+
+from rollout.config import GrpcTransportConfig, NcclTransportConfig
+from services.security import SecurityConfig
+from services.weight_transport.base import OnVersion, Payload, TransportUnavailableError, WeightTransport
+
+__all__ = ["OnVersion", "Payload", "TransportUnavailableError", "WeightTransport", "make_transport"]
+
+
+def make_transport(config: GrpcTransportConfig | NcclTransportConfig, address: str, on_version: OnVersion,
+                   have_version: int = -1, name: str = "",
+                   security: SecurityConfig | None = None) -> WeightTransport:
+    """The transport ``config.type`` names, not started. ``address`` is the learner's WeightService.
+
+    Raises:
+        TransportUnavailableError: ``type: nccl`` on a machine without CUDA.
+    """
+    if config.type == "nccl":
+        from services.weight_transport.nccl import NcclTransport
+        return NcclTransport(config, address, on_version, have_version, name, security)
+    from services.weight_transport.grpc_transport import GrpcTransport
+    return GrpcTransport(config, address, on_version, have_version, name, security)

@@ -1,0 +1,55 @@
+"""The weight-transport ABC: how a rollout service learns of and receives new policy versions."""
+
+from __future__ import annotations
+
+import abc
+from typing import Callable, Union
+
+import torch
+
+from proto.tensor_chunks import VersionManifest
+
+Payload = Union[list[tuple[str, torch.Tensor]], VersionManifest]
+"""What ``on_version`` gets: the named tensors themselves (gRPC), or the manifest of tensors that the
+engine must now receive from a broadcast (NCCL); ``RolloutEngine.update_weights`` takes either."""
+
+OnVersion = Callable[[int, Payload], None]
+"""``on_version(version, payload)``: called in the transport's thread, once per newer version, in
+increasing order. If it raises, the version is not counted as delivered."""
+
+
+class TransportUnavailableError(RuntimeError):
+    """The configured transport cannot run here (e.g. ``type: nccl`` on a machine without CUDA)."""
+
+
+class WeightTransport(abc.ABC):
+    """Follows the learner's newest policy version and hands each newer one to ``on_version``.
+
+    Contract shared by every implementation (``GrpcTransport``, ``NcclTransport``): versions only move
+    forward (a duplicate or older version is dropped); every tensor is verified against its checksum
+    before ``on_version`` sees it; a stalled or broken transfer is abandoned and retried with backoff,
+    never a hang; ``start``/``stop`` are idempotent-safe to call once each.
+    """
+
+    @abc.abstractmethod
+    def start(self) -> "WeightTransport":
+        """Start following in a background thread; returns ``self``."""
+
+    @abc.abstractmethod
+    def stop(self) -> None:
+        """Stop following; an in-flight transfer is cancelled (bounded wait, seconds)."""
+
+    @abc.abstractmethod
+    def latest_version(self, timeout_s: float = 2.0) -> int | None:
+        """The learner's newest published version (-1 before the first), or ``None`` if the learner
+        did not answer within ``timeout_s`` seconds."""
+
+    @property
+    @abc.abstractmethod
+    def delivered_version(self) -> int:
+        """Newest version handed to ``on_version`` successfully (or the ``have_version`` it started at)."""
+
+    @property
+    @abc.abstractmethod
+    def errors(self) -> int:
+        """Broken or refused transfers so far (each one was retried)."""
