@@ -156,6 +156,13 @@ class LearnerLoop:
             raise RuntimeError("signal handlers can only be installed from the main thread")
         return {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGUSR1, signal.SIGTERM)}
 
+    def request_checkpoint(self) -> None:
+        """Checkpoint after the current step and continue (SIGUSR1's path); callable from any thread
+        (``gyre checkpoint`` reaches it through the learner actor)."""
+        if self._emergency != signal.SIGTERM:
+            self._emergency = signal.SIGUSR1
+        log.warning("emergency_checkpoint_requested", source="request")
+
     def _on_signal(self, signum, frame) -> None:
         if self._emergency != signal.SIGTERM:  # a pending SIGTERM is never downgraded
             self._emergency = signum

@@ -1,19 +1,45 @@
 """Ray actors: each wraps one service (its gRPC server and its core) so the controller can place,
-watch and stop it. Configs cross as plain dicts (Ray control messages); data goes over gRPC."""
+watch, restart and stop it. Configs cross as plain dicts (Ray control messages); data goes over gRPC.
+
+Every actor answers ``describe()`` (pid, node, address, role-specific gauges) for the supervisor and
+``gyre status``. Addresses change when a service is restarted (a new process binds a new port, maybe
+on another node); the supervisor pushes the new one: ``set_replay_address`` to the learner and every
+rollout, ``set_weights_address`` to every rollout. Clients look the address up on every call, so a
+call that failed against the dead server is retried against the new one (``services.replay_links``).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import threading
+import time
 import traceback
 from pathlib import Path
 
 import ray
+import structlog
+
+from services.logs import bind_policy_version
+from services.replay_links import ReroutableReplay, TrackedReplay
+from services.weight_transport.bootstrap import write_export_version
+
+log = structlog.get_logger("actors")
 
 
 def _node_ip() -> str:
     return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+
+
+def advertised_host(bind_host: str) -> str:
+    """The host other services dial: the node's IP when binding every interface, else ``bind_host``."""
+    return _node_ip() if bind_host in ("0.0.0.0", "::", "") else bind_host
+
+
+def _security(config: dict | None):
+    from services.security import SecurityConfig
+
+    return SecurityConfig(**config) if config is not None else None
 
 
 @ray.remote
@@ -22,30 +48,49 @@ class ReplayActor:
 
     Args:
         config: ``ReplayConfig`` fields.
-        host: address to bind.
+        host: address to bind (``None``: ``security.bind_host``, else 127.0.0.1).
         dir: WAL/snapshot directory, overriding ``config["dir"]`` (the controller passes ``{run_dir}/replay``);
-            an existing directory is restored first.
+            an existing directory is restored first (a restarted replay rejoins with its own snapshot + WAL).
         metrics_port: serve Prometheus ``/metrics`` on this port (0 = any free port; ``None`` = off).
+        security: ``SecurityConfig`` fields (``None``: plaintext loopback).
+        run_id: carried by every log line (structlog JSON) and metric of this service.
     """
 
-    def __init__(self, config: dict, host: str = "127.0.0.1", dir: str | None = None,
-                 metrics_port: int | None = None) -> None:
+    def __init__(self, config: dict, host: str | None = None, dir: str | None = None,
+                 metrics_port: int | None = 0, security: dict | None = None, run_id: str = "run") -> None:
         from replay.buffer import TrajectoryBuffer
         from replay.config import ReplayConfig
         from services import replay_server
-        from services.replay_metrics import serve_metrics
+        from services.logs import configure_logging
+        from services.observability import replay_registry, serve
 
+        configure_logging(run_id, "replay")
+        sec = _security(security)
+        host = host or (sec.bind_host if sec is not None else "127.0.0.1")
+        self.security = sec
         cfg = ReplayConfig(**{**config, **({"dir": dir} if dir is not None else {})})
         self.buffer = TrajectoryBuffer(cfg)
-        self.server, self.port = replay_server.serve(self.buffer, host=host)
-        self.host = host
-        self.metrics_port = serve_metrics(self.buffer, metrics_port, host) if metrics_port is not None else None
+        self.server, self.port = replay_server.serve(self.buffer, host=host, security=sec)
+        self.host = advertised_host(host)
+        self.metrics_port = (serve(replay_registry(self.buffer, run_id), host, metrics_port)
+                             if metrics_port is not None else None)
 
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
     def info(self) -> dict:
         return self.buffer.info()
+
+    def stored_trajectory_ids(self) -> list[str]:
+        """Ids of every trajectory replay holds now (pooled, leased or excluded; acked groups are gone)."""
+        data = self.buffer.capture()
+        return [t for g in data.groups for t in g.table.column("trajectory_id").to_pylist()]
+
+    def describe(self) -> dict:
+        info = self.buffer.info()
+        return {"pid": os.getpid(), "node": _node_ip(), "address": self.address(), "metrics_port": self.metrics_port,
+                "replay_groups": info["size_groups"], "replay_trajectories": info["size_trajectories"],
+                "learner_version": info["learner_version"], "inserts_per_s": info["inserts_per_s"]}
 
     def stop(self) -> None:
         self.server.stop(grace=2).wait()
@@ -59,44 +104,72 @@ class LearnerActor:
 
     Args:
         checkpoint_dir: where the loop commits checkpoints (leases are acked only after a commit);
-            ``None`` defers every save (and ack) to ``finalize``.
+            ``None`` defers every save (and ack) to ``finalize``. A restarted learner resumes from the
+            newest verified checkpoint here (``config["resume"] == "auto"``) and re-publishes it.
+        security: ``SecurityConfig`` fields for the weight server and the replay client.
+        run_id, metrics_port: as for ``ReplayActor``.
     """
 
-    def __init__(self, config: dict, replay_address: str, host: str = "127.0.0.1",
-                 checkpoint_dir: str | None = None) -> None:
+    def __init__(self, config: dict, replay_address: str, host: str | None = None,
+                 checkpoint_dir: str | None = None, security: dict | None = None, run_id: str = "run",
+                 metrics_port: int | None = 0) -> None:
         from learner.engine import LearnerEngine
         from learner.loop import LearnerLoop, LearnerLoopConfig
         from learner.publisher import WeightPublisher
         from services import weight_server
-        from services.replay_client import ReplayClient
+        from services.logs import configure_logging
+        from services.observability import LearnerMetrics, serve
         from transformers import AutoTokenizer
 
+        configure_logging(run_id, "learner")
+        sec = _security(security)
+        host = host or (sec.bind_host if sec is not None else "127.0.0.1")
         self.config = LearnerLoopConfig(**config)
         self.engine = LearnerEngine(self.config.engine, self.config.algorithm)
         self.publisher = WeightPublisher()
-        self.server, self.port = weight_server.serve(self.publisher, host=host)
-        self.host = host
+        self.server, self.port = weight_server.serve(self.publisher, host=host, security=sec)
+        self.host = advertised_host(host)
         pad = AutoTokenizer.from_pretrained(self.config.engine.model).pad_token_id
-        self.loop = LearnerLoop(self.config, self.engine, ReplayClient(replay_address), self.publisher, pad,
-                                checkpoint_dir)
-        self.loop.resume()  # config.resume (auto: newest verified checkpoint, if any)
+        self.replay = ReroutableReplay(replay_address, sec)
+        self.loop = LearnerLoop(self.config, self.engine, self.replay, self.publisher, pad, checkpoint_dir)
+        self.resumed_from = self.loop.resume()  # config.resume (auto: newest verified checkpoint, if any)
         self.loop.publish_current()
+        self.metrics = LearnerMetrics(run_id, "learner", async_save=self.config.async_save)
+        last = self.loop.last_checkpoint
+        self.metrics.observe_resume(self.engine.version, saved_at=(last / "manifest.json").stat().st_mtime
+                                    if last is not None else None)
+        bind_policy_version(self.engine.version)
+        self.metrics_port = serve(self.metrics.registry, host, metrics_port) if metrics_port is not None else None
         self._rows: list[dict] = []
         self._error: str | None = None
+        self._running = False
         self._done = threading.Event()
 
     def weights_address(self) -> str:
         return f"{self.host}:{self.port}"
 
+    def set_replay_address(self, address: str) -> None:
+        """Point the replay client at a restarted replay service."""
+        self.replay.reroute(address)
+
+    def version(self) -> int:
+        return self.engine.version
+
     def run(self, num_steps: int) -> int:
         """Train ``num_steps`` steps; returns the final policy version. Errors are re-raised."""
+        self._running, self._error = True, None
+        self._done.clear()
         try:
             for _ in range(num_steps):
-                self._rows.append(self.loop.step())
+                row = self.loop.step()
+                self._rows.append(row)
+                self.metrics.observe_step(row)
+                bind_policy_version(row["version"])
         except Exception:
             self._error = traceback.format_exc()
             raise
         finally:
+            self._running = False
             self._done.set()
         return self.engine.version
 
@@ -104,16 +177,39 @@ class LearnerActor:
         """Metrics rows after ``cursor``, whether ``run`` ended, and its traceback if it failed."""
         return self._rows[cursor:], self._done.is_set(), self._error
 
+    def request_checkpoint(self) -> str:
+        """Emergency checkpoint: after the current step when training (the loop's SIGUSR1 path), else now.
+        Returns ``"after_step"`` or the committed checkpoint's path."""
+        if self._running:
+            self.loop.request_checkpoint()
+            return "after_step"
+        self.loop.checkpoint()
+        return str(self.loop.last_checkpoint)
+
+    def describe(self) -> dict:
+        last = self.loop.last_checkpoint
+        age = time.time() - last.stat().st_mtime if last is not None and last.exists() else None
+        return {"pid": os.getpid(), "node": _node_ip(), "address": self.weights_address(),
+                "metrics_port": self.metrics_port,
+                "version": self.engine.version, "running": self._running, "resumed_from": str(self.resumed_from or ""),
+                "last_checkpoint": str(last or ""), "checkpoint_age_s": age,
+                "tokens_per_s": self._rows[-1].get("tokens_per_s") if self._rows else None}
+
     def finalize(self, out_dir: str) -> dict:
         """Checkpoint (then ack the pending leases) and export the final policy as an HF folder; returns
         their paths. Checkpoints go to the loop's ``checkpoint_dir``, else ``{out_dir}/checkpoints``."""
         out = Path(out_dir)
         if self.loop.checkpoint_dir is None:
             self.loop.checkpoint_dir = out / "checkpoints"
-        self.loop.checkpoint()
+        before = self.loop.last_checkpoint
+        seconds = self.loop.checkpoint()
+        if self.loop.last_checkpoint != before:
+            self.metrics.observe_checkpoint(seconds)
+        self.loop.wait_for_uploads()
         ckpt = self.loop.last_checkpoint
         export = out / "final_policy"
         self.engine.export_hf(export, self.config.engine.model)
+        write_export_version(export, self.engine.version)  # a rollout may bootstrap from it (bootstrap_dir)
         return {"checkpoint": str(ckpt), "export": str(export)}
 
     def stop(self) -> None:
@@ -126,34 +222,94 @@ class RolloutActor:
     """A rollout service (async actor): vLLM engine + worker loop + weight subscriber."""
 
     async def setup(self, rollout_id: str, config: dict, task_config: dict, replay_address: str,
-                    weights_address: str, seed: int) -> int:
+                    weights_address: str, seed: int, security: dict | None = None, run_id: str = "run",
+                    metrics_port: int | None = 0) -> int:
+        """Start the engine and subscribe to weights; returns the pid. With ``config["spool_dir"]`` the
+        rollout spools under ``{spool_dir}/{rollout_id}`` (a restarted rollout flushes what it left)."""
         from rollout.engine import RolloutEngine
         from rollout.tasks import TaskConfig, TaskSource
         from rollout.worker import RolloutConfig, RolloutWorker
+        from services.logs import configure_logging
+        from services.observability import RolloutMetrics, serve
         from services.replay_client import ReplayClient
-        from services.weight_client import WeightSubscriber
         from transformers import AutoTokenizer
 
+        configure_logging(run_id, rollout_id)
         cfg = RolloutConfig(**config)
+        if cfg.spool_dir:
+            cfg = cfg.model_copy(update={"spool_dir": os.path.join(cfg.spool_dir, rollout_id)})
+        self.rollout_id, self.security = rollout_id, _security(security)
         self.loop = asyncio.get_running_loop()
         self.engine = await RolloutEngine.start(cfg.engine)
         tokenizer = AutoTokenizer.from_pretrained(cfg.engine.model)
+        self.replay = TrackedReplay(ReplayClient(replay_address, security=self.security))
         self.worker = RolloutWorker(rollout_id, cfg, TaskSource(TaskConfig(**task_config)), self.engine,
-                                    ReplayClient(replay_address), tokenizer, seed)
-        self.subscriber = WeightSubscriber(weights_address, self._on_version, have_version=self.engine.version,
-                                           name=rollout_id).start()
+                                    self.replay, tokenizer, seed)
+        self.engine_config, self.subscriber, self.bootstrapped = cfg.engine, None, None
+        self.metrics = RolloutMetrics(run_id, rollout_id, source=lambda: self.worker.stats.as_dict(self.engine.version))
+        host = self.security.bind_host if self.security is not None else "127.0.0.1"
+        self.metrics_port = serve(self.metrics.registry, host, metrics_port) if metrics_port is not None else None
+        await self.set_weights_address(weights_address)
         self.task = None
         return os.getpid()
+
+    async def set_weights_address(self, address: str) -> None:
+        """(Re-)subscribe to the learner's WeightService at ``address`` through the configured transport
+        (``engine.weight_transport``: grpc | nccl), from the version we have (no-op when already subscribed
+        there). The first subscription bootstraps: the engine reaches the learner's newest version (or the
+        newest export in ``engine.bootstrap_dir`` if the learner is unreachable, said loudly) before any
+        generation starts."""
+        from services.weight_transport import make_transport
+        from services.weight_transport.bootstrap import bootstrap
+
+        if self.subscriber is not None and self.subscriber.address == address:
+            return
+        if self.subscriber is not None:  # off the event loop: its thread may be applying a version on it
+            await asyncio.to_thread(self.subscriber.stop)
+        self.subscriber = make_transport(self.engine_config.weight_transport, address, self._on_version,
+                                         have_version=self.engine.version, name=self.rollout_id,
+                                         security=self.security)
+        if self.bootstrapped is None:
+            self.bootstrapped = await bootstrap(self.engine, self.subscriber, self.engine_config)  # starts it
+        else:
+            self.subscriber.start()
+
+    async def set_replay_address(self, address: str) -> None:
+        """Send leases/inserts to a restarted replay (each call looks ``worker.replay`` up afresh)."""
+        from services.replay_client import ReplayClient
+
+        if address != self.replay.address:
+            self.replay.client = ReplayClient(address, security=self.security)
 
     def _on_version(self, version, tensors) -> None:
         # Called in the subscriber thread: apply on the actor's event loop and wait for it.
         asyncio.run_coroutine_threadsafe(self.worker.apply_weights(version, tensors), self.loop).result()
+        bind_policy_version(self.engine.version)
+
+    async def swap_reward(self, config) -> dict[str, str]:
+        """Swap reward functions in flight (``RolloutWorker.swap_reward``: validated first, applies to groups
+        started afterwards); returns task → reward version. Raises on an invalid config (nothing changes)."""
+        return self.worker.swap_reward(config)
 
     async def start(self) -> None:
-        self.task = asyncio.create_task(self.worker.run())
+        """Start generating (no-op when already generating, e.g. a re-attached rollout)."""
+        if self.task is None or self.task.done():
+            self.task = asyncio.create_task(self.worker.run())
+
+    async def drain(self, timeout_s: float) -> int:
+        """Lease no more prompts and wait up to ``timeout_s`` seconds until every group this rollout holds
+        a prompt lease for was delivered; then stop generating. Returns the prompt leases left undelivered
+        (replay re-issues them after ``prompt_lease_ttl_s``)."""
+        self.replay.draining = True
+        deadline = self.loop.time() + timeout_s
+        while self.replay.outstanding and self.task is not None and not self.task.done() \
+                and self.loop.time() < deadline:
+            await asyncio.sleep(0.2)
+        await self.pause()
+        return len(self.replay.outstanding)
 
     async def pause(self) -> None:
-        """Stop taking new prompts and finish the groups in flight (weights keep flowing)."""
+        """Stop taking new prompts; groups in flight end (their prompt leases expire and are re-issued)."""
         self.worker.stop()
         if self.task is not None:
             await self.task
@@ -171,8 +327,12 @@ class RolloutActor:
     async def stats(self) -> dict:
         return self.worker.stats.as_dict(self.engine.version)
 
+    async def describe(self) -> dict:
+        return {"pid": os.getpid(), "node": _node_ip(), "generating": self.task is not None,
+                "metrics_port": self.metrics_port,
+                **self.worker.stats.as_dict(self.engine.version)}
+
     async def stop(self) -> None:
         await self.pause()
-        self.subscriber.stop()
+        await asyncio.to_thread(self.subscriber.stop)
         await self.engine.shutdown()
-

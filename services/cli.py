@@ -1,10 +1,16 @@
-"""``gyre`` command line: ``gyre run RECIPE [--dry-run] [--set key=value ...]`` and
-``gyre export CHECKPOINT OUT_DIR``."""
+"""``gyre`` command line.
+
+``gyre run RECIPE [--dry-run] [--set key=value ...] [--resume auto|none|PATH] [--force-resume]``,
+``gyre export CHECKPOINT OUT_DIR``, ``gyre report RUN``, and against a running run:
+``gyre status RUN``, ``gyre scale rollout N``, ``gyre restart SERVICE``, ``gyre checkpoint``.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
 
 import yaml
 from rich.console import Console
@@ -22,17 +28,47 @@ def _parse_sets(items: list[str]) -> dict:
     return out
 
 
+def _ops_options(p: argparse.ArgumentParser, run_positional: bool) -> None:
+    if run_positional:
+        p.add_argument("run", help="run name (the recipe's name)")
+    else:
+        p.add_argument("--run", help="run name (default: the only run running in the namespace)")
+    p.add_argument("--namespace", default="gyre", help="Ray namespace of the run (recipe ray.namespace)")
+    p.add_argument("--address", help="Ray address (default: {run_dir}/{run}/ray_address, else auto)")
+    p.add_argument("--run-dir", default="runs", help="where run directories are (recipe run_dir)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gyre", description="Asynchronous RL post-training as crash-tolerant services.")
     sub = parser.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("run", help="run a recipe (YAML) end to end on Ray")
+    run = sub.add_parser("run", help="run (or resume) a recipe (YAML) end to end on Ray")
     run.add_argument("recipe")
     run.add_argument("--dry-run", action="store_true", help="validate the recipe and print the resolved plan")
     run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                      help="override a recipe value (dotted key, YAML value); repeatable")
+    run.add_argument("--resume", default="auto", metavar="auto|none|PATH",
+                     help="auto: continue the run in its directory; none: archive it and start fresh; "
+                          "PATH: resume the learner from that checkpoint")
+    run.add_argument("--force-resume", action="store_true",
+                     help="resume even if the checkpoint's task/dataset fingerprint differs")
     export = sub.add_parser("export", help="write a learner checkpoint as a Hugging Face model folder")
     export.add_argument("checkpoint", help="a checkpoints/global_step_N directory")
     export.add_argument("out_dir")
+    report = sub.add_parser("report", help="PNG plots of reward, accuracy, staleness, throughput of a run")
+    report.add_argument("run")
+    report.add_argument("--run-dir", default="runs")
+    status = sub.add_parser("status", help="services, versions, lag, throughput, restarts of a running run")
+    _ops_options(status, run_positional=True)
+    status.add_argument("--json", action="store_true", help="print the status as JSON")
+    scale = sub.add_parser("scale", help="set the number of rollout services of a running run")
+    scale.add_argument("role", choices=["rollout"])
+    scale.add_argument("count", type=int)
+    _ops_options(scale, run_positional=False)
+    restart = sub.add_parser("restart", help="kill and recreate one service of a running run")
+    restart.add_argument("service", help="replay, learner or rollout-N")
+    _ops_options(restart, run_positional=False)
+    ckpt = sub.add_parser("checkpoint", help="emergency learner checkpoint of a running run, after the current step")
+    _ops_options(ckpt, run_positional=False)
     return parser
 
 
@@ -41,8 +77,15 @@ def main(argv: list[str] | None = None) -> int:
     console = Console()
     if args.command == "export":
         return _export(args.checkpoint, args.out_dir, console)
+    if args.command == "report":
+        return _report(Path(args.run_dir) / args.run, console)
+    if args.command in ("status", "scale", "restart", "checkpoint"):
+        return _ops(args, console)
     try:
-        recipe = load_recipe(args.recipe, _parse_sets(args.set))
+        if args.resume not in ("auto", "none") and not Path(args.resume).is_dir():
+            raise RecipeError(f"--resume {args.resume!r}: expected auto, none or an existing checkpoint directory")
+        resume = {"learner.resume": args.resume, "learner.force_resume": args.force_resume}
+        recipe = load_recipe(args.recipe, _parse_sets(args.set) | resume)
     except RecipeError as exc:
         console.print(f"[red]error:[/red] {exc}", highlight=False)
         return 2
@@ -54,7 +97,46 @@ def main(argv: list[str] | None = None) -> int:
     from services.controller import run
 
     summary = run(recipe, console)
-    console.print(f"done in {summary['wall_time_s']:.0f} s; outputs in {recipe.out_dir}", highlight=False)
+    if not summary.get("already_finished"):
+        console.print(f"done in {summary['wall_time_s']:.0f} s; outputs in {recipe.out_dir}", highlight=False)
+    return 0
+
+
+def _ops(args: argparse.Namespace, console: Console) -> int:
+    from services import ops
+
+    try:
+        name, address = ops.resolve_run(args.run, args.namespace, args.run_dir, args.address)
+        state = ops.connect(name, args.namespace, address)
+        if args.command == "status":
+            st = ops.status(state)
+            text = json.dumps(st, indent=2) if args.json else ops.format_status(st)
+            console.print(text, highlight=False, soft_wrap=True)  # one line per service, never wrapped
+        elif args.command == "scale":
+            before = ops.scale(state, args.role, args.count)
+            console.print(f"run {name}: rollouts {before} → {args.count} (applied on the next supervisor tick)",
+                          highlight=False)
+        elif args.command == "restart":
+            ops.restart(state, args.service)
+            console.print(f"run {name}: restart of {args.service} requested", highlight=False)
+        else:
+            ops.checkpoint(state)
+            console.print(f"run {name}: emergency checkpoint requested (after the current step)", highlight=False)
+    except ops.OpsError as exc:
+        console.print(f"[red]error:[/red] {exc}", highlight=False)
+        return 2
+    return 0
+
+
+def _report(run_dir: Path, console: Console) -> int:
+    from services.report import plot_report
+
+    try:
+        paths = plot_report(run_dir / "metrics.jsonl", run_dir / "report")
+    except (FileNotFoundError, ValueError) as exc:
+        console.print(f"[red]error:[/red] {exc}", highlight=False)
+        return 2
+    console.print("wrote " + ", ".join(str(p) for p in paths), highlight=False)
     return 0
 
 

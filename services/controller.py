@@ -1,5 +1,13 @@
-"""The controller (Ray driver): starts replay, learner and rollouts as Ray actors, wires them, runs
-the recipe, evaluates before/after, and writes the run directory."""
+"""The controller (Ray driver): starts replay, learner and rollouts as detached, named Ray actors
+(``services.supervisor``), runs the recipe while supervising them, evaluates before/after, and writes the
+run directory.
+
+Resume (``gyre run --resume``): ``auto`` (default) re-uses ``{run_dir}/{name}``: replay restores from its
+directory, the learner resumes from its newest verified checkpoint, ``metrics.jsonl`` is appended to, live
+service actors of the run (a driver that died) are re-attached, and a run whose ``summary.json`` exists
+is reported as finished. ``none`` moves the old run directory aside and starts fresh; a checkpoint path
+resumes the learner from it (in the existing run directory).
+"""
 
 from __future__ import annotations
 
@@ -7,27 +15,21 @@ import hashlib
 import json
 import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import ray
 import structlog
+from ray.exceptions import GetTimeoutError, RayActorError
 from rich.console import Console
 
-from services.actors import LearnerActor, ReplayActor, RolloutActor
+from services.ops import create_state
 from services.progress import RunProgress
 from services.recipe import Recipe
-from services.report import MetricsWriter, plot_run
+from services.report import MetricsWriter, plot_run, read_metrics
+from services.supervisor import ServiceFactory, Supervisor
 
 log = structlog.get_logger("controller")
 REPO = Path(__file__).resolve().parents[1]
-
-
-@dataclass
-class Topology:
-    replay: ray.actor.ActorHandle
-    learner: ray.actor.ActorHandle
-    rollouts: list[ray.actor.ActorHandle]
 
 
 def actor_env() -> dict:
@@ -48,54 +50,92 @@ def task_fingerprint(recipe: Recipe) -> str:
     return f"task={recipe.task.name}:{digest}"
 
 
-def start_services(recipe: Recipe) -> Topology:
-    """Replay first (everyone talks to it), then the learner (publishes version 0), then rollouts."""
-    opts = {"num_cpus": 0, "runtime_env": {"env_vars": actor_env()}}
-    replay_dir = recipe.replay.dir or str(recipe.out_dir.resolve() / "replay")
-    replay = ReplayActor.options(**opts).remote(recipe.replay.model_dump(), dir=replay_dir)
-    replay_address = ray.get(replay.address.remote())
-    learner_cfg = recipe.learner.model_dump()
-    learner_cfg["fingerprint"] = learner_cfg["fingerprint"] or task_fingerprint(recipe)
-    learner = LearnerActor.options(max_concurrency=4, **opts).remote(
-        learner_cfg, replay_address, checkpoint_dir=str(recipe.out_dir.resolve() / "checkpoints"))
-    weights_address = ray.get(learner.weights_address.remote())
-    rollouts = [RolloutActor.options(**opts).remote() for _ in range(recipe.rollout.num_workers)]
-    ray.get([r.setup.remote(f"rollout-{i}", recipe.rollout.model_dump(), recipe.task.model_dump(),
-                            replay_address, weights_address, recipe.seed + i) for i, r in enumerate(rollouts)])
-    log.info("services_started", replay=replay_address, weights=weights_address, rollouts=len(rollouts))
-    return Topology(replay, learner, rollouts)
-
 
 def run(recipe: Recipe, console: Console | None = None) -> dict:
-    """Run a recipe end to end; returns the summary also written to ``{out_dir}/summary.json``."""
+    """Run (or resume, per ``recipe.learner.resume``) a recipe end to end; returns the summary also
+    written to ``{out_dir}/summary.json``. A finished run returns its summary with ``already_finished``."""
     console = console or Console()
     out = recipe.out_dir
-    archived = archive_previous_run(out)
-    if archived:
-        console.print(f"moved the previous run in {out} to {archived} (resuming a run is not supported yet)")
-    out.mkdir(parents=True)
+    finished = prepare_run_dir(recipe, console)
+    if finished is not None:
+        return finished
     (out / "recipe.json").write_text(recipe.model_dump_json(indent=2))
     t0 = time.time()
     ray.init(address=recipe.ray.address, num_cpus=recipe.ray.num_cpus, namespace=recipe.ray.namespace,
              include_dashboard=False, log_to_driver=False, object_store_memory=256 * 1024**2
              if recipe.ray.address == "local" else None)
+    (out / "ray_address").write_text(ray.get_runtime_context().gcs_address)  # for `gyre status` and friends
     metrics = MetricsWriter(out / "metrics.jsonl")
+    state = sup = None
     try:
+        state = create_state(recipe.name, recipe.ray.namespace, recipe.rollout.num_workers)
+        sup = Supervisor(ServiceFactory(recipe, actor_env(), task_fingerprint(recipe)), state)
         with console.status("starting replay, learner (DeepSpeed) and rollouts (vLLM)…"):
-            topo = start_services(recipe)
-        summary = _train(recipe, topo, metrics, console)
+            attached = sup.start(recipe.rollout.num_workers)
+        _print_restored(sup, attached, console)
+        # a re-attached learner still holds the rows an earlier driver already wrote
+        written = _last_step(out / "metrics.jsonl") if "learner" in attached else -1
+        summary = _train(recipe, sup, metrics, console, written)
         with console.status("checkpointing and exporting the final policy…"):
-            summary.update(ray.get(topo.learner.finalize.remote(str(out))))
-        summary["replay"] = ray.get(topo.replay.info.remote())
-        ray.get([r.stop.remote() for r in topo.rollouts])
-        ray.get([topo.learner.stop.remote(), topo.replay.stop.remote()])
+            summary.update(_supervised(sup, lambda: sup.learner.handle.finalize.remote(str(out))))
+        summary["replay"] = _supervised(sup, lambda: sup.replay.handle.info.remote())
+        summary["restarts"] = {s.name: s.restarts for s in sup.services.values()}
+        sup.shutdown()
+        ray.kill(state, no_restart=True)
+    except Exception:  # a failed run releases its detached actors; a killed driver (or Ctrl-C) leaves them
+        _release(sup, state)  # for the next `gyre run` to re-attach
+        raise
     finally:
         metrics.close()
+        (out / "ray_address").unlink(missing_ok=True)
         ray.shutdown()
     summary["plot"] = str(plot_run(out / "metrics.jsonl", out / "reward_accuracy.png"))
     summary["wall_time_s"] = round(time.time() - t0, 1)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def _release(sup: Supervisor | None, state) -> None:
+    """Best-effort kill of every service actor and the state actor after a failure (logged, not raised)."""
+    try:
+        if sup is not None:
+            for svc in [*sup.services.values(), *sup.starting.values()]:
+                ray.kill(svc.handle, no_restart=True)
+        if state is not None:
+            ray.kill(state, no_restart=True)
+    except Exception as exc:  # cleanup after a failure must not mask the failure itself
+        log.warning("release_failed", error=f"{type(exc).__name__}: {str(exc)[:200]}")
+
+
+def _supervised(sup: Supervisor, call, attempts: int = 3):
+    """``ray.get(call())``; if the service died meanwhile, let the supervisor restart it and call again."""
+    for _ in range(attempts - 1):
+        try:
+            return ray.get(call())
+        except RayActorError as exc:
+            log.warning("service_died_after_training", error=str(exc)[:200])
+            sup.tick()
+    return ray.get(call())
+
+
+def prepare_run_dir(recipe: Recipe, console: Console) -> dict | None:
+    """Apply the resume mode to ``{run_dir}/{name}``: ``none`` archives an old one; otherwise it is re-used.
+    Returns the old summary (with ``already_finished``) when the run already reached ``num_steps``."""
+    out = recipe.out_dir
+    if recipe.learner.resume == "none":
+        archived = archive_previous_run(out)
+        if archived:
+            console.print(f"--resume none: moved the previous run in {out} to {archived}", highlight=False)
+    elif (out / "summary.json").is_file():
+        summary = json.loads((out / "summary.json").read_text())
+        if summary.get("final_version", -1) >= recipe.learner.num_steps:
+            console.print(f"run {recipe.name} already finished (policy version {summary['final_version']}); "
+                          f"outputs in {out}. Use --resume none to start it again.", highlight=False)
+            return {**summary, "already_finished": True}
+    if out.exists() and recipe.learner.resume != "none":
+        console.print(f"resuming run {recipe.name} in {out} (--resume {recipe.learner.resume})", highlight=False)
+    out.mkdir(parents=True, exist_ok=True)
+    return None
 
 
 def archive_previous_run(out: Path) -> Path | None:
@@ -110,36 +150,43 @@ def archive_previous_run(out: Path) -> Path | None:
     return target
 
 
-def _train(recipe: Recipe, topo: Topology, metrics: MetricsWriter, console: Console) -> dict:
+def _print_restored(sup: Supervisor, attached: list[str], console: Console) -> None:
+    learner = ray.get(sup.learner.handle.describe.remote())
+    replay = ray.get(sup.replay.handle.info.remote())
+    if attached:
+        console.print(f"re-attached to running services: {', '.join(attached)}", highlight=False)
+    if learner["resumed_from"]:
+        console.print(f"learner resumed from {learner['resumed_from']} (policy version {learner['version']})",
+                      highlight=False)
+    if replay["stored_groups"] or replay["prompts_completed"]:
+        console.print(f"replay restored {replay['stored_groups']} groups, {replay['prompts_completed']} prompts "
+                      "completed", highlight=False)
+    log.info("run_restored", attached=attached, learner_checkpoint=learner["resumed_from"],
+             learner_version=learner["version"], replay_groups=replay["stored_groups"])
+
+
+def _last_step(path: Path) -> int:
+    """The highest training ``step`` in a ``metrics.jsonl`` (-1 if none)."""
+    steps = [r["step"] for r in read_metrics(path) if "loss" in r] if path.is_file() else []
+    return max(steps, default=-1)
+
+
+def _train(recipe: Recipe, sup: Supervisor, metrics: MetricsWriter, console: Console, written: int = -1) -> dict:
     summary: dict = {"run": recipe.name}
-    lead = topo.rollouts[0]
-    if recipe.eval_before:
+    start_version = ray.get(sup.learner.handle.version.remote())
+    if recipe.eval_before and start_version == 0:
         with console.status("evaluating the initial policy on the held-out set…"):
-            before = ray.get(lead.evaluate.remote())
+            before = ray.get(sup.rollouts()[0].handle.evaluate.remote())
         metrics.write({"step": 0, "time": time.time(), **before})
         summary["heldout_accuracy_before"] = before["heldout_accuracy"]
         console.print(f"held-out accuracy before training: {before['heldout_accuracy']:.3f}")
-    ray.get([r.start.remote() for r in topo.rollouts])
-    steps = recipe.learner.num_steps
-    run_ref = topo.learner.run.remote(steps)
-    cursor = 0
-    with RunProgress(console, steps) as progress:
-        while True:
-            rows, done, error = ray.get(topo.learner.progress.remote(cursor))
-            stats = ray.get([r.stats.remote() for r in topo.rollouts])
-            for row in rows:
-                row["rollout_tokens_per_s"] = sum(s["tokens_per_s"] for s in stats)
-                row["rollout_versions"] = [s["version"] for s in stats]
-                metrics.write(row)
-                progress.update(row)
-            cursor += len(rows)
-            if done:
-                break
-            time.sleep(1.0)
-    final_version = ray.get(run_ref)  # re-raises a learner failure with its traceback
-    ray.get([r.pause.remote() for r in topo.rollouts])
+    sup.start_generation()
+    with RunProgress(console, recipe.learner.num_steps) as progress:
+        final_version = _supervise_training(recipe, sup, metrics, progress, written)
+    ray.get([r.handle.pause.remote() for r in sup.rollouts()])
     summary["final_version"] = final_version
     if recipe.eval_after:
+        lead = sup.rollouts()[0].handle
         with console.status("evaluating the final policy on the held-out set…"):
             got = ray.get(lead.wait_for_version.remote(final_version, 600))
             if got < final_version:
@@ -148,5 +195,45 @@ def _train(recipe: Recipe, topo: Topology, metrics: MetricsWriter, console: Cons
         metrics.write({"step": final_version, "time": time.time(), **after})
         summary["heldout_accuracy_after"] = after["heldout_accuracy"]
         console.print(f"held-out accuracy after training: {after['heldout_accuracy']:.3f}")
-    summary["rollout_stats"] = ray.get([r.stats.remote() for r in topo.rollouts])
+    summary["rollout_stats"] = ray.get([r.handle.stats.remote() for r in sup.rollouts()])
     return summary
+
+
+def _supervise_training(recipe: Recipe, sup: Supervisor, metrics: MetricsWriter, progress: RunProgress,
+                        written: int = -1, poll_s: float = 1.0) -> int:
+    """Poll the learner's progress and tick the supervisor until ``num_steps`` versions exist; after a
+    learner restart (it resumed from its newest checkpoint) re-issue ``run(remaining steps)``. Rows of the
+    first learner generation up to step ``written`` are not written again (re-attached learner). Returns
+    the final policy version. Raises ``RuntimeError`` with the learner's traceback if training failed."""
+    steps, generation, cursor = recipe.learner.num_steps, None, 0
+    while True:
+        sup.tick()
+        learner = sup.learner.handle
+        try:
+            if generation != sup.learner_generation:  # first pass, or the learner was restarted
+                generation, cursor = sup.learner_generation, 0
+                info = ray.get(learner.describe.remote(), timeout=30)
+                remaining = steps - info["version"]
+                if not info["running"] and remaining > 0:
+                    learner.run.remote(remaining)
+                elif remaining <= 0:
+                    return info["version"]
+            rows, done, error = ray.get(learner.progress.remote(cursor), timeout=30)
+        except (RayActorError, GetTimeoutError) as exc:  # the next tick restarts it
+            log.warning("learner_unreachable", error=str(exc)[:200])
+            time.sleep(poll_s)
+            continue
+        tokens_per_s = sum(s.info.get("tokens_per_s", 0.0) for s in sup.rollouts())
+        for row in rows:
+            if generation == 0 and row["step"] <= written:
+                continue
+            row.update(rollout_tokens_per_s=tokens_per_s, learner_restarts=sup.learner.restarts,
+                       rollout_versions=[s.info.get("version") for s in sup.rollouts()])
+            metrics.write(row)
+            progress.update(row)
+        cursor += len(rows)
+        if error is not None:
+            raise RuntimeError(f"the learner failed:\n{error}")
+        if done:
+            return ray.get(learner.version.remote())
+        time.sleep(poll_s)

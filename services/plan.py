@@ -25,5 +25,29 @@ def describe(recipe: Recipe) -> str:
         f"T={r.sampling.temperature} max_new_tokens={r.sampling.max_new_tokens}",
         f"evaluation greedy on held-out set: before={recipe.eval_before} after={recipe.eval_after}",
         f"outputs    metrics.jsonl, reward_accuracy.png, checkpoints/global_step_{l.num_steps}/, final_policy/",
+        f"resume     {l.resume}{' (forced)' if l.force_resume else ''}",
+        *placement_lines(recipe),
     ]
     return "\n".join(lines)
+
+
+def _resources(p) -> str:
+    extra = "".join(f" {k}={v:g}" for k, v in sorted(p.resources.items()))
+    return f"num_cpus={p.num_cpus:g} num_gpus={p.num_gpus:g}{extra}"
+
+
+def placement_lines(recipe: Recipe) -> list[str]:
+    """Where each service will land: its Ray actor name, resources and (learner) placement group."""
+    pl, run = recipe.placement, recipe.name
+    ns = recipe.ray.namespace
+    learner = f"  gyre:{run}:learner  ×1  {_resources(pl.learner)}"
+    if pl.learner.world_size > 1:
+        learner += (f"  world_size={pl.learner.world_size} placement group {pl.learner.strategy} "
+                    f"bundles={pl.learner.bundles()}")
+    return [f"placement  detached actors in namespace {ns!r} on Ray at {recipe.ray.address}",
+            f"  gyre:{run}:replay   ×1  {_resources(pl.replay)}",
+            learner,
+            f"  gyre:{run}:rollout-i ×{recipe.rollout.num_workers}  {_resources(pl.rollout)}"
+            + (f"  spool {recipe.rollout.spool_dir}/rollout-i" if recipe.rollout.spool_dir else ""),
+            f"security   bind {recipe.security.bind_host} tls={recipe.security.tls} "
+            f"token={'yes' if recipe.security.has_token else 'no'}"]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -12,6 +12,7 @@ from learner.loop import LearnerLoopConfig
 from replay.config import ReplayConfig
 from rollout.tasks import TaskConfig
 from rollout.worker import RolloutConfig
+from services.security import SecurityConfig
 
 
 class RecipeError(ValueError):
@@ -30,6 +31,63 @@ class RayConfig(BaseModel):
     namespace: str = "gyre"
 
 
+class RolePlacement(BaseModel):
+    """Ray resources one service actor asks for (the seeds' device map, per role)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    num_cpus: float = Field(0, ge=0)
+    """Logical CPUs reserved for the actor (0: it does not count against the CPU pool)."""
+    num_gpus: float = Field(0, ge=0)
+    """GPUs reserved for the actor (fractions share a GPU)."""
+    resources: dict[str, float] = {}
+    """Custom Ray resources, e.g. ``{"node_group_rollout": 1}`` to pin the role to a node group."""
+
+    @model_validator(mode="after")
+    def _positive_resources(self) -> "RolePlacement":
+        bad = {k: v for k, v in self.resources.items() if v <= 0 or not k}
+        if bad:
+            raise ValueError(f"resources {bad} must map non-empty names to amounts > 0")
+        return self
+
+    def actor_options(self) -> dict:
+        """``ActorClass.options(**...)`` keys for this role."""
+        return {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus,
+                **({"resources": dict(self.resources)} if self.resources else {})}
+
+
+class LearnerPlacement(RolePlacement):
+    """The learner's resources per rank, and its world size (ranks reserved as one placement group)."""
+
+    world_size: int = Field(1, ge=1)
+    """DeepSpeed ranks; each rank gets one placement-group bundle of this role's resources."""
+    strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] | None = None
+    """Placement-group strategy for the ranks; required when ``world_size > 1``."""
+
+    @model_validator(mode="after")
+    def _group_for_ranks(self) -> "LearnerPlacement":
+        if self.world_size > 1 and self.strategy is None:
+            raise ValueError(f"world_size {self.world_size} > 1 needs a placement group: set strategy to one of "
+                             "PACK, SPREAD, STRICT_PACK, STRICT_SPREAD")
+        return self
+
+    def bundles(self) -> list[dict[str, float]]:
+        """One placement-group bundle per rank: ``{"CPU": .., "GPU": .., **resources}`` (zero entries dropped)."""
+        one = {"CPU": self.num_cpus, "GPU": self.num_gpus, **self.resources}
+        return [{k: v for k, v in one.items() if v > 0} or {"CPU": 0.01} for _ in range(self.world_size)]
+
+
+class PlacementConfig(BaseModel):
+    """Where each role runs (``placement:`` in a recipe); an unknown role name is rejected."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    replay: RolePlacement = RolePlacement()
+    learner: LearnerPlacement = LearnerPlacement()
+    rollout: RolePlacement = RolePlacement()
+    """Applies to every rollout service (each one gets these resources)."""
+
+
 class Recipe(BaseModel):
     """Everything one run needs. ``model`` is copied into the rollout engine and learner configs."""
 
@@ -46,6 +104,9 @@ class Recipe(BaseModel):
     replay: ReplayConfig = ReplayConfig()
     learner: LearnerLoopConfig
     ray: RayConfig = RayConfig()
+    placement: PlacementConfig = PlacementConfig()
+    security: SecurityConfig = SecurityConfig()
+    """TLS/token settings every service's gRPC servers and clients use (default: loopback plaintext)."""
     eval_before: bool = True
     """Score the held-out set greedily before training."""
     eval_after: bool = True
@@ -93,7 +154,11 @@ def load_recipe(path: str | Path, overrides: dict[str, Any] | None = None) -> Re
     if not path.is_file():
         raise RecipeError(f"recipe {path} does not exist")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.safe_load(path.read_bytes().decode()) or {}
+    except UnicodeDecodeError as exc:
+        raise RecipeError(f"recipe {path} is not UTF-8 text: byte {exc.start} is {exc.object[exc.start]:#04x}") from None
+    except RecursionError:
+        raise RecipeError(f"recipe {path} nests lists/mappings too deeply to parse") from None
     except yaml.YAMLError as exc:
         raise RecipeError(f"recipe {path} is not valid YAML: {exc}") from exc
     if not isinstance(data, dict):
@@ -117,8 +182,11 @@ def load_recipe(path: str | Path, overrides: dict[str, Any] | None = None) -> Re
 
 def _set_dotted(data: dict, dotted: str, value: Any) -> None:
     *parents, leaf = dotted.split(".")
-    for p in parents:
+    for i, p in enumerate(parents):
         data = data.setdefault(p, {})
+        if not isinstance(data, dict):
+            raise RecipeError(f"--set {dotted}: {'.'.join(parents[:i + 1])} is a {type(data).__name__}, "
+                              "not a mapping")
     data[leaf] = value
 
 
@@ -139,5 +207,12 @@ def format_validation_error(exc: ValidationError) -> str:
 def _check_resources(recipe: Recipe, path: Path) -> None:
     import reasoning_gym
 
-    if recipe.task.name not in reasoning_gym.factory.DATASETS:
-        raise RecipeError(f"recipe {path}: task.name {recipe.task.name!r} is not a reasoning-gym dataset")
+    from rollout.tasks import validate_task_config
+
+    task = recipe.task
+    if task.mixture is None and task.name != "humaneval" and task.name not in reasoning_gym.factory.DATASETS:
+        raise RecipeError(f"recipe {path}: task.name {task.name!r} is not a reasoning-gym dataset")
+    try:
+        validate_task_config(task)  # mixture task names, reward names and params
+    except ValueError as exc:
+        raise RecipeError(f"recipe {path}: task: {exc}") from None

@@ -11,6 +11,7 @@ import pyarrow as pa
 from proto import replay_pb2, replay_pb2_grpc
 from proto.trajectory import SCHEMA_VERSION, from_ipc, to_ipc
 from services import grpc_common
+from services.security import SecurityConfig
 
 
 TRANSIENT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED)
@@ -41,10 +42,10 @@ class ReplayClient:
     any other gRPC status (INVALID_ARGUMENT, NOT_FOUND) propagates as ``grpc.RpcError``.
     """
 
-    def __init__(self, address: str, timeout_s: float = 30.0) -> None:
+    def __init__(self, address: str, timeout_s: float = 30.0, security: SecurityConfig | None = None) -> None:
         self.address = address
         self.timeout_s = timeout_s
-        self._channel = grpc_common.channel(address)
+        self._channel = grpc_common.channel(address, security)
         self._stub = replay_pb2_grpc.ReplayServiceStub(self._channel)
         self._batch_ids = itertools.count()
 

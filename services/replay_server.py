@@ -22,6 +22,7 @@ from proto.trajectory import SCHEMA_VERSION, SchemaError, to_ipc
 from replay.buffer import RateLimitedError, TrajectoryBuffer, UnknownLeaseError
 from replay.wal import WalError
 from services import grpc_common
+from services.security import SecurityConfig
 
 log = structlog.get_logger("replay")
 SERVICE_NAME = "gyre.replay.v1.ReplayService"
@@ -181,17 +182,20 @@ class ReplayServicer(replay_pb2_grpc.ReplayServiceServicer):
         return replay_pb2.InfoResponse(schema_version=SCHEMA_VERSION, **info)
 
 
-def serve(buffer: TrajectoryBuffer, host: str = "127.0.0.1", port: int = 0) -> tuple[grpc.Server, int]:
-    """Start a replay server on ``host:port`` (0 = free port); returns ``(server, bound_port)``.
+def serve(buffer: TrajectoryBuffer, host: str | None = None, port: int = 0,
+          security: SecurityConfig | None = None) -> tuple[grpc.Server, int]:
+    """Start a replay server on ``host:port`` (0 = free port; host defaults to ``security.bind_host``,
+    else 127.0.0.1), with TLS and token auth per ``security``; returns ``(server, bound_port)``.
 
     Health: SERVING once started; NOT_SERVING (both ``""`` and the service name) from the moment the
     WAL fails (disk full, I/O error) until the process is restarted — a failed log is never written
     again, so every insert and every other change answers UNAVAILABLE naming the error meanwhile.
     """
     sys.setswitchinterval(_GIL_SWITCH_S)
-    server, health_servicer = grpc_common.make_server()
+    host = grpc_common.bind_host(host, security)
+    server, health_servicer = grpc_common.make_server(security=security)
     replay_pb2_grpc.add_ReplayServiceServicer_to_server(ReplayServicer(buffer), server)
-    port = grpc_common.start(server, health_servicer, SERVICE_NAME, host, port)
+    port = grpc_common.start(server, health_servicer, SERVICE_NAME, host, port, security)
     if buffer.durability is not None:
         def not_serving(failure: str) -> None:
             log.error("replay_not_serving", reason=failure)

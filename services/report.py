@@ -63,3 +63,51 @@ def plot_run(metrics_path: Path, out_png: Path) -> Path:
     fig.savefig(out_png, dpi=100)
     plt.close(fig)
     return Path(out_png)
+
+
+REPORT_PANELS = {
+    "reward": ("train reward (batch mean)", ["reward_mean"]),
+    "accuracy": ("held-out accuracy", ["heldout_accuracy"]),
+    "staleness": ("policy lag of trained tokens (versions)", ["staleness_mean", "staleness_max"]),
+    "throughput": ("tokens per second", ["tokens_per_s", "rollout_tokens_per_s"]),
+}
+"""``gyre report`` PNGs: file stem → (title, metrics.jsonl keys plotted against ``step``)."""
+
+
+def plot_report(metrics_path: Path, out_dir: Path) -> list[Path]:
+    """One PNG per ``REPORT_PANELS`` entry (``{out_dir}/{stem}.png``), each key a line against step.
+
+    Raises:
+        FileNotFoundError: ``metrics_path`` does not exist.
+        ValueError: a line is not JSON, or no row has a ``step`` (nothing to plot).
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    metrics_path = Path(metrics_path)
+    if not metrics_path.is_file():
+        raise FileNotFoundError(f"no metrics file at {metrics_path}")
+    rows = [r for r in read_metrics(metrics_path) if "step" in r]
+    if not rows:
+        raise ValueError(f"{metrics_path} has no rows with a 'step' to plot")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for stem, (title, keys) in REPORT_PANELS.items():
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for key in keys:
+            points = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
+            if points:
+                ax.plot(*zip(*points), "o-" if len(points) < 20 else "-", label=key)
+        ax.set_xlabel("learner step (policy version)")
+        ax.set_title(f"{metrics_path.parent.name}: {title}")
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend()
+        fig.tight_layout()
+        fig.savefig(out_dir / f"{stem}.png", dpi=100)
+        plt.close(fig)
+        paths.append(out_dir / f"{stem}.png")
+    return paths

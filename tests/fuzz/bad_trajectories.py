@@ -1,8 +1,8 @@
 """Hypothesis strategies for malformed ``InsertRequest.arrow_ipc`` payloads, each with the text the
 rejection must contain (the field or value it names).
 
-Every payload here must be refused by replay with INVALID_ARGUMENT today; the inputs replay wrongly
-accepts or crashes on live in ``test_fuzz_replay_rpc.py`` as ``xfail(strict=True)`` cases instead.
+Every payload here must be refused by replay with INVALID_ARGUMENT; the layouts fuzzing once found
+replay accepting or crashing on are pinned in ``test_fuzz_replay_rpc.py`` and ``test_fuzz_replay_crash.py``.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Inputs that take the replay process down or end the Insert stream with the wrong status, found by
 mutating bytes of a valid Arrow IPC payload (1-4 random bytes, ~1 in 100 mutants). The server runs in
-a child process so a segfault fails the test instead of killing pytest. Both are ``xfail(strict=True)``
-until replay validates payloads fully (see the report for the fix)."""
+a child process so a segfault fails the test instead of killing pytest. Both were real bugs (a
+segfault on bad list offsets, CANCELLED on an unimplemented type); replay now validates payloads fully
+(``table.validate(full=True)``) and answers INVALID_ARGUMENT."""
 
 from __future__ import annotations
 

@@ -1,4 +1,9 @@
-from services.controller import archive_previous_run, task_fingerprint
+import io
+import json
+
+from rich.console import Console
+
+from services.controller import archive_previous_run, prepare_run_dir, task_fingerprint
 from services.recipe import load_recipe
 from tests.tiny_model import SMOLLM2_DIR
 
@@ -19,3 +24,33 @@ def test_task_fingerprint_changes_with_the_task():
     b = task_fingerprint(load_recipe("deploy/recipes/tiny-test.yaml", base | {"task.heldout_size": 9}))
     assert a.startswith("task=basic_arithmetic:") and a != b
     assert a == task_fingerprint(load_recipe("deploy/recipes/tiny-test.yaml", base))
+
+
+def _recipe(tmp_path, resume="auto", steps=3):
+    return load_recipe("deploy/recipes/tiny-test.yaml", {"model": str(SMOLLM2_DIR), "run_dir": str(tmp_path),
+                                                         "learner.resume": resume, "learner.num_steps": steps})
+
+
+def test_resume_auto_reuses_the_run_dir_and_a_finished_run_says_so(tmp_path):
+    console = Console(file=io.StringIO(), width=200)
+    out = tmp_path / "tiny-test"
+    assert prepare_run_dir(_recipe(tmp_path), console) is None and out.is_dir()
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    assert prepare_run_dir(_recipe(tmp_path), console) is None
+    assert (out / "metrics.jsonl").read_text() == '{"step": 1}\n'  # re-used, not moved aside
+    (out / "summary.json").write_text(json.dumps({"final_version": 3}))
+    done = prepare_run_dir(_recipe(tmp_path), console)
+    assert done == {"final_version": 3, "already_finished": True}
+    assert "run tiny-test already finished (policy version 3)" in console.file.getvalue()
+    assert prepare_run_dir(_recipe(tmp_path, steps=5), console) is None  # more steps asked: continue it
+
+
+def test_resume_none_archives_the_old_run_dir(tmp_path):
+    console = Console(file=io.StringIO(), width=200)
+    out = tmp_path / "tiny-test"
+    out.mkdir()
+    (out / "summary.json").write_text(json.dumps({"final_version": 3}))
+    assert prepare_run_dir(_recipe(tmp_path, resume="none"), console) is None
+    assert out.is_dir() and not any(out.iterdir())
+    archived = [p for p in tmp_path.iterdir() if p.name.startswith("tiny-test.")]
+    assert len(archived) == 1 and (archived[0] / "summary.json").is_file()

@@ -53,9 +53,53 @@ def test_cli_surface_is_frozen():
     """Changing the CLI is a deliberate act: update this test and the README together."""
     parser = cli.build_parser()
     sub = next(a for a in parser._actions if a.dest == "command")
-    assert sorted(sub.choices) == ["export", "run"]
-    run = sub.choices["run"]
-    assert sorted(o for a in run._actions for o in a.option_strings) == ["--dry-run", "--help", "--set", "-h"]
-    export = sub.choices["export"]
-    assert [a.dest for a in export._actions if not a.option_strings] == ["checkpoint", "out_dir"]
-    assert sorted(o for a in export._actions for o in a.option_strings) == ["--help", "-h"]
+    assert sorted(sub.choices) == ["checkpoint", "export", "report", "restart", "run", "scale", "status"]
+
+    def options(name):
+        return sorted(o for a in sub.choices[name]._actions for o in a.option_strings)
+
+    def positionals(name):
+        return [a.dest for a in sub.choices[name]._actions if not a.option_strings]
+
+    assert options("run") == ["--dry-run", "--force-resume", "--help", "--resume", "--set", "-h"]
+    assert positionals("run") == ["recipe"]
+    assert positionals("export") == ["checkpoint", "out_dir"] and options("export") == ["--help", "-h"]
+    assert positionals("report") == ["run"] and options("report") == ["--help", "--run-dir", "-h"]
+    ops = ["--address", "--help", "--namespace", "--run", "--run-dir", "-h"]
+    assert positionals("status") == ["run"]
+    assert options("status") == sorted(set(ops) - {"--run"} | {"--json"})
+    assert positionals("scale") == ["role", "count"] and options("scale") == ops
+    assert positionals("restart") == ["service"] and options("restart") == ops
+    assert positionals("checkpoint") == [] and options("checkpoint") == ops
+
+
+def test_resume_flag_reaches_the_learner_and_bad_values_are_named(capsys, tmp_path):
+    code = cli.main(["run", DEFAULT, "--dry-run", "--resume", "none", "--force-resume"])
+    assert code == 0 and "resume     none (forced)" in capsys.readouterr().out
+    code = cli.main(["run", DEFAULT, "--dry-run", "--resume", str(tmp_path / "global_step_9")])
+    out = " ".join(capsys.readouterr().out.split())  # rich wraps long lines
+    assert code == 2 and f"--resume '{tmp_path / 'global_step_9'}': expected auto, none or an existing" in out
+
+
+def test_placement_section_is_validated_and_printed():
+    recipe = load_recipe(DEFAULT, {"placement": {"learner": {"num_gpus": 1, "world_size": 2, "strategy": "SPREAD"},
+                                                 "rollout": {"num_gpus": 0.5, "resources": {"rollout_nodes": 1}}}})
+    assert recipe.placement.rollout.actor_options() == {"num_cpus": 0, "num_gpus": 0.5,
+                                                        "resources": {"rollout_nodes": 1}}
+    assert recipe.placement.learner.bundles() == [{"GPU": 1.0}, {"GPU": 1.0}]
+    text = describe(recipe)
+    assert "gyre:smollm2-arith:learner  ×1  num_cpus=0 num_gpus=1  world_size=2 placement group SPREAD" in text
+    assert "gyre:smollm2-arith:rollout-i ×1  num_cpus=0 num_gpus=0.5 rollout_nodes=1" in text
+
+
+@pytest.mark.parametrize("placement, message", [
+    ({"learner": {"world_size": 2}}, "world_size 2 > 1 needs a placement group"),
+    ({"critic": {"num_gpus": 1}}, "placement.critic: unknown key"),
+    ({"rollout": {"num_gpus": -1}}, "placement.rollout.num_gpus: Input should be greater than or equal to 0"),
+    ({"replay": {"resources": {"ssd": 0}}}, "resources {'ssd': 0.0} must map non-empty names to amounts > 0"),
+    ({"learner": {"world_size": 2, "strategy": "CLOSE"}}, "placement.learner.strategy"),
+])
+def test_bad_placement_is_named(placement, message):
+    with pytest.raises(RecipeError) as err:
+        load_recipe(DEFAULT, {"placement": placement})
+    assert message in str(err.value)

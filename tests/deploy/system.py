@@ -1,0 +1,141 @@
+"""Machine set-up for the deploy tests: Debian packages, free loopback ports, PID namespaces, log tails.
+
+Each helper returns a *reason string* instead of raising when the machine cannot do something (no apt,
+no namespaces), so a test can ``pytest.skip(reason)`` with the precise cause.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+VENV_BIN = Path(sys.executable).parent
+"""The venv running the tests; its ``ray`` and ``gyre`` scripts drive the clusters."""
+
+
+def ensure_debian_packages(needed: dict[str, str], timeout_s: float = 600) -> str | None:
+    """Install the Debian packages whose binary is missing, e.g. ``{"/usr/sbin/sshd": "openssh-server"}``.
+
+    Idempotent: a package whose binary exists is not touched. Tries ``apt-get install`` first and, if that
+    fails (stale lists), ``apt-get update`` and once more. Returns ``None`` when every binary exists
+    afterwards, else a reason naming the missing binaries and apt's last output lines.
+    """
+    missing = {binary: pkg for binary, pkg in needed.items() if not _has_binary(binary)}
+    if not missing:
+        return None
+    if os.geteuid() != 0 or shutil.which("apt-get") is None:
+        return f"{sorted(missing.values())} not installed and apt-get is not usable here (need root on Debian)"
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    install = ["apt-get", "install", "-y", "--no-install-recommends", *sorted(set(missing.values()))]
+    out = ""
+    for attempt in (install, ["apt-get", "update"], install):
+        try:
+            proc = subprocess.run(attempt, env=env, capture_output=True, text=True, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return f"`{' '.join(attempt)}` did not finish in {timeout_s:.0f} s"
+        out = proc.stdout + proc.stderr
+        if attempt is install and proc.returncode == 0:
+            break
+    still = [b for b in missing if not _has_binary(b)]
+    if still:
+        return f"could not install {sorted(missing.values())} (still missing {still}): {tail_text(out, 5)}"
+    return None
+
+
+def _has_binary(binary: str) -> bool:
+    return Path(binary).is_file() if binary.startswith("/") else shutil.which(binary) is not None
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct TCP ports that are free on 127.0.0.1 right now (held open together while picked)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def free_port_range(width: int, low: int = 30000, high: int = 60000) -> int:
+    """First port ``p`` in [low, high) such that ``p .. p+width-1`` all bind on 127.0.0.1 now.
+
+    Raises:
+        RuntimeError: no such range.
+    """
+    p = low
+    while p + width <= high:
+        bad = next((q for q in range(p, p + width) if not _bindable(q)), None)
+        if bad is None:
+            return p
+        p = bad + 1
+    raise RuntimeError(f"no {width} consecutive free ports in [{low}, {high}) on 127.0.0.1")
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def pid_namespace_problem() -> str | None:
+    """``None`` if ``unshare --pid --mount`` works here (it needs CAP_SYS_ADMIN), else the reason."""
+    if shutil.which("unshare") is None:
+        return "unshare (util-linux) is not installed"
+    proc = subprocess.run(["unshare", "--pid", "--fork", "--kill-child", "--mount-proc", "--mount", "true"],
+                          capture_output=True, text=True, timeout=30)
+    if proc.returncode != 0:
+        return f"cannot create PID/mount namespaces here: {proc.stderr.strip() or proc.returncode}"
+    return None
+
+
+def in_namespace(argv: list[str]) -> list[str]:
+    """``argv`` as PID 1 of a new PID + mount namespace, SIGKILLed with everything in it when the returned
+    process dies (``--kill-child``). Ray's ``ray stop`` run inside can only see, and kill, that namespace."""
+    return ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc", "--mount", *argv]
+
+
+def stop_process(proc: subprocess.Popen, timeout_s: float = 30) -> None:
+    """SIGTERM, then SIGKILL after ``timeout_s`` seconds; a process started by this test only."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout_s)
+
+
+def tail_text(text: str, n: int = 40) -> str:
+    """The last ``n`` lines of ``text``."""
+    return "\n".join(text.splitlines()[-n:])
+
+
+def tail_file(path: Path, n: int = 40) -> str:
+    """The last ``n`` lines of a file, or a note that it does not exist."""
+    path = Path(path)
+    if not path.is_file():
+        return f"({path} does not exist)"
+    return tail_text(path.read_text(errors="replace"), n)
+
+
+def ray_session_logs(temp_dir: Path, n: int = 15) -> str:
+    """Tails of the newest Ray session's ``*.err`` and job-driver logs under ``temp_dir`` (for assertion
+    messages; ``raylet.out``'s periodic state dumps are left out)."""
+    latest = Path(temp_dir) / "session_latest" / "logs"
+    if not latest.is_dir():
+        return f"(no Ray session logs under {temp_dir})"
+    picks = [p for p in sorted(latest.glob("*")) if p.is_file() and p.stat().st_size
+             and (p.suffix == ".err" or p.name.startswith("job-driver-"))]
+    return "\n".join(f"--- {p.name}\n{tail_file(p, n)}" for p in picks[-10:])
