@@ -72,7 +72,7 @@ class LoopbackSlurm:
 
     def stop(self) -> None:
         if self._proc is not None:
-            stop_process(self._proc)
+            stop_process(self._proc, timeout_s=5)  # the daemons do not need a graceful shutdown
 
     def __enter__(self) -> "LoopbackSlurm":
         try:
