@@ -163,6 +163,12 @@ class LearnerLoop:
             self._emergency = signal.SIGUSR1
         log.warning("emergency_checkpoint_requested", source="request")
 
+    def request_stop(self) -> None:
+        """SIGTERM's path from any thread: checkpoint after the current step, then ``step`` raises
+        ``StopRequested``."""
+        self._emergency = signal.SIGTERM
+        log.warning("emergency_checkpoint_requested", source="stop")
+
     def _on_signal(self, signum, frame) -> None:
         if self._emergency != signal.SIGTERM:  # a pending SIGTERM is never downgraded
             self._emergency = signum

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import threading
 import time
 import traceback
@@ -20,6 +21,7 @@ from pathlib import Path
 import ray
 import structlog
 
+from learner.loop import StopRequested
 from services.logs import bind_policy_version
 from services.replay_links import ReroutableReplay, TrackedReplay
 from services.weight_transport.bootstrap import write_export_version
@@ -144,6 +146,31 @@ class LearnerActor:
         self._error: str | None = None
         self._running = False
         self._done = threading.Event()
+        self._ray_sigterm = None
+        if threading.current_thread() is threading.main_thread():  # Ray runs __init__ on the main thread
+            self._ray_sigterm = signal.getsignal(signal.SIGTERM)
+            signal.signal(signal.SIGUSR1, self._on_signal)
+            signal.signal(signal.SIGTERM, self._on_signal)
+
+    def _on_signal(self, signum, frame) -> None:
+        """SIGUSR1: checkpoint after the current step and continue. SIGTERM (node drain, ``kill``): checkpoint
+        (after the current step when training, else now), then exit through Ray's own SIGTERM path."""
+        if self._running:
+            if signum == signal.SIGTERM:
+                self.loop.request_stop()
+            else:
+                self.loop.request_checkpoint()
+            return
+        log.warning("emergency_checkpoint", signal=signal.Signals(signum).name, step=self.engine.step)
+        if self.loop.checkpoint_dir is not None:
+            self.loop.checkpoint()
+        if signum == signal.SIGTERM:
+            self._exit_via_ray()
+
+    def _exit_via_ray(self) -> None:
+        """Hand SIGTERM back to Ray's handler (it shuts the worker down cleanly) and deliver it again."""
+        signal.signal(signal.SIGTERM, self._ray_sigterm or signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
 
     def weights_address(self) -> str:
         return f"{self.host}:{self.port}"
@@ -161,7 +188,11 @@ class LearnerActor:
         self._done.clear()
         try:
             for _ in range(num_steps):
-                row = self.loop.step()
+                try:
+                    row = self.loop.step()
+                except StopRequested:  # SIGTERM: the emergency checkpoint committed; leave through Ray
+                    self._exit_via_ray()
+                    return self.engine.version
                 self._rows.append(row)
                 self.metrics.observe_step(row)
                 bind_policy_version(row["version"])
