@@ -281,13 +281,35 @@ def check_resumable(path: Path, meta: CheckpointMetadata, fingerprint: str, worl
                                   f"has world size {world_size} and cannot reshard it: {refusal}")
         log.info("resume_reshard", path=str(path), saved_world_size=meta.world_size, world_size=world_size)
     if meta.fingerprint != fingerprint:
-        diff = f"fingerprint: checkpoint {meta.fingerprint!r} != current {fingerprint!r}"
+        diff = fingerprint_diff(meta.fingerprint, fingerprint)
         if not force:
             raise CheckpointError(f"checkpoint {path} is for a different task/dataset ({diff}); "
                                   "pass force=True (--force-resume) to resume anyway")
         log.warning("resume_forced", path=str(path), differs=diff)
     if config_hash and meta.config_hash and meta.config_hash != config_hash:
         log.warning("resume_config_changed", path=str(path), saved=meta.config_hash[:12], current=config_hash[:12])
+
+
+def fingerprint_diff(saved: str, current: str) -> str:
+    """What differs between two task/dataset fingerprints: for JSON objects (what the controller stores)
+    one ``key.path: checkpoint X != current Y`` per differing leaf, else the two strings."""
+    try:
+        a, b = json.loads(saved), json.loads(current)
+    except ValueError:
+        a = b = None
+    if not (isinstance(a, dict) and isinstance(b, dict)):
+        return f"fingerprint: checkpoint {saved!r} != current {current!r}"
+    lines: list[str] = []
+
+    def walk(x, y, path: str) -> None:
+        if isinstance(x, dict) and isinstance(y, dict):
+            for key in sorted(set(x) | set(y)):
+                walk(x.get(key, "<missing>"), y.get(key, "<missing>"), f"{path}.{key}" if path else key)
+        elif x != y:
+            lines.append(f"{path}: checkpoint {json.dumps(x)} != current {json.dumps(y)}")
+
+    walk(a, b, "")
+    return "; ".join(lines)
 
 
 def resolve_resume(mode: Literal["auto", "none"] | str | Path, root: Path) -> Path | None:

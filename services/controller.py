@@ -11,7 +11,6 @@ resumes the learner from it (in the existing run directory).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import time
@@ -44,10 +43,10 @@ def actor_env() -> dict:
 
 
 def task_fingerprint(recipe: Recipe) -> str:
-    """``task=<sha256[:16] of the task config JSON>``: stored in learner checkpoints, so resuming
-    under another task or dataset is refused unless forced."""
-    digest = hashlib.sha256(recipe.task.model_dump_json().encode()).hexdigest()[:16]
-    return f"task={recipe.task.name}:{digest}"
+    """The task/dataset configuration as canonical JSON (sorted keys): stored in learner checkpoints, so
+    resuming under another task or dataset is refused unless forced, and the refusal can list exactly
+    which keys differ (``learner.checkpoint.fingerprint_diff``)."""
+    return json.dumps({"task": recipe.task.model_dump(mode="json")}, sort_keys=True, separators=(",", ":"))
 
 
 

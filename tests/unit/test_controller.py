@@ -3,6 +3,7 @@ import json
 
 from rich.console import Console
 
+from learner.checkpoint import fingerprint_diff
 from services.controller import archive_previous_run, prepare_run_dir, task_fingerprint
 from services.recipe import load_recipe
 from tests.tiny_model import SMOLLM2_DIR
@@ -22,8 +23,9 @@ def test_task_fingerprint_changes_with_the_task():
     base = {"model": str(SMOLLM2_DIR)}
     a = task_fingerprint(load_recipe("deploy/recipes/tiny-test.yaml", base))
     b = task_fingerprint(load_recipe("deploy/recipes/tiny-test.yaml", base | {"task.heldout_size": 9}))
-    assert a.startswith("task=basic_arithmetic:") and a != b
+    assert json.loads(a)["task"]["name"] == "basic_arithmetic" and a != b
     assert a == task_fingerprint(load_recipe("deploy/recipes/tiny-test.yaml", base))
+    assert fingerprint_diff(a, b) == "task.heldout_size: checkpoint 8 != current 9"
 
 
 def _recipe(tmp_path, resume="auto", steps=3):

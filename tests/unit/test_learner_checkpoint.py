@@ -114,6 +114,16 @@ def test_schema_world_size_and_fingerprint_checks(tmp_path):
     assert [e["event"] for e in logs] == ["resume_forced"]
 
 
+def test_a_task_fingerprint_mismatch_lists_each_differing_key(tmp_path):
+    saved = '{"task":{"heldout_size":128,"name":"basic_arithmetic","params":{"max_terms":2,"min_terms":2}}}'
+    current = '{"task":{"heldout_size":64,"name":"basic_arithmetic","params":{"max_terms":3,"min_terms":2}}}'
+    path = save(tmp_path, 1, fingerprint=saved)
+    with pytest.raises(ckpt.CheckpointError) as refused:
+        ckpt.check_resumable(path, ckpt.verify(path), current, world_size=1)
+    assert ("(task.heldout_size: checkpoint 128 != current 64; task.params.max_terms: checkpoint 2 != current 3)"
+            in str(refused.value)) and "--force-resume" in str(refused.value)
+
+
 def test_rng_roundtrip_restores_torch_numpy_python(tmp_path):
     torch.manual_seed(1), np.random.seed(2), random.seed(3)
     np.random.standard_normal()  # leaves a cached gaussian in numpy's state
