@@ -29,6 +29,8 @@ from learner.async_save import BackgroundSaver
 from learner.publisher import WeightPublisher
 
 log = structlog.get_logger("learner")
+CONSUMER = "learner"
+"""The name the learner leases batches under; ``rejoin`` on resume releases exactly this consumer's leases."""
 
 
 class SaveRange(BaseModel):
@@ -105,6 +107,7 @@ class ReplaySource(Protocol):
     def sample(self, num_groups: int, learner_version: int, timeout_s: float,
                consumer: str = "") -> tuple[str, pa.Table] | None: ...
     def ack(self, lease_ids: list[str]) -> int: ...
+    def rejoin(self, consumer: str, learner_version: int) -> int: ...
 
 
 class NoDataError(TimeoutError):
@@ -319,13 +322,22 @@ class LearnerLoop:
                 if self.checkpoint_dir or mode != "auto" else None)
         if path is None:
             log.info("cold_start", resume=mode, checkpoint_dir=str(self.checkpoint_dir))
+            self._rejoin_replay()
             return None
         meta = self.engine.load_checkpoint(path, fingerprint=self.config.fingerprint, force=self.config.force_resume)
         self.restore(meta)
+        released = self._rejoin_replay()
         self.last_checkpoint = path
         log.info("resumed", path=str(path), step=meta.step, version=meta.policy_version,
-                 pending_leases=len(meta.pending_lease_ids), acked_leases=self.acked_lease_count)
+                 pending_leases=len(meta.pending_lease_ids), acked_leases=self.acked_lease_count,
+                 released_groups=released)
         return path
+
+    def _rejoin_replay(self) -> int:
+        """Tell replay this learner (re)starts at ``engine.version``: leases a crashed predecessor took after
+        its last checkpoint go back to the pool now (not at their TTL), and replay's learner version follows
+        the checkpoint down, so fresh groups are not dropped as too stale for a version nobody trains at."""
+        return self.replay.rejoin(CONSUMER, self.engine.version)
 
     def restore(self, meta) -> None:
         """After ``engine.load_checkpoint``: ack the leases that checkpoint committed but may not have
@@ -349,7 +361,7 @@ class LearnerLoop:
                     f"at learner version {self.engine.version}; are the rollouts alive?")
             try:
                 got = self.replay.sample(self.config.groups_per_step, self.engine.version,
-                                         timeout_s=min(remaining, 10.0), consumer="learner")
+                                         timeout_s=min(remaining, 10.0), consumer=CONSUMER)
             except ConnectionError as exc:
                 log.warning("replay_unreachable", error=str(exc)[:200])
                 time.sleep(1.0)

@@ -76,6 +76,20 @@ class ReleaseResponse(_message.Message):
     released: int
     def __init__(self, released: _Optional[int] = ...) -> None: ...
 
+class RejoinRequest(_message.Message):
+    __slots__ = ("consumer", "learner_version")
+    CONSUMER_FIELD_NUMBER: _ClassVar[int]
+    LEARNER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    consumer: str
+    learner_version: int
+    def __init__(self, consumer: _Optional[str] = ..., learner_version: _Optional[int] = ...) -> None: ...
+
+class RejoinResponse(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: int
+    def __init__(self, released: _Optional[int] = ...) -> None: ...
+
 class LeasePromptsRequest(_message.Message):
     __slots__ = ("consumer", "count", "ttl_s")
     CONSUMER_FIELD_NUMBER: _ClassVar[int]

@@ -54,6 +54,11 @@ class ReplayServiceStub:
                 request_serializer=proto_dot_replay__pb2.ReleaseRequest.SerializeToString,
                 response_deserializer=proto_dot_replay__pb2.ReleaseResponse.FromString,
                 _registered_method=True)
+        self.Rejoin = channel.unary_unary(
+                '/gyre.replay.v1.ReplayService/Rejoin',
+                request_serializer=proto_dot_replay__pb2.RejoinRequest.SerializeToString,
+                response_deserializer=proto_dot_replay__pb2.RejoinResponse.FromString,
+                _registered_method=True)
         self.LeasePrompts = channel.unary_unary(
                 '/gyre.replay.v1.ReplayService/LeasePrompts',
                 request_serializer=proto_dot_replay__pb2.LeasePromptsRequest.SerializeToString,
@@ -119,6 +124,16 @@ class ReplayServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Rejoin(self, request, context):
+        """A consumer restarted from a checkpoint (after re-acking that checkpoint's leases): every lease it
+        still holds goes back to the pool now instead of at its TTL, and replay's learner version is set to
+        learner_version, down if the checkpoint is older (Sample only ever raises it). Durable before the
+        response; idempotent. Empty consumer or negative version: INVALID_ARGUMENT.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def LeasePrompts(self, request, context):
         """Hands out prompt indices (new ones, or expired leases re-issued with attempt+1). A prompt is
         complete when a whole group for it is inserted. Durable before the response: after a restart
@@ -172,6 +187,11 @@ def add_ReplayServiceServicer_to_server(servicer, server):
                     servicer.Release,
                     request_deserializer=proto_dot_replay__pb2.ReleaseRequest.FromString,
                     response_serializer=proto_dot_replay__pb2.ReleaseResponse.SerializeToString,
+            ),
+            'Rejoin': grpc.unary_unary_rpc_method_handler(
+                    servicer.Rejoin,
+                    request_deserializer=proto_dot_replay__pb2.RejoinRequest.FromString,
+                    response_serializer=proto_dot_replay__pb2.RejoinResponse.SerializeToString,
             ),
             'LeasePrompts': grpc.unary_unary_rpc_method_handler(
                     servicer.LeasePrompts,
@@ -302,6 +322,33 @@ class ReplayService:
             '/gyre.replay.v1.ReplayService/Release',
             proto_dot_replay__pb2.ReleaseRequest.SerializeToString,
             proto_dot_replay__pb2.ReleaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Rejoin(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gyre.replay.v1.ReplayService/Rejoin',
+            proto_dot_replay__pb2.RejoinRequest.SerializeToString,
+            proto_dot_replay__pb2.RejoinResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -202,6 +202,25 @@ class TrajectoryBuffer:
         """Return leased groups to the pool untouched; returns how many. Raises ``UnknownLeaseError``."""
         return self._end("release", lease_ids)
 
+    def rejoin(self, consumer: str, learner_version: int) -> int:
+        """``consumer`` restarted from a checkpoint at policy version ``learner_version``: release every
+        lease it still holds and set the learner version to ``learner_version`` even if that is lower
+        (the ``Sample`` path only ever raises it). Call after re-acking the checkpoint's own leases.
+        Returns how many groups were released.
+
+        Raises:
+            ValueError: ``consumer`` is empty or ``learner_version < 0``.
+        """
+        if not consumer:
+            raise ValueError("consumer must be a non-empty name (the one passed to sample)")
+        if learner_version < 0:
+            raise ValueError(f"learner_version ({learner_version}) must be >= 0")
+        with self._lock:
+            lsn, n = self._commit(Record("rejoin", {"consumer": consumer, "version": int(learner_version)}))
+            self._lock.notify_all()
+        self.wait_durable(lsn)
+        return n
+
     def update_priorities(self, group_ids: list[str], priorities: list[float]) -> tuple[int, list[str]]:
         """Set sampling priorities; returns ``(updated, unknown group ids)`` (consumed groups are unknown).
 

@@ -19,6 +19,8 @@ Kinds and their ``meta`` (JSON object; keys are group keys, times are clock seco
 ``ack``             ``{"lease_ids": [...]}`` leases consumed
 ``release``         ``{"lease_ids": [...]}`` leases returned untouched
 ``expire``          ``{"lease_ids": [...]}`` leases past their deadline, returned
+``rejoin``          ``{"consumer", "version"}`` a consumer resumed from a checkpoint: its leases are
+                    returned and the learner version is set to ``version`` (it may go down)
 ``prompt_lease``    ``{"consumer", "items": [[index, attempt], ...], "expires_at"}``
 ``prompt_expire``   ``{"items": [[index, next_attempt], ...]}``
 ``priority``        ``{"keys": [...], "priorities": [...]}``
@@ -40,7 +42,7 @@ from proto.trajectory import SCHEMA_VERSION, SCHEMA_VERSION_KEY
 WAL_FORMAT_VERSION = 1
 """Bumped on any incompatible change of ``RECORD_SCHEMA`` or of a kind's meta."""
 
-KINDS = frozenset({"insert", "evict", "learner_version", "lease", "ack", "release", "expire",
+KINDS = frozenset({"insert", "evict", "learner_version", "lease", "ack", "release", "expire", "rejoin",
                    "prompt_lease", "prompt_expire", "priority"})
 
 RECORD_SCHEMA = pa.schema(

@@ -89,7 +89,7 @@ class ReplayState:
                 raise KeyError(f"lease names groups {bad[:5]} that are not pooled")
         elif rec.kind in ("ack", "release", "expire"):
             self.check_leases(m["lease_ids"])
-        elif rec.kind not in ("insert", "learner_version", "prompt_lease", "prompt_expire", "priority"):
+        elif rec.kind not in ("insert", "learner_version", "rejoin", "prompt_lease", "prompt_expire", "priority"):
             raise ValueError(f"unknown record kind {rec.kind!r}")
 
     # ---- transitions ----------------------------------------------------------------------------
@@ -106,6 +106,8 @@ class ReplayState:
             self.counters.evicted_groups_total += len(m["keys"])
         elif rec.kind == "learner_version":
             self._set_learner_version(m["version"])
+        elif rec.kind == "rejoin":
+            return self._rejoin(m["consumer"], m["version"])
         elif rec.kind == "lease":
             return self._lease(Lease(m["lease_id"], tuple(m["keys"]), m["consumer"], m["expires_at"]))
         elif rec.kind in ("ack", "release", "expire"):
@@ -155,6 +157,17 @@ class ReplayState:
         self.learner_version = max(self.learner_version, version)
         for key in self.store.pooled_older_than(self.learner_version - self.config.max_staleness):
             self._stale(key)
+
+    def _rejoin(self, consumer: str, version: int) -> int:
+        """``consumer`` resumed from a checkpoint at ``version``: the leases it still holds were taken after
+        that checkpoint (its committed ones were acked first), so they go back to the pool; the learner
+        version follows the checkpoint, down if need be (a learner rolled back to an older checkpoint
+        must not see its fresh groups dropped as stale). Returns how many groups were released."""
+        held = [i for i, lease in self.leases.items() if lease.consumer == consumer]
+        self.learner_version = version
+        released = self._end_leases("release", held)
+        self._set_learner_version(version)
+        return released
 
     def _stale(self, key: int) -> None:
         rows = self.store.groups[key].num_rows

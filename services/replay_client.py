@@ -78,6 +78,12 @@ class ReplayClient:
         return self._stub.Release(replay_pb2.ReleaseRequest(lease_ids=lease_ids), timeout=self.timeout_s).released
 
     @_transient_as_connection_error
+    def rejoin(self, consumer: str, learner_version: int) -> int:
+        """Release every lease ``consumer`` holds and set replay's learner version (see ``Rejoin``)."""
+        return self._stub.Rejoin(replay_pb2.RejoinRequest(consumer=consumer, learner_version=learner_version),
+                                 timeout=self.timeout_s).released
+
+    @_transient_as_connection_error
     def lease_prompts(self, consumer: str, count: int, ttl_s: float = 0.0) -> list[tuple[int, int]]:
         """``[(prompt_index, attempt)]``; ``ttl_s`` 0 uses the server's default."""
         resp = self._stub.LeasePrompts(

@@ -16,7 +16,7 @@ log = structlog.get_logger("actors")
 
 class ReroutableReplay:
     """The learner's replay connection: a ``ReplayClient`` the supervisor can re-point after a replay
-    restart (``reroute``). ``ack`` (after a checkpoint commit) waits out a replay outage, retrying for up
+    restart (``reroute``). ``ack`` (after a checkpoint commit) and ``rejoin`` (on resume) wait out a replay outage, retrying for up
     to ``ack_patience_s`` seconds, since failing it would fail the whole step; acks are idempotent per
     lease (leases are in replay's WAL, so they survive its restart). Other calls pass straight through
     (the loop already retries ``sample`` on ``ConnectionError``)."""
@@ -42,10 +42,16 @@ class ReroutableReplay:
         return self.client.info()
 
     def ack(self, lease_ids: list[str]) -> int:
+        return self._patiently(lambda: self.client.ack(lease_ids))
+
+    def rejoin(self, consumer: str, learner_version: int) -> int:
+        return self._patiently(lambda: self.client.rejoin(consumer, learner_version))
+
+    def _patiently(self, call):
         deadline = time.monotonic() + self.ack_patience_s
         while True:
             try:
-                return self.client.ack(lease_ids)
+                return call()
             except ConnectionError as exc:  # replay restarting: the supervisor will reroute us
                 if time.monotonic() > deadline:
                     raise

@@ -153,6 +153,13 @@ class ReplayServicer(replay_pb2_grpc.ReplayServiceServicer):
         return replay_pb2.ReleaseResponse(released=self.buffer.release(list(request.lease_ids)))
 
     @_aborting
+    def Rejoin(self, request, context):
+        try:
+            return replay_pb2.RejoinResponse(released=self.buffer.rejoin(request.consumer, request.learner_version))
+        except ValueError as exc:
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
+
+    @_aborting
     def LeasePrompts(self, request, context):
         if request.count > 4096:
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"count ({request.count}) must be <= 4096")

@@ -87,6 +87,9 @@ class FakeReplay:
     def ack(self, lease_ids):
         return self.buffer.ack(lease_ids)
 
+    def rejoin(self, consumer, learner_version):
+        return self.buffer.rejoin(consumer, learner_version)
+
 
 class FakeTokenizer:
     def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True):

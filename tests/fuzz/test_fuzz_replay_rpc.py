@@ -132,6 +132,19 @@ def test_lease_with_a_negative_or_nan_ttl(replay, count, ttl):
     assert_rejected(replay, lambda: replay.stub.LeasePrompts(request, timeout=10), "ttl_s (")
 
 
+# ---- Rejoin --------------------------------------------------------------------------------------
+@given(version=st.integers(-(2**63), -1), consumer=st.text(min_size=1, max_size=20))
+def test_rejoin_at_a_negative_version(replay, version, consumer):
+    request = replay_pb2.RejoinRequest(consumer=consumer, learner_version=version)
+    assert_rejected(replay, lambda: replay.stub.Rejoin(request, timeout=10), f"learner_version ({version})")
+
+
+@given(version=INT64)
+def test_rejoin_without_a_consumer_name(replay, version):
+    request = replay_pb2.RejoinRequest(consumer="", learner_version=version)
+    assert_rejected(replay, lambda: replay.stub.Rejoin(request, timeout=10), "consumer must be a non-empty name")
+
+
 # ---- UpdatePriorities ----------------------------------------------------------------------------
 GROUP_IDS = st.lists(st.text(max_size=12), min_size=1, max_size=4)
 

@@ -161,6 +161,25 @@ def test_resume_auto_loads_the_newest_verified_checkpoint_and_acks_its_pending_l
     assert none_loop.resume() is None and none_loop.engine.version == 0
 
 
+def test_resume_from_an_older_checkpoint_rejoins_replay_so_training_goes_on(tmp_path):
+    """The learner trained to version 5, checkpointed at 3 and crashed: replay must follow it back to 3
+    (else groups generated at version 3 are dropped as stale: a stall) and free the lease it took after."""
+    from learner import checkpoint as ckpt
+
+    buf = TrajectoryBuffer(ReplayConfig(max_staleness=1))
+    buf.insert(group_table(0, version=4))
+    orphan, _ = buf.sample(1, 5, consumer="learner")  # taken after the checkpoint, never acked
+    tmp = ckpt.temp_path(tmp_path, 3)
+    tmp.mkdir(parents=True)
+    ckpt.commit(tmp, ckpt.checkpoint_path(tmp_path, 3), ckpt.CheckpointMetadata(step=3, policy_version=3))
+    loop, _ = make_loop(buf, checkpoint_dir=tmp_path)
+    assert loop.resume() == tmp_path / "global_step_3"
+    assert buf.info()["learner_version"] == 3 and buf.info()["active_leases"] == 0
+    assert buf.insert(group_table(1, version=2)).dropped_stale == 0
+    loop.step()  # both groups (the released one and the fresh one) are trainable at version 3
+    assert loop.engine.version == 4 and len(loop.engine.batches) == 1
+
+
 def test_async_save_acks_its_leases_only_after_the_background_commit():
     buf = filled_buffer(6)
     loop, _ = make_loop(buf, save_interval=2, async_save=True, sample_timeout_s=5)

@@ -1,0 +1,68 @@
+"""A learner resumed from an older checkpoint rejoins replay: its leftover leases go back to the pool
+and replay's learner version follows the checkpoint down, so fresh groups are not dropped as stale."""
+
+import pytest
+
+from replay.buffer import TrajectoryBuffer
+from replay.config import ReplayConfig
+from tests.fakes import group_table
+
+NO_AUTO = {"interval_s": None, "wal_bytes": None}
+
+
+def test_rejoin_lowers_the_learner_version_so_fresh_groups_are_accepted_again():
+    buf = TrajectoryBuffer(ReplayConfig(max_staleness=1))
+    buf.insert(group_table(0, version=4))
+    assert buf.sample(1, learner_version=5, consumer="learner") is not None  # learner reached version 5
+    late = buf.insert(group_table(1, version=3))
+    assert late.dropped_stale == late_rows(late) and buf.info()["learner_version"] == 5
+    # the learner crashes and resumes from its step-3 checkpoint: version 3 groups are fresh again
+    assert buf.rejoin("learner", 3) == 1  # the lease it took at version 5 was never trained on
+    assert buf.info()["learner_version"] == 3 and buf.info()["active_leases"] == 0
+    fresh = buf.insert(group_table(2, version=3))
+    assert fresh.accepted == group_table(2).num_rows and fresh.dropped_stale == 0
+    assert buf.sample(1, learner_version=3, consumer="learner") is not None
+
+
+def late_rows(result) -> int:
+    return result.dropped_stale + result.accepted
+
+
+def test_rejoin_releases_only_that_consumers_leases():
+    buf = TrajectoryBuffer(ReplayConfig())
+    for i in range(3):
+        buf.insert(group_table(i))
+    mine, _ = buf.sample(1, 0, consumer="learner")
+    buf.sample(1, 0, consumer="evaluator")
+    assert buf.rejoin("learner", 0) == 1
+    assert buf.info()["active_leases"] == 1 and buf.info()["leased_groups"] == 1
+    with pytest.raises(KeyError, match=mine):  # the released lease can no longer be acked
+        buf.ack([mine])
+    assert buf.rejoin("learner", 0) == 0  # idempotent
+
+
+@pytest.mark.parametrize("consumer, version, match", [("", 1, "consumer"), ("learner", -1, r"learner_version \(-1\)")])
+def test_rejoin_refuses_bad_input_and_changes_nothing(consumer, version, match):
+    buf = TrajectoryBuffer(ReplayConfig())
+    buf.insert(group_table(0))
+    buf.sample(1, 4, consumer="learner")
+    before = buf.info()
+    with pytest.raises(ValueError, match=match):
+        buf.rejoin(consumer, version)
+    after = buf.info()
+    assert {k: v for k, v in after.items() if not k.endswith("_per_s")} == \
+        {k: v for k, v in before.items() if not k.endswith("_per_s")}
+
+
+def test_rejoin_is_durable_across_a_replay_restart(tmp_path):
+    cfg = ReplayConfig(dir=str(tmp_path), seed=0, max_staleness=1, snapshot=NO_AUTO)
+    buf = TrajectoryBuffer(cfg)
+    buf.insert(group_table(0))
+    buf.sample(1, 6, consumer="learner")
+    buf.rejoin("learner", 2)
+    buf.close()
+    restored = TrajectoryBuffer(cfg)
+    info = restored.info()
+    assert info["learner_version"] == 2 and info["active_leases"] == 0
+    assert restored.insert(group_table(1, version=1)).dropped_stale == 0  # lag 1 at version 2: fresh
+    restored.close()
