@@ -14,7 +14,7 @@ manifest too). Protocol:
 - retention (``prune_archive``): keep the newest ``keep_last_n`` complete steps; a step loses its manifest
   before its other objects.
 
-Fault point for crash tests: ``learner.archive.before_manifest`` (see ``checkpoint.fault_point``).
+Fault point for crash tests: ``learner.archive.before_manifest`` (see ``faults``).
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ import structlog
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from learner import crypto
-from learner.checkpoint import (MANIFEST, CheckpointError, checkpoint_path, fault_point, fsync_path, temp_path,
+from faults import fault_point
+from learner.checkpoint import (MANIFEST, CheckpointError, checkpoint_path, fsync_path, temp_path,
                                 verify)
 
 log = structlog.get_logger("learner.archive")

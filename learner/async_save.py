@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 import torch
 
-from learner.checkpoint import fault_point
+from faults import fault_point
 
 
 def snapshot(obj: Any) -> Any:

@@ -17,7 +17,7 @@ complete: a temp dir is ignored, and a final dir whose manifest does not verify 
 
 Pure: no deepspeed import (``learner.engine`` passes a callable that writes DeepSpeed's part).
 Fault points for crash tests: ``GYRE_FAULT_POINT=learner.ckpt.<phase>[#n]`` makes the process
-``os._exit(137)`` (at the n-th hit) at ``files_written``, ``before_manifest``, ``before_rename`` or ``after_rename``.
+SIGKILL itself (at the n-th hit; see ``faults``) at ``files_written``, ``before_manifest``, ``before_rename`` or ``after_rename``.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ import structlog
 import torch
 from safetensors.torch import load_file, save_file
 
+from faults import fault_point
 from proto.trajectory import SCHEMA_VERSION
 
 log = structlog.get_logger("learner.checkpoint")
@@ -51,20 +52,6 @@ _NAME = re.compile(r"^global_step_(\d+)$")
 
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete, corrupt, or may not be resumed; the message names its path."""
-
-
-_fault_hits: dict[str, int] = {}
-
-
-def fault_point(name: str) -> None:
-    """``os._exit(137)`` (no cleanup, like SIGKILL) if ``GYRE_FAULT_POINT`` is ``name`` (first hit) or
-    ``name#n`` (n-th hit). Read at every call; unarmed it is one dict lookup."""
-    armed, _, nth = os.environ.get("GYRE_FAULT_POINT", "").partition("#")
-    if armed != name:
-        return
-    _fault_hits[name] = _fault_hits.get(name, 0) + 1
-    if _fault_hits[name] >= int(nth or 1):
-        os._exit(137)
 
 
 @dataclass(frozen=True)

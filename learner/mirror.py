@@ -11,7 +11,7 @@ step that verifies in the primary root or the mirror (primary preferred at equal
 skipped copy in a ``checkpoint_skipped`` warning, and repairs the primary from the mirror when the mirror's
 copy is chosen; when no local copy verifies it falls back to the newest archived checkpoint
 (``learner.archive``) that fetches and verifies. Fault points for crash tests:
-``learner.mirror.before_manifest`` and ``learner.mirror.before_rename`` (see ``checkpoint.fault_point``).
+``learner.mirror.before_manifest`` and ``learner.mirror.before_rename`` (see ``faults``).
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ from pydantic import BaseModel, ConfigDict
 
 from learner.archive import (ArchiveConfig, HashingReader, check_copied, fetch_checkpoint, list_archived,
                              manifest_files, rename_into_place, step_of)
-from learner.checkpoint import (MANIFEST, CheckpointError, checkpoint_path, fault_point, fsync_path,
+from faults import fault_point
+from learner.checkpoint import (MANIFEST, CheckpointError, checkpoint_path, fsync_path,
                                 list_checkpoints, prune, temp_path, verify)
 
 log = structlog.get_logger("learner.mirror")

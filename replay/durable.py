@@ -34,7 +34,7 @@ from pathlib import Path
 
 import structlog
 
-from replay.faults import fault_point
+from faults import fault_point
 from replay.files import run_in_background
 from replay.restore import RestoreError, RestoreReport, restore
 from replay.snapshot import list_snapshots, remove_snapshot, write_snapshot
@@ -138,7 +138,7 @@ class Durability:
             self.last_snapshot_seconds = time.monotonic() - t0
             for old in list_snapshots(root)[self.config.snapshot.keep:]:
                 remove_snapshot(old)
-            fault_point("snapshot.before_wal_delete")
+            fault_point("replay.snapshot.before_wal_delete")
             kept = list_snapshots(root)
             deleted = self.wal.delete_covered(int(kept[-1].name[5:])) if kept else []
             self._last_lsn, self._last_at = data.lsn, time.time()

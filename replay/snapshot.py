@@ -36,7 +36,7 @@ import numpy as np
 import pyarrow as pa
 
 from proto.trajectory import SCHEMA_VERSION, TRAJECTORY_SCHEMA
-from replay.faults import fault_point
+from faults import fault_point
 from replay.types import Group, SnapshotError
 from replay.files import HashingFile, fsync_dir, read_verified
 
@@ -145,17 +145,17 @@ def write_snapshot(root: Path, data: SnapshotData, compression: str = "none", co
         "groups.arrow": _write_arrow(tmp / "groups.arrow", GROUPS_SCHEMA, [_groups_batch(data.groups)], codec),
         "state.json": _write_json(tmp / "state.json", data.state),
     }
-    fault_point("snapshot.files_written")
+    fault_point("replay.snapshot.files_written")
     manifest = {"format_version": SNAPSHOT_FORMAT_VERSION, "schema_version": SCHEMA_VERSION, "lsn": data.lsn,
                 "created_at": time.time(), "files": files, "config_sha256": config_hash,
                 "groups": len(data.groups), "trajectories": sum(g.num_rows for g in data.groups),
                 "counters": {k: v for k, v in data.state.get("counters", {}).items() if not isinstance(v, list)}}
     _write_json(tmp / "manifest.json", manifest)
     fsync_dir(tmp)
-    fault_point("snapshot.before_rename")
+    fault_point("replay.snapshot.before_rename")
     os.rename(tmp, final)
     fsync_dir(root)
-    fault_point("snapshot.after_rename")
+    fault_point("replay.snapshot.after_rename")
     return final
 
 

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 from replay.config import WalConfig
-from replay.faults import fault_point
+from faults import fault_point
 from replay.files import fsync_dir
 from replay.records import end_of_stream, segment_header
 
@@ -105,7 +105,7 @@ class Wal:
                 if self.config.durability == "buffered":
                     self._pending.append(data)
                 else:
-                    fault_point("wal.write")
+                    fault_point("replay.wal.before_write")
                     self._write(data)
             except OSError as exc:  # a partial record may be on disk: nothing may follow it
                 self._fail(exc)
@@ -113,7 +113,7 @@ class Wal:
             self._next_lsn += len(records)
             self._segment_bytes += len(data)
             self.bytes_written += len(data)
-            fault_point("wal.after_append")
+            fault_point("replay.wal.after_append")
             if self._segment_bytes >= self.config.segment_bytes:
                 try:
                     self._roll()
@@ -131,7 +131,7 @@ class Wal:
         else:
             os.close(self._fd)
         self._open_segment()
-        fault_point("wal.after_roll")
+        fault_point("replay.wal.after_roll")
 
     def _flush_pending(self) -> None:
         if self._pending:
@@ -193,7 +193,7 @@ class Wal:
                 self._flush_pending()
                 self._durable_lsn = target
                 return
-        fault_point("wal.fsync")
+        fault_point("replay.wal.before_fsync")
         for old_fd, _ in sealed:
             os.fsync(old_fd)
             os.close(old_fd)

@@ -19,7 +19,7 @@ CRC and validates the table (``proto.trajectory.from_ipc``). A truncated file, a
 wrong schema version raises ``SpoolCorruptError`` naming the file and the reason; ``recover`` and the
 flusher move such a file to ``quarantine/`` and log ``spool_quarantined`` — it is never sent.
 
-Fault points (crash tests arm one with ``GYRE_FAULT_POINT=name[#n]``; the process ``os._exit(137)``s):
+Fault points (crash tests arm one with ``GYRE_FAULT_POINT=name[#n]``; the process SIGKILLs itself, see ``faults``):
 ``rollout.spool.before_rename`` (temp file written and fsynced), ``rollout.spool.after_rename`` (entry
 durable, worker not told yet), ``rollout.spool.flush`` (replay acknowledged an entry, spool not acked).
 """
@@ -39,6 +39,7 @@ from typing import Awaitable, Callable
 import pyarrow as pa
 import structlog
 
+from faults import fault_point
 from proto.trajectory import SchemaError, from_ipc, to_ipc
 
 log = structlog.get_logger("rollout.spool")
@@ -50,21 +51,6 @@ QUARANTINE = "quarantine"
 
 REFUSED_CODES = frozenset({"INVALID_ARGUMENT", "FAILED_PRECONDITION", "OUT_OF_RANGE"})
 """gRPC status names after which replay will refuse the same bytes again: the entry is quarantined."""
-
-_fault_hits: dict[str, int] = {}
-
-
-def fault_point(name: str) -> None:
-    """``os._exit(137)`` (no cleanup, like SIGKILL) if ``GYRE_FAULT_POINT`` is ``name`` (first hit) or
-    ``name#n`` (n-th hit). Read at every call; unarmed it is one dict lookup (pattern of
-    ``learner.checkpoint.fault_point``)."""
-    armed, _, nth = os.environ.get("GYRE_FAULT_POINT", "").partition("#")
-    if armed != name:
-        return
-    _fault_hits[name] = _fault_hits.get(name, 0) + 1
-    if _fault_hits[name] >= int(nth or 1):
-        os._exit(137)
-
 
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)

@@ -16,6 +16,7 @@ import pyarrow as pa
 import structlog
 from pydantic import BaseModel, ConfigDict, Field
 
+from faults import fault_point
 from proto.trajectory import Trajectory, make_ids, to_table
 from rollout.config import EngineConfig, SamplingConfig
 from rollout.spool import Spool, SpoolFlusher
@@ -115,6 +116,7 @@ class RolloutWorker:
         """Apply a policy version in flight (engine: pause, load, reset prefix cache, resume)."""
         if version <= self.engine.version:
             return
+        fault_point("rollout.apply_weights")
         seconds = await self.engine.update_weights(version, named_tensors)
         self.stats.weight_updates += 1
         self.stats.last_update_s = seconds

@@ -12,6 +12,7 @@ import threading
 import grpc
 import structlog
 
+from faults import fault_point
 from learner.publisher import WeightPublisher
 from proto import weights_pb2, weights_pb2_grpc
 from proto.tensor_chunks import CHECKSUM_KIND, iter_chunks
@@ -47,7 +48,10 @@ class WeightServicer(weights_pb2_grpc.WeightServiceServicer):
             if got is None:
                 continue
             version, tensors = got
-            yield from self._wire_for(version, tensors)
+            for i, msg in enumerate(self._wire_for(version, tensors)):
+                if i == 1:  # the first chunk of a new version is out, the rest not yet
+                    fault_point("learner.publish.mid_stream")
+                yield msg
             have = version
 
     def Announce(self, request, context):

@@ -1,7 +1,7 @@
 """Kill the learner's checkpoint writer at each named phase; resume must always find a verified one.
 
 The writer is a fresh ``python`` process (never a fork) running the real commit protocol with a
-stand-in DeepSpeed file; ``GYRE_FAULT_POINT`` makes it ``os._exit(137)`` at the phase.
+stand-in DeepSpeed file; ``GYRE_FAULT_POINT`` makes it SIGKILL itself at the phase.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def test_unarmed_writer_commits(tmp_path):
 @pytest.mark.parametrize("phase", ["files_written", "before_manifest", "before_rename"])
 def test_crash_before_the_rename_keeps_the_previous_checkpoint(tmp_path, phase):
     assert write(tmp_path, 1) == 0
-    assert write(tmp_path, 2, f"learner.ckpt.{phase}") == 137
+    assert write(tmp_path, 2, f"learner.ckpt.{phase}") == -9  # SIGKILL (faults.fault_point)
     assert list(tmp_path.glob("global_step_2.tmp-*")), "the dead writer's temp dir is left behind"
     assert ckpt.find_latest_verified(tmp_path) == tmp_path / "global_step_1"
     assert write(tmp_path, 2) == 0  # the next save cleans the dead temp dir up and commits
@@ -54,7 +54,7 @@ def test_crash_before_the_rename_keeps_the_previous_checkpoint(tmp_path, phase):
 
 def test_crash_after_the_rename_has_a_complete_checkpoint(tmp_path):
     assert write(tmp_path, 1) == 0
-    assert write(tmp_path, 2, "learner.ckpt.after_rename") == 137
+    assert write(tmp_path, 2, "learner.ckpt.after_rename") == -9  # SIGKILL (faults.fault_point)
     assert ckpt.find_latest_verified(tmp_path) == tmp_path / "global_step_2"
 
 

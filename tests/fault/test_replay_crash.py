@@ -28,8 +28,8 @@ import pytest
 from services.replay_client import ReplayClient
 from tests.fault.replay_proc import Inserter, ReplayProcess, churn, stored_ids
 
-FAULT_POINTS = ["snapshot.files_written", "snapshot.before_rename", "snapshot.after_rename",
-                "snapshot.before_wal_delete", "wal.after_roll", "wal.after_append"]
+FAULT_POINTS = ["replay.snapshot.files_written", "replay.snapshot.before_rename", "replay.snapshot.after_rename",
+                "replay.snapshot.before_wal_delete", "replay.wal.after_roll", "replay.wal.after_append"]
 
 
 def config(durability: str, snapshots: bool = True, flush_ms: float = 1.0) -> dict:
@@ -105,12 +105,12 @@ def test_without_fsync_a_process_kill_still_loses_nothing(tmp_path):
     assert not any(r["lost_n"] for r in results), results
 
 
-@pytest.mark.parametrize("point", ["snapshot.before_rename", "snapshot.before_wal_delete"])
+@pytest.mark.parametrize("point", ["replay.snapshot.before_rename", "replay.snapshot.before_wal_delete"])
 def test_kill_inside_snapshot_commit_then_restart_cleanly(tmp_path, point):
     cfg, ins, rng = config("fsync"), Inserter(), random.Random(11)
     assert one_lifetime(cfg, tmp_path / "replay", ins, rng, f"{point}#2", None)
     leftovers = list((tmp_path / "replay" / "snapshots").glob(".tmp-*"))
-    assert bool(leftovers) == (point == "snapshot.before_rename")  # died before the commit, or just after
+    assert bool(leftovers) == (point == "replay.snapshot.before_rename")  # died before the commit, or just after
     ids = stored_ids(cfg, tmp_path / "replay")
     assert ins.acked <= ids.keys() and max(ids.values(), default=1) == 1
     one_lifetime(cfg, tmp_path / "replay", ins, rng, None, sum(ids.values()))  # restart removes leftovers

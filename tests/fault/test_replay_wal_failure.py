@@ -2,7 +2,7 @@
 change answers UNAVAILABLE naming the error, nothing acknowledged is lost, and it stays NOT_SERVING
 until a restart, which restores what was acknowledged and serves again.
 
-Errors are injected at the ``wal.write`` / ``wal.fsync`` fault points (``replay.faults``), which raise
+Errors are injected at the ``replay.wal.before_write`` / ``replay.wal.before_fsync`` fault points (``replay.faults``), which raise
 the ``OSError`` the system call would, just before it."""
 
 import errno
@@ -18,7 +18,7 @@ from prometheus_client import generate_latest
 
 from proto import replay_pb2, replay_pb2_grpc
 from proto.trajectory import SCHEMA_VERSION, to_ipc
-from replay import faults
+import faults
 from replay.buffer import TrajectoryBuffer
 from replay.config import ReplayConfig
 from replay.wal import WalError
@@ -65,8 +65,8 @@ def stored_prompts(buf: TrajectoryBuffer) -> list[int]:
     return sorted(g.prompt_index for g in buf.state.store.groups.values())
 
 
-@pytest.mark.parametrize("point,code,text", [("wal.write", errno.ENOSPC, "No space left on device"),
-                                             ("wal.fsync", errno.EIO, "Input/output error")])
+@pytest.mark.parametrize("point,code,text", [("replay.wal.before_write", errno.ENOSPC, "No space left on device"),
+                                             ("replay.wal.before_fsync", errno.EIO, "Input/output error")])
 def test_wal_failure_means_not_serving_and_unavailable_until_restart(served, point, code, text):
     buf, client, port = served()
     assert client.insert(group_table(0)).accepted == 4
@@ -101,7 +101,7 @@ def test_wal_failure_means_not_serving_and_unavailable_until_restart(served, poi
 def test_listener_registered_after_the_failure_is_told_at_once(tmp_path):
     buf = TrajectoryBuffer(config(tmp_path))
     assert "gyre_replay_wal_failed 0.0" in generate_latest(registry_for(buf)).decode()
-    faults.inject_error("wal.write", errno.ENOSPC)
+    faults.inject_error("replay.wal.before_write", errno.ENOSPC)
     try:
         with pytest.raises(WalError, match="No space left on device"):
             buf.insert(group_table(0))
@@ -117,14 +117,14 @@ def test_listener_registered_after_the_failure_is_told_at_once(tmp_path):
 
 def test_grpc_status_of_a_refused_insert_is_unavailable(served):
     _, client, port = served()
-    faults.inject_error("wal.write", errno.ENOSPC)
+    faults.inject_error("replay.wal.before_write", errno.ENOSPC)
     with grpc_common.channel(f"127.0.0.1:{port}") as ch:
         req = replay_pb2.InsertRequest(schema_version=SCHEMA_VERSION, batch_id=7, arrow_ipc=to_ipc(group_table(0)))
         with pytest.raises(grpc.RpcError) as err:
             list(replay_pb2_grpc.ReplayServiceStub(ch).Insert(iter([req]), timeout=10))
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     details = err.value.details()
-    assert "No space left on device" in details and "injected at fault point 'wal.write'" in details
+    assert "No space left on device" in details and "injected at fault point 'replay.wal.before_write'" in details
 
 
 _SCRIPT = """
@@ -143,7 +143,7 @@ except WalError as exc:
 
 
 def test_environment_arms_an_errno_at_the_nth_hit(tmp_path):
-    env = {**os.environ, "GYRE_FAULT_POINT": "wal.write#2:ENOSPC"}
+    env = {**os.environ, "GYRE_FAULT_POINT": "replay.wal.before_write#2:ENOSPC"}
     out = subprocess.run([sys.executable, "-c", _SCRIPT, str(tmp_path)], env=env, cwd=REPO, capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr

@@ -139,7 +139,7 @@ def test_crash_inside_put_leaves_either_a_temp_file_or_a_whole_entry(tmp_path, p
             "s = Spool(sys.argv[1], 10**9, 100); s.put(group_table(0)); s.put(group_table(1))")
     proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=REPO,
                           env={**os.environ, "GYRE_FAULT_POINT": f"{point}#2"}, capture_output=True)
-    assert proc.returncode == 137, proc.stderr.decode()[-2000:]
+    assert proc.returncode == -9, proc.stderr.decode()[-2000:]
     left = names(tmp_path)
     assert (".tmp-000000000001.arrow" in left) == (not expect_entry)
     spool = Spool(tmp_path, 10**9, 100)
@@ -228,7 +228,7 @@ def test_late_spooled_group_of_a_reissued_prompt_completes_it_exactly_once(tmp_p
 
 def test_kill_at_flush_fault_point_after_replay_ack_then_resend_is_a_duplicate(tmp_path):
     """A real crash: a process with a durable in-process replay (fsync'd WAL) flushes its spool and is
-    killed (``os._exit(137)``) right after replay acknowledged the 2nd entry, before the spool ack.
+    killed (SIGKILL) right after replay acknowledged the 2nd entry, before the spool ack.
     After restart both directories are reopened: the 2nd entry is re-sent and counted as duplicates."""
     replay_cfg = {"dir": str(tmp_path / "replay"), "snapshot": {"interval_s": None, "wal_bytes": None}}
     code = (
@@ -242,7 +242,7 @@ def test_kill_at_flush_fault_point_after_replay_ack_then_resend_is_a_duplicate(t
         "asyncio.run(SpoolFlusher(spool, insert).flush_once())\n")
     proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "spool"), json.dumps(replay_cfg)], cwd=REPO,
                           env={**os.environ, "GYRE_FAULT_POINT": "rollout.spool.flush#2"}, capture_output=True)
-    assert proc.returncode == 137, proc.stderr.decode()[-2000:]
+    assert proc.returncode == -9, proc.stderr.decode()[-2000:]
     buf = TrajectoryBuffer(ReplayConfig(**replay_cfg))
     spool = Spool(tmp_path / "spool", 10**9, 100)
     assert [e.seq for e in spool.recover()] == [1, 2]  # entry 0 was acked before the kill

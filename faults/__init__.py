@@ -1,0 +1,139 @@
+"""Named fault points: a test (or a crash-matrix recipe) makes a service die, or one I/O call fail, at a
+named phase instead of hoping a random kill lands there (torchft's ``EventInjector``; storage engines kill
+the writer at every point of a commit).
+
+Arming (read at every hit, so a test may set the variable in-process; unarmed a hit is one dict lookup):
+
+- ``GYRE_FAULT_POINT=name`` kills the process at the first hit of ``name``; ``name#n`` at the n-th hit.
+  The kill is ``SIGKILL`` to itself: no ``finally``, no ``atexit``, no flush — like a power cut of the
+  process. Several points may be armed at once, comma-separated (``a#2,b``).
+- ``GYRE_FAULT_POINT=name:ENOSPC`` (or ``name#n:EIO``, any ``errno`` name): from the n-th hit on, the
+  point raises ``OSError(errno.ENOSPC, ...)`` instead, as the system call after it would.
+- In-process tests use ``inject_error(name, errno)`` / ``clear_errors()`` for the same.
+- A recipe arms points per service with ``faults: {replay: "replay.wal.before_fsync#3", ...}``; the
+  supervisor passes them to the first incarnation of that service only, so the restarted one runs clean.
+
+Every point is listed in ``POINTS``; ``parse_spec`` refuses a name that is not (a typo would otherwise arm
+nothing and the crash test would pass without a crash).
+"""
+
+from __future__ import annotations
+
+import errno as _errno
+import os
+import signal
+from dataclasses import dataclass
+
+ENV = "GYRE_FAULT_POINT"
+
+POINTS: dict[str, str] = {
+    # replay (replay/wal.py, replay/snapshot.py, replay/durable.py)
+    "replay.wal.before_write": "before a WAL record's bytes are written (errors: the write fails)",
+    "replay.wal.after_append": "after a record is appended, before it is fsync'd",
+    "replay.wal.before_fsync": "before a WAL segment's fsync (errors: the fsync fails)",
+    "replay.wal.after_roll": "after a new WAL segment was opened",
+    "replay.snapshot.files_written": "snapshot files written into the temp dir, no manifest yet",
+    "replay.snapshot.before_rename": "snapshot complete in its temp dir, not yet renamed into place",
+    "replay.snapshot.after_rename": "snapshot committed, older ones not yet pruned",
+    "replay.snapshot.before_wal_delete": "snapshot committed, WAL segments it covers not yet deleted",
+    # learner (learner/checkpoint.py, async_save.py, mirror.py, archive.py, publisher.py)
+    "learner.ckpt.mid_write": "background checkpoint write half done (async save)",
+    "learner.ckpt.files_written": "checkpoint files written into the temp dir, no manifest yet",
+    "learner.ckpt.before_manifest": "checkpoint files fsync'd, manifest not written",
+    "learner.ckpt.before_rename": "checkpoint complete in its temp dir, not yet renamed into place",
+    "learner.ckpt.after_rename": "checkpoint committed, its leases not yet acked to replay",
+    "learner.mirror.before_manifest": "mirror copy written, its manifest not yet",
+    "learner.mirror.before_rename": "mirror copy complete, not yet renamed into place",
+    "learner.archive.before_manifest": "archive objects uploaded, manifest object not yet",
+    "learner.publish.mid_stream": "a new policy version half published (some tensor chunks encoded)",
+    # rollout (rollout/spool.py, rollout/worker.py)
+    "rollout.spool.before_rename": "spool entry written to its temp name, not yet renamed",
+    "rollout.spool.after_rename": "spool entry committed, not yet sent to replay",
+    "rollout.spool.flush": "a spooled group is being re-sent to replay after a restart",
+    "rollout.apply_weights": "a new policy version received, not yet loaded into the engine",
+}
+"""Every fault point: name → where it fires."""
+
+
+@dataclass(frozen=True)
+class Armed:
+    """One armed point: kill (or raise ``OSError(errno)``) from its ``nth`` hit on."""
+
+    name: str
+    nth: int = 1
+    errno: int | None = None
+
+
+def parse_spec(spec: str) -> dict[str, Armed]:
+    """Parse a ``GYRE_FAULT_POINT`` value (``name[#n][:ERRNO]``, comma-separated) into armed points.
+
+    Raises:
+        ValueError: an unknown point name, a hit count that is not a positive integer, or an unknown
+            errno name — each named, with what was expected.
+    """
+    out: dict[str, Armed] = {}
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        point, _, errname = item.partition(":")
+        name, _, nth = point.partition("#")
+        if name not in POINTS:
+            raise ValueError(f"fault point {name!r} (in {spec!r}) is not one of: {', '.join(sorted(POINTS))}")
+        if nth and not (nth.isdigit() and int(nth) >= 1):
+            raise ValueError(f"fault point {item!r}: hit count {nth!r} must be a positive integer")
+        code = getattr(_errno, errname, None) if errname else None
+        if errname and not isinstance(code, int):
+            raise ValueError(f"fault point {item!r}: {errname!r} is not an errno name (expected e.g. ENOSPC, EIO)")
+        out[name] = Armed(name, int(nth or 1), code)
+    return out
+
+
+_parsed: tuple[str, dict[str, Armed]] = ("", {})
+_hits: dict[str, int] = {}
+_errors: dict[str, int] = {}
+"""Fault point name → errno to raise there (armed in-process by ``inject_error``)."""
+
+
+def _armed() -> dict[str, Armed]:
+    global _parsed
+    spec = os.environ.get(ENV, "")
+    if spec != _parsed[0]:
+        _parsed = (spec, parse_spec(spec))
+    return _parsed[1]
+
+
+def inject_error(name: str, code: int = _errno.ENOSPC) -> None:
+    """Make every later hit of fault point ``name`` raise ``OSError(code)`` (until ``clear_errors``).
+
+    Raises:
+        ValueError: ``name`` is not in ``POINTS``.
+    """
+    if name not in POINTS:
+        raise ValueError(f"fault point {name!r} is not one of: {', '.join(sorted(POINTS))}")
+    _errors[name] = code
+
+
+def clear_errors() -> None:
+    """Disarm every error armed by ``inject_error``."""
+    _errors.clear()
+
+
+def _raise(name: str, code: int) -> None:
+    raise OSError(code, f"{os.strerror(code)} (injected at fault point {name!r})")
+
+
+def fault_point(name: str) -> None:
+    """SIGKILL this process, or raise ``OSError``, if ``name`` is armed and its hit count is reached.
+
+    Raises:
+        OSError: an error is armed for ``name`` (``inject_error`` or ``GYRE_FAULT_POINT=name:ERRNO``).
+        ValueError: ``GYRE_FAULT_POINT`` names an unknown point (see ``parse_spec``).
+    """
+    if _errors and name in _errors:
+        _raise(name, _errors[name])
+    armed = _armed().get(name)
+    if armed is None:
+        return
+    _hits[name] = _hits.get(name, 0) + 1
+    if _hits[name] >= armed.nth:
+        if armed.errno is not None:
+            _raise(name, armed.errno)
+        os.kill(os.getpid(), signal.SIGKILL)
