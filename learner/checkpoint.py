@@ -65,6 +65,10 @@ class CheckpointMetadata:
     pending_lease_ids: list[str] = field(default_factory=list)
     """Replay leases whose batches this checkpoint trained on and which were not yet acked at save
     time; the learner acks them right after the commit (and again, tolerating unknown ids, on resume)."""
+    pending_group_ids: list[str] = field(default_factory=list)
+    """``group_id`` of every group in ``pending_lease_ids``' batches (the groups this checkpoint's steps
+    trained on); lets a resumed learner re-journal the ``commit`` event a crash cut off (``proto.journal``).
+    Empty in checkpoints written before this field existed."""
     acked_lease_count: int = 0
     """Leases acked before this checkpoint (cumulative)."""
     config_hash: str = ""

@@ -26,7 +26,8 @@ log = structlog.get_logger("learner")
 def save_checkpoint(learner: LearnerEngine, root: Path, pending_lease_ids: list[str] = (), acked_lease_count: int = 0,
                     fingerprint: str = "", keep_last_n: int | None = None,
                     saver: BackgroundSaver | None = None,
-                    after_commit: Callable[[Path], None] | None = None) -> Path | Future:
+                    after_commit: Callable[[Path], None] | None = None,
+                    pending_group_ids: list[str] = ()) -> Path | Future:
     """Commit ``{root}/global_step_{step}`` (``learner.checkpoint`` layout and protocol): DeepSpeed
     state (weights, optimizer, LR schedule) under ``deepspeed/``, every rank's RNG, metadata, manifest.
 
@@ -47,6 +48,7 @@ def save_checkpoint(learner: LearnerEngine, root: Path, pending_lease_ids: list[
     final = ckpt.checkpoint_path(root, learner.step)
     meta = ckpt.CheckpointMetadata(
         step=learner.step, policy_version=learner.version, pending_lease_ids=list(pending_lease_ids),
+        pending_group_ids=list(pending_group_ids),
         acked_lease_count=acked_lease_count, config_hash=learner.config_hash, fingerprint=fingerprint,
         world_size=dist.get_world_size(), wall_time=time.time())
     if saver is not None and dist.get_world_size() == 1:

@@ -361,13 +361,14 @@ class LearnerEngine:
 
     # ---- checkpoints (learner.ckpt_engine) ------------------------------------------------------
     def save_checkpoint(self, root: Path, pending_lease_ids: list[str] = (), acked_lease_count: int = 0,
-                        fingerprint: str = "", keep_last_n: int | None = None, saver=None, after_commit=None):
+                        fingerprint: str = "", keep_last_n: int | None = None, saver=None, after_commit=None,
+                        pending_group_ids: list[str] = ()):
         """Commit ``{root}/global_step_{step}`` (a ``Future`` of it with a ``saver``: async save); see
         ``learner.ckpt_engine.save_checkpoint``."""
         from learner.ckpt_engine import save_checkpoint
 
         return save_checkpoint(self, root, pending_lease_ids, acked_lease_count, fingerprint, keep_last_n, saver,
-                               after_commit)
+                               after_commit, pending_group_ids)
 
     def load_checkpoint(self, path: Path, fingerprint: str = "", force: bool = False) -> ckpt.CheckpointMetadata:
         """Restore from ``path``; see ``learner.ckpt_engine.load_checkpoint``."""

@@ -1,7 +1,7 @@
 """``gyre`` command line.
 
 ``gyre run RECIPE [--dry-run] [--set key=value ...] [--resume auto|none|PATH] [--force-resume]``,
-``gyre export CHECKPOINT OUT_DIR``, ``gyre report RUN``, and against a running run:
+``gyre export CHECKPOINT OUT_DIR``, ``gyre report RUN``, ``gyre check RUN_DIR``, and against a running run:
 ``gyre status RUN``, ``gyre scale rollout N``, ``gyre restart SERVICE``, ``gyre checkpoint``.
 """
 
@@ -57,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     report = sub.add_parser("report", help="PNG plots of reward, accuracy, staleness, throughput of a run")
     report.add_argument("run")
     report.add_argument("--run-dir", default="runs")
+    check = sub.add_parser("check", help="check a finished run's invariants (journals + replay); exit 1 on violations")
+    check.add_argument("run_dir", help="the run directory (runs/<name>)")
     status = sub.add_parser("status", help="services, versions, lag, throughput, restarts of a running run")
     _ops_options(status, run_positional=True)
     status.add_argument("--json", action="store_true", help="print the status as JSON")
@@ -79,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
         return _export(args.checkpoint, args.out_dir, console)
     if args.command == "report":
         return _report(Path(args.run_dir) / args.run, console)
+    if args.command == "check":
+        return _check(args.run_dir, console)
     if args.command in ("status", "scale", "restart", "checkpoint"):
         return _ops(args, console)
     try:
@@ -138,6 +142,22 @@ def _report(run_dir: Path, console: Console) -> int:
         return 2
     console.print("wrote " + ", ".join(str(p) for p in paths), highlight=False)
     return 0
+
+
+def _check(run_dir: str, console: Console) -> int:
+    """Print ``services.invariants.check_run``'s report as JSON; 0 ok, 1 violations, 2 unreadable run dir."""
+    from contextlib import redirect_stdout
+
+    from services.invariants import RunDirError, check_run
+
+    try:
+        with redirect_stdout(sys.stderr):  # replay's restore logs; stdout carries only the report JSON
+            report = check_run(run_dir)
+    except RunDirError as exc:
+        console.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
+        return 2
+    print(report.to_json())
+    return 0 if report.ok else 1
 
 
 def _export(checkpoint: str, out_dir: str, console: Console) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 
+import pyarrow as pa
 import structlog
 
 log = structlog.get_logger("actors")
@@ -59,13 +60,38 @@ class ReroutableReplay:
                 time.sleep(1.0)
 
 
+def acked_event(table: pa.Table, resp) -> dict:
+    """The rollout journal's ``acked`` event (``proto.journal``) for an insert of ``table`` that replay
+    answered with ``resp`` (``InsertResponse`` or ``InsertResult``: accepted/duplicates/dropped_stale rows).
+
+    Each group's ``status`` is what happened to it: ``accepted``, ``duplicate`` or ``dropped_stale`` when
+    the response's row counts say so unambiguously (always for one group per insert, as rollouts send),
+    else ``mixed``. ``newest_version`` is the newest policy version in the group's version spans."""
+    accepted, dup, stale = int(resp.accepted), int(resp.duplicates), int(resp.dropped_stale)
+    groups: dict[str, dict] = {}
+    for gid, prompt, versions in zip(table.column("group_id").to_pylist(), table.column("prompt_index").to_pylist(),
+                                     table.column("version_span_versions").to_pylist()):
+        g = groups.setdefault(gid, {"group_id": gid, "prompt_index": prompt, "rows": 0, "newest_version": -1})
+        g["rows"] += 1
+        g["newest_version"] = max([g["newest_version"], *versions])
+    total = table.num_rows
+    status = ("accepted" if accepted == total else "duplicate" if dup == total
+              else "dropped_stale" if stale == total else "mixed")
+    for g in groups.values():
+        g["status"] = status
+    return {"event": "acked", "groups": list(groups.values()), "accepted": accepted, "duplicates": dup,
+            "dropped_stale": stale, "time": time.time()}
+
+
 class TrackedReplay:
     """A rollout's replay connection: remembers the prompt indices leased and not yet delivered, and can
     stop leasing (``draining``) so a rollout being removed finishes what it holds instead of dropping it.
-    ``client`` is swapped by ``set_replay_address`` after a replay restart (each call reads it afresh)."""
+    ``client`` is swapped by ``set_replay_address`` after a replay restart (each call reads it afresh).
+    With a ``journal`` (``proto.journal.Journal``) every acknowledged insert is journaled (``acked_event``)."""
 
-    def __init__(self, client) -> None:
+    def __init__(self, client, journal=None) -> None:
         self.client = client
+        self.journal = journal
         self.outstanding: set[int] = set()
         """Prompt indices leased to this rollout whose group replay has not acknowledged yet."""
         self.draining = False
@@ -74,16 +100,18 @@ class TrackedReplay:
     def address(self) -> str:
         return self.client.address
 
-    def lease_prompts(self, consumer: str, count: int, ttl_s: float = 0.0) -> list[tuple[int, int]]:
+    def lease_prompts(self, consumer: str, count: int, ttl_s: float = 0.0, below: int = 0) -> list[tuple[int, int]]:
         if self.draining:
             return []
-        got = self.client.lease_prompts(consumer, count, ttl_s)
+        got = self.client.lease_prompts(consumer, count, ttl_s, below)
         self.outstanding.update(p for p, _ in got)
         return got
 
     def insert(self, table):
         resp = self.client.insert(table)
         self.outstanding.difference_update(table.column("prompt_index").to_pylist())
+        if self.journal is not None:
+            self.journal.append(acked_event(table, resp))
         return resp
 
     def info(self):

@@ -36,3 +36,12 @@ def test_three_learner_steps_reach_the_rollout(tiny_llama, tmp_path):
     assert (out / "reward_accuracy.png").stat().st_size > 0
     assert (out / "final_policy" / "config.json").is_file()
     assert json.loads((out / "summary.json").read_text())["final_version"] == 3
+
+    # gyre check: the journals and replay's state agree (every acked group trained once or still stored, ...)
+    from services.invariants import check_run
+
+    report = check_run(out)
+    assert report.ok, report.to_json()
+    assert report.counts["trained_groups"] == 3 * recipe.learner.groups_per_step
+    assert report.counts["resumes"] == 1 and report.counts["lost_groups"] == 0
+    assert report.counts["rollout_version_events"] >= 3  # setup + at least two applied versions
