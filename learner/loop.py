@@ -27,6 +27,8 @@ from learner.config import AlgorithmConfig, LearnerConfig
 from learner.archive import ArchiveConfig
 from learner.async_save import BackgroundSaver
 from learner.publisher import WeightPublisher
+from proto.lockstep import LockstepConfig, VersionStore
+from learner.run_journal import LearnerJournal, accepts_group_ids, group_ids_of
 
 log = structlog.get_logger("learner")
 CONSUMER = "learner"
@@ -84,6 +86,9 @@ class LearnerLoopConfig(BaseModel):
     ``none``: always start fresh; otherwise the path of a ``global_step_N`` checkpoint."""
     force_resume: bool = False
     """Resume even when the checkpoint's task/dataset fingerprint differs (schema mismatches never)."""
+    lockstep: LockstepConfig | None = None
+    """Deterministic mode (set by the recipe's ``determinism: lockstep``): step s leases exactly the groups of
+    prompts ``[s·P, (s+1)·P)`` in order, and every published version is also written to the version store."""
 
 
     @field_validator("save_schedule")
@@ -132,15 +137,20 @@ class LearnerLoop:
         pad_token_id: tokenizer pad id for right-padding.
         checkpoint_dir: where ``global_step_N`` checkpoints go; ``None`` keeps every lease pending
             (nothing is acked) until a directory is given.
+        journal_path: the run journal (``learner.run_journal``: commits with their group ids, resumes)
+            that ``gyre check`` verifies; ``None``: no journal.
     """
 
     def __init__(self, config: LearnerLoopConfig, engine, replay: ReplaySource, publisher: WeightPublisher,
-                 pad_token_id: int, checkpoint_dir: Path | None = None) -> None:
+                 pad_token_id: int, checkpoint_dir: Path | None = None, journal_path: Path | None = None) -> None:
         self.config, self.engine, self.replay, self.publisher = config, engine, replay, publisher
         self.pad_token_id = pad_token_id
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
         self.pending_lease_ids: list[str] = []
         """Leases trained on since the last committed checkpoint (not acked yet)."""
+        self._lease_groups: dict[str, list[str]] = {}
+        """lease id → group ids of its batch, until the checkpoint holding it commits (journal, metadata)."""
+        self.journal = LearnerJournal(journal_path) if journal_path is not None else None
         self.acked_lease_count = 0
         self.last_checkpoint: Path | None = None
         self._saver = BackgroundSaver() if config.async_save else None
@@ -150,6 +160,8 @@ class LearnerLoop:
         self.tier_failures = 0
         """Mirror copies and archive uploads that failed (logged; training went on)."""
         self._emergency: int | None = None  # signal number awaiting an emergency checkpoint
+        lock = config.lockstep
+        self._versions = VersionStore(lock.weights_dir, keep=lock.lag + 2) if lock is not None else None
 
     def install_signal_handlers(self) -> dict:
         """SIGUSR1 → checkpoint after the current step and continue; SIGTERM → checkpoint after the
@@ -180,7 +192,10 @@ class LearnerLoop:
     def publish_current(self) -> float:
         """Publish the engine's current weights under its current version; returns seconds."""
         t0 = time.monotonic()
-        self.publisher.publish(self.engine.version, self.engine.named_weights())
+        named = self.engine.named_weights()
+        if self._versions is not None:  # lockstep: rollouts load exact (also older) versions from disk
+            self._versions.write(self.engine.version, named)
+        self.publisher.publish(self.engine.version, named)
         return time.monotonic() - t0
 
     def step(self) -> dict:
@@ -197,6 +212,7 @@ class LearnerLoop:
         t_trained = time.monotonic()  # train_step advanced engine.version by one
         publish_s = self.publish_current()
         self.pending_lease_ids.append(lease_id)
+        self._lease_groups[lease_id] = group_ids_of(table)
         save_s, before = 0.0, self.last_checkpoint
         emergency, self._emergency = self._emergency, None
         due = emergency or self.engine.step % self.config.save_interval_at(self.engine.step) == 0
@@ -235,6 +251,11 @@ class LearnerLoop:
             kwargs = {"saver": self._saver} if self.config.async_save else {}
             if self.config.mirror_dir is not None:
                 kwargs["after_commit"] = self._mirror
+            groups = [g for lease in leases for g in self._lease_groups.get(lease, [])]
+            if accepts_group_ids(self.engine):
+                kwargs["pending_group_ids"] = groups
+            if self.journal is not None:
+                self.journal.save_begin(self.engine.step, self.engine.version, groups)
             result = self.engine.save_checkpoint(
                 self.checkpoint_dir, pending_lease_ids=leases, acked_lease_count=self.acked_lease_count,
                 fingerprint=self.config.fingerprint, keep_last_n=self.config.keep_last_n, **kwargs)
@@ -271,7 +292,10 @@ class LearnerLoop:
         return {"checkpoint_write_s": time.monotonic() - started}
 
     def _on_committed(self, leases: list[str]) -> None:
-        """A checkpoint holding ``leases`` committed: ack them, then queue its archive upload."""
+        """A checkpoint holding ``leases`` committed: journal it, ack them, then queue its archive upload."""
+        groups = [g for lease in leases for g in self._lease_groups.pop(lease, [])]
+        if self.journal is not None and self.last_checkpoint is not None:
+            self.journal.commit(self.last_checkpoint, groups)
         if leases:
             self.replay.ack(leases)
             self.acked_lease_count += len(leases)
@@ -322,9 +346,11 @@ class LearnerLoop:
                 if self.checkpoint_dir or mode != "auto" else None)
         if path is None:
             log.info("cold_start", resume=mode, checkpoint_dir=str(self.checkpoint_dir))
+            self._journal_resume(None, None)
             self._rejoin_replay()
             return None
         meta = self.engine.load_checkpoint(path, fingerprint=self.config.fingerprint, force=self.config.force_resume)
+        self._journal_resume(path, meta)  # before restore acks the checkpoint's leases
         self.restore(meta)
         released = self._rejoin_replay()
         self.last_checkpoint = path
@@ -332,6 +358,11 @@ class LearnerLoop:
                  pending_leases=len(meta.pending_lease_ids), acked_leases=self.acked_lease_count,
                  released_groups=released)
         return path
+
+    def _journal_resume(self, path: Path | None, meta) -> None:
+        if self.journal is not None:
+            roots = [r for r in (self.checkpoint_dir, self.config.mirror_dir) if r is not None]
+            self.journal.resume(path, meta, self.config.resume, [Path(r) for r in roots])
 
     def _rejoin_replay(self) -> int:
         """Tell replay this learner (re)starts at ``engine.version``: leases a crashed predecessor took after
@@ -360,8 +391,10 @@ class LearnerLoop:
                     f"no batch of {self.config.groups_per_step} groups within {self.config.sample_timeout_s}s "
                     f"at learner version {self.engine.version}; are the rollouts alive?")
             try:
+                lock = self.config.lockstep
+                exact = {"prompt_indices": lock.prompts_of_step(self.engine.step)} if lock is not None else {}
                 got = self.replay.sample(self.config.groups_per_step, self.engine.version,
-                                         timeout_s=min(remaining, 10.0), consumer=CONSUMER)
+                                         timeout_s=min(remaining, 10.0), consumer=CONSUMER, **exact)
             except ConnectionError as exc:
                 log.warning("replay_unreachable", error=str(exc)[:200])
                 time.sleep(1.0)

@@ -29,18 +29,20 @@ class InsertResponse(_message.Message):
     def __init__(self, batch_id: _Optional[int] = ..., accepted: _Optional[int] = ..., duplicates: _Optional[int] = ..., dropped_stale: _Optional[int] = ...) -> None: ...
 
 class SampleRequest(_message.Message):
-    __slots__ = ("schema_version", "num_groups", "learner_version", "timeout_s", "consumer")
+    __slots__ = ("schema_version", "num_groups", "learner_version", "timeout_s", "consumer", "prompt_indices")
     SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
     NUM_GROUPS_FIELD_NUMBER: _ClassVar[int]
     LEARNER_VERSION_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     CONSUMER_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_INDICES_FIELD_NUMBER: _ClassVar[int]
     schema_version: int
     num_groups: int
     learner_version: int
     timeout_s: float
     consumer: str
-    def __init__(self, schema_version: _Optional[int] = ..., num_groups: _Optional[int] = ..., learner_version: _Optional[int] = ..., timeout_s: _Optional[float] = ..., consumer: _Optional[str] = ...) -> None: ...
+    prompt_indices: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, schema_version: _Optional[int] = ..., num_groups: _Optional[int] = ..., learner_version: _Optional[int] = ..., timeout_s: _Optional[float] = ..., consumer: _Optional[str] = ..., prompt_indices: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SampleResponse(_message.Message):
     __slots__ = ("lease_id", "arrow_ipc", "num_groups")
@@ -91,14 +93,16 @@ class RejoinResponse(_message.Message):
     def __init__(self, released: _Optional[int] = ...) -> None: ...
 
 class LeasePromptsRequest(_message.Message):
-    __slots__ = ("consumer", "count", "ttl_s")
+    __slots__ = ("consumer", "count", "ttl_s", "below_prompt_index")
     CONSUMER_FIELD_NUMBER: _ClassVar[int]
     COUNT_FIELD_NUMBER: _ClassVar[int]
     TTL_S_FIELD_NUMBER: _ClassVar[int]
+    BELOW_PROMPT_INDEX_FIELD_NUMBER: _ClassVar[int]
     consumer: str
     count: int
     ttl_s: float
-    def __init__(self, consumer: _Optional[str] = ..., count: _Optional[int] = ..., ttl_s: _Optional[float] = ...) -> None: ...
+    below_prompt_index: int
+    def __init__(self, consumer: _Optional[str] = ..., count: _Optional[int] = ..., ttl_s: _Optional[float] = ..., below_prompt_index: _Optional[int] = ...) -> None: ...
 
 class PromptLease(_message.Message):
     __slots__ = ("prompt_index", "attempt")

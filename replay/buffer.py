@@ -137,17 +137,25 @@ class TrajectoryBuffer:
 
     # ---- sample / leases ------------------------------------------------------------------------
     def sample(self, num_groups: int, learner_version: int, timeout_s: float = 0.0,
-               consumer: str = "") -> tuple[str, pa.Table] | None:
+               consumer: str = "", prompt_indices: list[int] | None = None) -> tuple[str, pa.Table] | None:
         """Lease ``num_groups`` whole groups chosen by the selector; wait up to ``timeout_s`` seconds.
 
         Raising ``learner_version`` drops (or excludes) groups whose lag exceeds ``max_staleness``.
+        With ``prompt_indices`` (lockstep, ``proto.lockstep``) the lease is exactly the pooled groups of those
+        prompts in that order, once every one of them is pooled; the selector is not consulted.
         Returns ``(lease_id, table)`` with the groups' rows in hand-out order, or ``None`` on timeout.
 
         Raises:
-            ValueError: ``num_groups < 1``.
+            ValueError: ``num_groups < 1``; ``prompt_indices`` not ``num_groups`` distinct indices >= 0.
         """
         if num_groups < 1:
             raise ValueError(f"num_groups ({num_groups}) must be >= 1")
+        if prompt_indices is not None:
+            prompt_indices = [int(i) for i in prompt_indices]
+            if len(prompt_indices) != num_groups or len(set(prompt_indices)) != num_groups \
+                    or min(prompt_indices) < 0:
+                raise ValueError(f"prompt_indices {prompt_indices[:8]} must be num_groups ({num_groups}) "
+                                 "distinct indices >= 0")
         deadline = time.monotonic() + max(timeout_s, 0.0)
         with self._lock:
             lsn = -1
@@ -159,6 +167,8 @@ class TrajectoryBuffer:
             def ready() -> bool:
                 nonlocal lsn
                 lsn = max(lsn, self._expire_leases())
+                if prompt_indices is not None:
+                    return self.state.store.pooled_for_prompts(prompt_indices) is not None
                 return self.state.can_sample(num_groups)
 
             try:
@@ -167,7 +177,8 @@ class TrajectoryBuffer:
                 self._waiting[num_groups] -= 1
                 self._waiting += Counter()  # drop zero counts
             if got:
-                keys = self.state.store.sampler.pick(num_groups)
+                keys = (self.state.store.sampler.pick(num_groups) if prompt_indices is None
+                        else self.state.store.pooled_for_prompts(prompt_indices))
                 lease_id = uuid.uuid4().hex
                 meta = {"lease_id": lease_id, "keys": keys, "consumer": consumer,
                         "expires_at": self._clock() + self.config.lease_ttl_s}
@@ -244,8 +255,10 @@ class TrajectoryBuffer:
         return len(known), unknown
 
     # ---- prompts --------------------------------------------------------------------------------
-    def lease_prompts(self, consumer: str, count: int, ttl_s: float | None = None) -> list[tuple[int, int]]:
-        """Lease prompt indices for a rollout: ``[(prompt_index, attempt)]``, re-issued ones first."""
+    def lease_prompts(self, consumer: str, count: int, ttl_s: float | None = None,
+                      below: int | None = None) -> list[tuple[int, int]]:
+        """Lease prompt indices for a rollout: ``[(prompt_index, attempt)]``, re-issued ones first; with
+        ``below`` only indices under it (lockstep: prompts whose policy version is published)."""
         if count < 0:
             raise ValueError(f"count ({count}) must be >= 0")
         ttl = ttl_s or self.config.prompt_lease_ttl_s
@@ -254,7 +267,7 @@ class TrajectoryBuffer:
             due = self.state.ledger.due(now)
             if due:
                 lsn, _ = self._commit(Record("prompt_expire", {"items": due}))
-            items = self.state.ledger.plan(count)
+            items = self.state.ledger.plan(count, below)
             if items:
                 lsn, _ = self._commit(Record("prompt_lease", {"consumer": consumer, "items": items,
                                                               "expires_at": now + ttl}))

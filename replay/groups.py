@@ -234,6 +234,13 @@ class GroupStore:
             self.sampler.update(key, priority)
         self.groups[key] = replace(g, priority=priority)
 
+    def pooled_for_prompts(self, prompt_indices: list[int]) -> list[int] | None:
+        """The pooled group key of each prompt index, in the given order, or ``None`` unless every one has a
+        pooled group (lockstep's canonical consumption order). O(stored groups): lockstep keeps replay small."""
+        by_prompt = {g.prompt_index: g.key for g in self.groups.values() if g.state == POOLED}
+        keys = [by_prompt.get(i) for i in prompt_indices]
+        return None if None in keys else keys
+
     def pooled_older_than(self, min_version: int) -> list[int]:
         """Pooled keys whose oldest token version is below ``min_version`` (too stale), oldest first."""
         out: list[int] = []

@@ -61,11 +61,13 @@ class PromptLedger:
         self.apply_expire(out)
         return out
 
-    def plan(self, count: int) -> list[tuple[int, int]]:
-        """The ``[(index, attempt)]`` a lease of ``count`` would hand out now (re-issues first); changes nothing."""
-        out: list[tuple[int, int]] = self._expired[:count]
+    def plan(self, count: int, below: int | None = None) -> list[tuple[int, int]]:
+        """The ``[(index, attempt)]`` a lease of ``count`` would hand out now (re-issues first), only indices
+        ``< below`` if given (lockstep); changes nothing."""
+        out: list[tuple[int, int]] = [x for x in self._expired if below is None or x[0] < below][:count]
         next_index = self._next_index
-        while len(out) < count and (self._num_prompts is None or next_index < self._num_prompts):
+        limit = self._num_prompts if below is None else min(below, self._num_prompts or below)
+        while len(out) < count and (limit is None or next_index < limit):
             out.append((next_index, 0))
             next_index += 1
         return out

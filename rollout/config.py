@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class GrpcTransportConfig(BaseModel):
@@ -49,10 +49,38 @@ WeightTransportConfig = Annotated[Union[GrpcTransportConfig, NcclTransportConfig
 """How policy versions reach a rollout service; chosen by ``type: grpc | nccl``."""
 
 
-class EngineConfig(BaseModel):
-    """How to start one vLLM engine that serves one policy."""
+class SimulatedEngineConfig(BaseModel):
+    """The simulated engine (``rollout.sim_engine``, benchmarks only): how long a group takes to "generate"
+    and a weight update to apply. Exactly one of ``seconds_per_group`` / ``seconds_per_token`` is set."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    seconds_per_group: float | None = Field(default=None, ge=0)
+    """Fixed seconds one group of ``n`` samples takes, whatever its length."""
+    seconds_per_token: float | None = Field(default=None, ge=0)
+    """Seconds per generated token of the whole group: a group takes ``n × max_new_tokens ×`` this."""
+    apply_s: float = Field(default=0.0, ge=0)
+    """Seconds a weight update pauses generation (vLLM's pause → load → cache reset → resume)."""
+
+    @model_validator(mode="after")
+    def _one_time_model(self) -> "SimulatedEngineConfig":
+        if (self.seconds_per_group is None) == (self.seconds_per_token is None):
+            raise ValueError(f"set exactly one of seconds_per_group ({self.seconds_per_group}) and "
+                             f"seconds_per_token ({self.seconds_per_token})")
+        return self
+
+
+class EngineConfig(BaseModel):
+    """How to start the engine (vLLM, or the simulated one for benchmarks) that serves one policy."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["vllm", "simulated"] = "vllm"
+    """``vllm``: ``rollout.engine.RolloutEngine``. ``simulated``: ``rollout.sim_engine.SimulatedEngine``, which
+    sleeps instead of sampling (benchmarks of the pipeline around the engine; configured by ``simulated``)."""
+
+    simulated: SimulatedEngineConfig | None = None
+    """Timing of the simulated engine; required with ``kind: simulated``, refused otherwise."""
 
     model: str
     """Path of a local HF model folder: ``config.json``, ``*.safetensors`` and the tokenizer.
@@ -97,6 +125,13 @@ class EngineConfig(BaseModel):
         if not any(folder.glob("*.safetensors")):
             raise ValueError(f"model ({value!r}) contains no *.safetensors file")
         return value
+
+    @model_validator(mode="after")
+    def _simulated_matches_kind(self) -> "EngineConfig":
+        if (self.kind == "simulated") != (self.simulated is not None):
+            raise ValueError(f"kind ({self.kind!r}) and simulated ({self.simulated!r}) disagree: kind 'simulated' "
+                             "needs a simulated section, kind 'vllm' takes none")
+        return self
 
 
 class SamplingConfig(BaseModel):

@@ -106,11 +106,12 @@ class RolloutEngine:
         background (that rendezvous completes once every rank is up).
 
         Raises:
-            ValueError: ``initial_version`` is negative.
+            ValueError: ``initial_version`` < -1 (-1: the model folder's weights carry no policy version
+                yet; lockstep loads version 0 from its version store before generating).
             RuntimeError: ``weight_transport.type`` is ``"nccl"`` and this machine has no CUDA device.
         """
-        if initial_version < 0:
-            raise ValueError(f"initial_version ({initial_version}) must be >= 0")
+        if initial_version < -1:
+            raise ValueError(f"initial_version ({initial_version}) must be >= -1")
         nccl = config.weight_transport.type == "nccl"
         if nccl and not torch.cuda.is_available():
             raise RuntimeError("weight_transport type 'nccl' needs a CUDA GPU, but torch.cuda.is_available() "
@@ -182,15 +183,19 @@ class RolloutEngine:
         return [g[0] for g in groups]
 
     async def update_weights(self, version: int,
-                             named_tensors: Sequence[tuple[str, torch.Tensor]] | VersionManifest) -> float:
+                             named_tensors: Sequence[tuple[str, torch.Tensor]] | VersionManifest,
+                             rewind: bool = False) -> float:
         """Apply policy ``version`` in flight (requests are kept, not aborted); return seconds taken.
 
         ``named_tensors`` are HF-named tensors covering every weight of the model (a tied
         ``lm_head.weight`` may be left out), on CPU, any float dtype (cast to ``config.dtype``); or,
         with the NCCL transport, the ``VersionManifest`` of tensors the learner is broadcasting.
 
+        ``rewind=True`` (lockstep only, ``rollout.lockstep_gate``) also accepts a version older than the
+        current one: lockstep versions name exact weights, so a re-issued prompt may need an older one.
+
         Raises:
-            StaleVersionError: ``version`` <= the current version; nothing changes.
+            StaleVersionError: ``version`` <= the current version (and not ``rewind``); nothing changes.
             WeightMismatchError: unknown, missing or duplicate name, wrong shape or non-float dtype
                 (raised before pausing), or a broadcast tensor that fails its checksum (refused
                 before loading); the old weights keep serving.
@@ -200,7 +205,7 @@ class RolloutEngine:
         start = time.perf_counter()
         async with self._update_lock:
             self._check_alive()
-            if version <= self._version:
+            if version == self._version or (version < self._version and not rewind):
                 raise StaleVersionError(
                     f"weight version ({version}) must be newer than the current one ({self._version})")
             if isinstance(named_tensors, VersionManifest):

@@ -7,6 +7,7 @@ Pure asyncio + the engine; the replay connection is any object with the ``Replay
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import zlib
 from dataclasses import dataclass, field
@@ -17,8 +18,10 @@ import structlog
 from pydantic import BaseModel, ConfigDict, Field
 
 from faults import fault_point
+from proto.lockstep import LockstepConfig
 from proto.trajectory import Trajectory, make_ids, to_table
 from rollout.config import EngineConfig, SamplingConfig
+from rollout.lockstep_gate import LockstepGate
 from rollout.spool import Spool, SpoolFlusher
 from rollout.rewards.scoring import score_many
 from rollout.tasks import TaskSource
@@ -53,6 +56,16 @@ class RolloutConfig(BaseModel):
     already in flight still land in it, so it may exceed this by up to ``groups_in_flight``)."""
     spool_max_bytes: int = Field(256 * 1024 * 1024, ge=1)
     """Backpressure: no new prompt is leased while the spool holds at least this many bytes."""
+    max_groups_per_version: int | None = Field(None, ge=1)
+    """Version gate: start at most this many groups with one policy version, then wait for a newer one.
+    With one rollout and this equal to the learner's ``groups_per_step``, batch t+1 is generated only with
+    the weights of step t: synchronous on-policy RL (the verl/TRL default; ``bench.pipeline``'s baseline).
+    ``None``: fully asynchronous (generation never waits for the learner)."""
+    lockstep: LockstepConfig | None = None
+    """Deterministic mode (set by the recipe's ``determinism: lockstep``, ``proto.lockstep``): prompt i is
+    generated with exactly policy version ``max(0, i // P - lag)``, loaded from the version store, with a
+    sampling seed that depends on the prompt index only. Weight versions streamed by the learner are then
+    only noted (``newest_offered``), never applied directly."""
 
 
 class ReplaySink(Protocol):
@@ -108,23 +121,34 @@ class RolloutWorker:
                       if config.spool_dir else None)
         self.stats.spool = self.spool
         self.flusher = SpoolFlusher(self.spool, self._insert_with_retry) if self.spool else None
+        self.lockstep = LockstepGate(engine, config.lockstep) if config.lockstep is not None else None
+        self.newest_offered = -1
+        """Newest policy version the learner streamed (lockstep applies versions through its gate instead)."""
         self._flush_wakeup = asyncio.Event()
         self._puts: set[asyncio.Future] = set()
+        self._gate = (-1, 0)  # (policy version, groups started with it) for max_groups_per_version
+        self._new_version = asyncio.Event()
 
     # ---- weights ------------------------------------------------------------------------------
     async def apply_weights(self, version: int, named_tensors) -> None:
         """Apply a policy version in flight (engine: pause, load, reset prefix cache, resume)."""
+        if self.lockstep is not None:  # exact versions come from the version store, per prompt
+            self.newest_offered = max(self.newest_offered, version)
+            return
         if version <= self.engine.version:
             return
         fault_point("rollout.apply_weights")
         seconds = await self.engine.update_weights(version, named_tensors)
         self.stats.weight_updates += 1
         self.stats.last_update_s = seconds
+        self._new_version.set()  # wakes a generation loop waiting at the version gate
         log.info("weights_applied", rollout=self.rollout_id, version=version, seconds=round(seconds, 3))
 
     # ---- generation loop ----------------------------------------------------------------------
     async def run(self) -> None:
-        """Generate until ``stop()``; at most ``groups_in_flight`` prompts at once.
+        """Generate until ``stop()``; at most ``groups_in_flight`` prompts at once, and with
+        ``max_groups_per_version`` at most that many groups started per policy version (then it waits for
+        ``apply_weights`` of a newer one).
 
         With a spool: first ``recover()`` it and start the flusher (which delivers what a previous
         incarnation left, oldest first); on stop, groups still in the spool stay there for the next start
@@ -137,13 +161,15 @@ class RolloutWorker:
             while not self._stopping.is_set():
                 if flusher is not None and flusher.done():
                     flusher.result()  # it only ends by raising
-                if len(tasks) < self.config.groups_in_flight:
+                gate_open = self._gate_open()
+                if len(tasks) < self.config.groups_in_flight and gate_open:
                     try:
                         leases = await self._lease_one(loop)
                     except ConnectionError as exc:
                         log.warning("replay_unreachable", rollout=self.rollout_id, error=str(exc)[:200])
                         leases = []
                     if leases:
+                        self._count_group(self.engine.version)
                         tasks.add(asyncio.create_task(self._one_group(*leases[0])))
                         self.stats.groups_in_flight = len(tasks)
                         continue
@@ -152,6 +178,11 @@ class RolloutWorker:
                     self.stats.groups_in_flight = len(tasks)
                     for t in done:
                         t.result()
+                elif not gate_open:  # wait for the next policy version (or re-check after 0.2 s)
+                    self._new_version.clear()
+                    if not self._gate_open():
+                        with contextlib.suppress(TimeoutError):
+                            await asyncio.wait_for(self._new_version.wait(), 0.2)
                 else:
                     await asyncio.sleep(0.2)
         finally:  # also when run() itself is cancelled or fails: no group task or flusher outlives it
@@ -166,6 +197,17 @@ class RolloutWorker:
 
     def stop(self) -> None:
         self._stopping.set()
+
+    def _gate_open(self) -> bool:
+        """Whether ``max_groups_per_version`` lets another group start with the engine's current version."""
+        limit = self.config.max_groups_per_version
+        version, started = self._gate
+        return limit is None or version != self.engine.version or started < limit
+
+    def _count_group(self, version: int) -> None:
+        """Count a group started with policy ``version`` against the version gate."""
+        current, started = self._gate
+        self._gate = (version, started + 1 if version == current else 1)
 
     def swap_reward(self, config) -> dict[str, str]:
         """Swap reward functions without restarting (``TaskSource.swap_reward``): validated first, an invalid
@@ -184,6 +226,12 @@ class RolloutWorker:
         info = await loop.run_in_executor(None, self.replay.info)
         if info.size_groups >= self.config.max_ready_groups:
             return []
+        if self.lockstep is not None:  # only prompts whose exact policy version is already published
+            lock = self.config.lockstep
+            below = (self.newest_offered + lock.lag + 1) * lock.groups_per_step
+            if below <= 0:
+                return []
+            return await loop.run_in_executor(None, self.replay.lease_prompts, self.rollout_id, 1, 0.0, below)
         return await loop.run_in_executor(None, self.replay.lease_prompts, self.rollout_id, 1)
 
     async def _one_group(self, prompt_index: int, attempt: int) -> None:
@@ -191,9 +239,16 @@ class RolloutWorker:
         reward_fn = self.task.reward_for(problem.task)  # bound at group start: a reward swap applies to later groups
         prompt_ids = self._prompt_ids(problem)
         _, group_id = make_ids(prompt_index, 0, attempt)
-        seed = zlib.crc32(f"{self.seed}-{group_id}".encode())
-        samples = await self.engine.generate(prompt_ids, self.config.group_size, self.config.sampling,
-                                             request_id=f"{group_id}@{self.rollout_id}", seed=seed)
+        if self.lockstep is None:
+            seed = zlib.crc32(f"{self.seed}-{group_id}".encode())
+            samples = await self.engine.generate(prompt_ids, self.config.group_size, self.config.sampling,
+                                                 request_id=f"{group_id}@{self.rollout_id}", seed=seed)
+        else:  # the prompt's exact policy version and a seed that a regenerated attempt shares
+            lock = self.config.lockstep
+            async with self.lockstep.hold(lock.version_for(prompt_index)):
+                samples = await self.engine.generate(prompt_ids, self.config.group_size, self.config.sampling,
+                                                     request_id=f"{group_id}@{self.rollout_id}",
+                                                     seed=lock.seed_for(prompt_index))
         finish = self._finish_group(prompt_index, attempt, problem, reward_fn, prompt_ids, samples)
         if self.spool is None:
             await finish

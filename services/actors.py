@@ -108,6 +108,7 @@ class LearnerActor:
         checkpoint_dir: where the loop commits checkpoints (leases are acked only after a commit);
             ``None`` defers every save (and ack) to ``finalize``. A restarted learner resumes from the
             newest verified checkpoint here (``config["resume"] == "auto"``) and re-publishes it.
+            The learner's run journal goes next to it: ``{checkpoint_dir}/../learner_journal.jsonl``.
         security: ``SecurityConfig`` fields for the weight server and the replay client.
         run_id, metrics_port: as for ``ReplayActor``.
     """
@@ -133,7 +134,8 @@ class LearnerActor:
         self.host = advertised_host(host)
         pad = AutoTokenizer.from_pretrained(self.config.engine.model).pad_token_id
         self.replay = ReroutableReplay(replay_address, sec)
-        self.loop = LearnerLoop(self.config, self.engine, self.replay, self.publisher, pad, checkpoint_dir)
+        journal = Path(checkpoint_dir).parent / "learner_journal.jsonl" if checkpoint_dir is not None else None
+        self.loop = LearnerLoop(self.config, self.engine, self.replay, self.publisher, pad, checkpoint_dir, journal)
         self.resumed_from = self.loop.resume()  # config.resume (auto: newest verified checkpoint, if any)
         self.loop.publish_current()
         self.metrics = LearnerMetrics(run_id, "learner", async_save=self.config.async_save)
@@ -254,10 +256,12 @@ class RolloutActor:
 
     async def setup(self, rollout_id: str, config: dict, task_config: dict, replay_address: str,
                     weights_address: str, seed: int, security: dict | None = None, run_id: str = "run",
-                    metrics_port: int | None = 0) -> int:
+                    metrics_port: int | None = 0, journal_dir: str | None = None) -> int:
         """Start the engine and subscribe to weights; returns the pid. With ``config["spool_dir"]`` the
-        rollout spools under ``{spool_dir}/{rollout_id}`` (a restarted rollout flushes what it left)."""
-        from rollout.engine import RolloutEngine
+        rollout spools under ``{spool_dir}/{rollout_id}`` (a restarted rollout flushes what it left).
+        With ``journal_dir`` it journals every acknowledged insert and applied policy version to
+        ``{journal_dir}/{rollout_id}.jsonl`` (``proto.journal``; checked by ``gyre check``)."""
+        from proto.journal import Journal
         from rollout.tasks import TaskConfig, TaskSource
         from rollout.worker import RolloutConfig, RolloutWorker
         from services.logs import configure_logging
@@ -271,16 +275,26 @@ class RolloutActor:
             cfg = cfg.model_copy(update={"spool_dir": os.path.join(cfg.spool_dir, rollout_id)})
         self.rollout_id, self.security = rollout_id, _security(security)
         self.loop = asyncio.get_running_loop()
-        self.engine = await RolloutEngine.start(cfg.engine)
+        if cfg.engine.kind == "simulated":  # benchmarks: sleeps instead of sampling (rollout.sim_engine)
+            from rollout.sim_engine import SimulatedEngine as Engine
+        else:
+            from rollout.engine import RolloutEngine as Engine
+        # lockstep: version 0 too comes from the version store, so every load of a version takes one path
+        self.engine = await (Engine.start(cfg.engine, initial_version=-1) if cfg.lockstep is not None
+                             else Engine.start(cfg.engine))
         tokenizer = AutoTokenizer.from_pretrained(cfg.engine.model)
-        self.replay = TrackedReplay(ReplayClient(replay_address, security=self.security))
+        self.journal = Journal(Path(journal_dir) / f"{rollout_id}.jsonl") if journal_dir is not None else None
+        self.journaled_version: int | None = None
+        self._journal_lock = threading.Lock()  # setup (event loop) and the subscriber thread both journal
+        self.replay = TrackedReplay(ReplayClient(replay_address, security=self.security), self.journal)
         self.worker = RolloutWorker(rollout_id, cfg, TaskSource(TaskConfig(**task_config)), self.engine,
                                     self.replay, tokenizer, seed)
         self.engine_config, self.subscriber, self.bootstrapped = cfg.engine, None, None
-        self.metrics = RolloutMetrics(run_id, rollout_id, source=lambda: self.worker.stats.as_dict(self.engine.version))
+        self.metrics = RolloutMetrics(run_id, rollout_id, source=lambda: self.worker.stats.as_dict(self._version()))
         host = self.security.bind_host if self.security is not None else "127.0.0.1"
         self.metrics_port = serve(self.metrics.registry, host, metrics_port) if metrics_port is not None else None
         await self.set_weights_address(weights_address)
+        self._journal_weights()
         self.task = None
         return os.getpid()
 
@@ -291,7 +305,7 @@ class RolloutActor:
         newest export in ``engine.bootstrap_dir`` if the learner is unreachable, said loudly) before any
         generation starts."""
         from services.weight_transport import make_transport
-        from services.weight_transport.bootstrap import bootstrap
+        from services.weight_transport.bootstrap import BootstrapResult, bootstrap
 
         if self.subscriber is not None and self.subscriber.address == address:
             return
@@ -300,7 +314,11 @@ class RolloutActor:
         self.subscriber = make_transport(self.engine_config.weight_transport, address, self._on_version,
                                          have_version=self.engine.version, name=self.rollout_id,
                                          security=self.security)
-        if self.bootstrapped is None:
+        if self.bootstrapped is None and self.worker.lockstep is not None:
+            # lockstep loads each prompt's exact version from the version store: nothing to catch up to
+            self.subscriber.start()
+            self.bootstrapped = BootstrapResult(self.engine.version, "lockstep", None)
+        elif self.bootstrapped is None:
             self.bootstrapped = await bootstrap(self.engine, self.subscriber, self.engine_config)  # starts it
         else:
             self.subscriber.start()
@@ -316,6 +334,18 @@ class RolloutActor:
         # Called in the subscriber thread: apply on the actor's event loop and wait for it.
         asyncio.run_coroutine_threadsafe(self.worker.apply_weights(version, tensors), self.loop).result()
         bind_policy_version(self.engine.version)
+        self._journal_weights()
+
+    def _journal_weights(self) -> None:
+        """Journal the engine's policy version once per new version (and once at setup); the version is
+        read under the lock, so two callers cannot write an older version after a newer one."""
+        if self.journal is None:
+            return
+        with self._journal_lock:
+            version = self._version()  # lockstep: the newest offered (each prompt loads its own exact one)
+            if version != self.journaled_version:
+                self.journal.append({"event": "weights", "version": version, "pid": os.getpid(), "time": time.time()})
+                self.journaled_version = version
 
     async def swap_reward(self, config) -> dict[str, str]:
         """Swap reward functions in flight (``RolloutWorker.swap_reward``: validated first, applies to groups
@@ -346,22 +376,30 @@ class RolloutActor:
             await self.task
             self.task = None
 
+    def _version(self) -> int:
+        """The policy version this rollout serves; in lockstep, the newest it was offered (each prompt then
+        loads its own exact version from the version store)."""
+        return max(self.engine.version, self.worker.newest_offered)
+
     async def wait_for_version(self, version: int, timeout_s: float) -> int:
         deadline = self.loop.time() + timeout_s
-        while self.engine.version < version and self.loop.time() < deadline:
+        while self._version() < version and self.loop.time() < deadline:
             await asyncio.sleep(0.2)
-        return self.engine.version
+        return self._version()
 
     async def evaluate(self) -> dict:
+        if self.worker.lockstep is not None:  # score the newest offered version, loaded exactly
+            async with self.worker.lockstep.hold(self._version()):
+                return await self.worker.evaluate()
         return await self.worker.evaluate()
 
     async def stats(self) -> dict:
-        return self.worker.stats.as_dict(self.engine.version)
+        return self.worker.stats.as_dict(self._version())
 
     async def describe(self) -> dict:
         return {"pid": os.getpid(), "node": _node_ip(), "generating": self.task is not None,
                 "metrics_port": self.metrics_port,
-                **self.worker.stats.as_dict(self.engine.version)}
+                **self.worker.stats.as_dict(self._version())}
 
     async def stop(self) -> None:
         await self.pause()

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+import faults
 from learner.loop import LearnerLoopConfig
 from replay.config import ReplayConfig
 from rollout.tasks import TaskConfig
@@ -111,19 +113,57 @@ class Recipe(BaseModel):
     """Score the held-out set greedily before training."""
     eval_after: bool = True
     """Score it again with the final policy version."""
+    determinism: Literal["async", "lockstep"] = "async"
+    """``lockstep`` (``proto.lockstep``): prompt i is generated with exactly policy version
+    ``max(0, i // groups_per_step - lockstep_lag)`` and a seed of its own, and step s trains exactly prompts
+    ``[s·P, (s+1)·P)`` in order — the run's result does not depend on crashes, restarts or timing."""
+    lockstep_lag: int = Field(1, ge=0)
+    """Fixed policy lag k in lockstep (0: synchronous on-policy; 1: generate step s+1 while training step s)."""
+    faults: dict[str, list[str]] = {}
+    """Crash tests: service name (``replay``, ``learner``, ``rollout-<i>``) → one ``GYRE_FAULT_POINT`` spec per
+    incarnation of that service (``faults``): ``{learner: ["learner.ckpt.mid_write#2", "learner.publish.mid_stream"]}``
+    kills the first learner process at its 2nd ``mid_write``, the restarted one at its first ``mid_stream``; the
+    third runs clean. ``""`` is a clean incarnation; a single string is a list of one."""
+
+    @field_validator("faults", mode="before")
+    @classmethod
+    def _faults(cls, value: Any) -> Any:
+        if not isinstance(value, dict):
+            raise ValueError(f"faults must map a service name to a list of fault specs, got {value!r}")
+        return {name: validate_fault_specs(name, specs) for name, specs in value.items()}
 
     @model_validator(mode="before")
     @classmethod
     def _share_model(cls, data: Any) -> Any:
         if isinstance(data, dict) and "model" in data:
+            data = dict(data)  # copies all the way down to what changes: the caller's dicts stay as they were
             for section, key in (("rollout", "engine"), ("learner", "engine")):
-                part = data.setdefault(section, {})
+                part = data.get(section, {})
                 if isinstance(part, dict):
-                    sub = part.setdefault(key, {})
+                    sub = part.get(key, {})
                     if isinstance(sub, dict):
                         if "model" in sub:
                             raise ValueError(f"set the model once at top level, not in {section}.{key}.model")
-                        sub["model"] = data["model"]
+                        data[section] = {**part, key: {**sub, "model": data["model"]}}
+        return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _share_lockstep(cls, data: Any) -> Any:
+        """``determinism: lockstep`` hands one ``LockstepConfig`` to the rollouts and the learner."""
+        if not isinstance(data, dict):
+            return data
+        for section in ("rollout", "learner"):
+            if isinstance(data.get(section), dict) and "lockstep" in data[section]:
+                raise ValueError(f"{section}.lockstep is set from the top-level determinism/lockstep_lag keys; "
+                                 "remove it")
+        if data.get("determinism") == "lockstep":
+            learner = data.get("learner") if isinstance(data.get("learner"), dict) else {}
+            out = Path(str(data.get("run_dir", "runs"))).resolve() / str(data.get("name", ""))
+            shared = {"lag": data.get("lockstep_lag", 1), "groups_per_step": learner.get("groups_per_step", 8),
+                      "seed": data.get("seed", 0), "weights_dir": str(out / "weights")}
+            data = {**data, **{section: {**data[section], "lockstep": dict(shared)}
+                               for section in ("rollout", "learner") if isinstance(data.get(section), dict)}}
         return data
 
     @model_validator(mode="after")
@@ -137,11 +177,48 @@ class Recipe(BaseModel):
                              "cannot reproduce a truncated behaviour distribution")
         if t_roll == 0:
             raise ValueError("rollout.sampling.temperature must be > 0 for RL sampling (0 is greedy)")
+        if self.determinism == "lockstep" and self.replay.max_staleness < self.lockstep_lag:
+            raise ValueError(f"replay.max_staleness ({self.replay.max_staleness}) must be >= lockstep_lag "
+                             f"({self.lockstep_lag}): lockstep trains every group at exactly that lag")
         return self
 
     @property
     def out_dir(self) -> Path:
         return Path(self.run_dir) / self.name
+
+
+FAULT_SERVICE = re.compile(r"^(replay|learner|rollout-(0|[1-9][0-9]*))$")
+"""Service names a recipe's ``faults`` section may arm (``rollout-<i>``: any index, scaled ones too)."""
+
+
+def validate_fault_specs(service: Any, specs: Any) -> list[str]:
+    """Check one ``faults`` entry: ``service`` is ``replay``, ``learner`` or ``rollout-<i>``, and each spec (a
+    ``GYRE_FAULT_POINT`` value, ``faults.parse_spec``) arms only that service's points (``replay.*``, ``learner.*``,
+    ``rollout.*``). Returns the specs as a list (a single string becomes a list of one).
+
+    Raises:
+        ValueError: an unknown service name, a spec that is not a string, an unknown point, a bad hit count or
+            errno, or a point of another service — naming the key, the spec and what was expected.
+    """
+    if not isinstance(service, str) or not FAULT_SERVICE.match(service):
+        raise ValueError(f"faults: unknown service {service!r}; expected 'replay', 'learner' or 'rollout-<i>'")
+    specs = [specs] if isinstance(specs, str) else specs
+    if not isinstance(specs, list):
+        raise ValueError(f"faults.{service}: expected a list of fault specs (one per incarnation), got {specs!r}")
+    prefix = service.split("-")[0] + "."
+    for i, spec in enumerate(specs):
+        if not isinstance(spec, str):
+            raise ValueError(f"faults.{service}[{i}]: expected a fault spec string like "
+                             f"'{prefix}...#2', got {spec!r}")
+        try:
+            points = faults.parse_spec(spec)
+        except ValueError as exc:
+            raise ValueError(f"faults.{service}[{i}]: {exc}") from None
+        foreign = sorted(p for p in points if not p.startswith(prefix))
+        if foreign:
+            raise ValueError(f"faults.{service}[{i}]: {spec!r} arms {', '.join(foreign)}, which {service} never "
+                             f"reaches; expected '{prefix}*' points")
+    return list(specs)
 
 
 def load_recipe(path: str | Path, overrides: dict[str, Any] | None = None) -> Recipe:

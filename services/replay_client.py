@@ -59,11 +59,13 @@ class ReplayClient:
 
     @_transient_as_connection_error
     def sample(self, num_groups: int, learner_version: int, timeout_s: float,
-               consumer: str = "") -> tuple[str, pa.Table] | None:
-        """Lease ``num_groups`` whole groups, waiting up to ``timeout_s``; ``None`` if none ready."""
+               consumer: str = "", prompt_indices: list[int] | None = None) -> tuple[str, pa.Table] | None:
+        """Lease ``num_groups`` whole groups, waiting up to ``timeout_s``; ``None`` if none ready.
+        ``prompt_indices``: exactly those prompts' groups, in that order (lockstep)."""
         resp = self._stub.Sample(
             replay_pb2.SampleRequest(schema_version=SCHEMA_VERSION, num_groups=num_groups,
-                                     learner_version=learner_version, timeout_s=timeout_s, consumer=consumer),
+                                     learner_version=learner_version, timeout_s=timeout_s, consumer=consumer,
+                                     prompt_indices=prompt_indices or []),
             timeout=timeout_s + self.timeout_s)
         if not resp.lease_id:
             return None
@@ -84,10 +86,12 @@ class ReplayClient:
                                  timeout=self.timeout_s).released
 
     @_transient_as_connection_error
-    def lease_prompts(self, consumer: str, count: int, ttl_s: float = 0.0) -> list[tuple[int, int]]:
-        """``[(prompt_index, attempt)]``; ``ttl_s`` 0 uses the server's default."""
+    def lease_prompts(self, consumer: str, count: int, ttl_s: float = 0.0, below: int = 0) -> list[tuple[int, int]]:
+        """``[(prompt_index, attempt)]``; ``ttl_s`` 0 uses the server's default; ``below`` > 0: only indices
+        under it (lockstep)."""
         resp = self._stub.LeasePrompts(
-            replay_pb2.LeasePromptsRequest(consumer=consumer, count=count, ttl_s=ttl_s), timeout=self.timeout_s)
+            replay_pb2.LeasePromptsRequest(consumer=consumer, count=count, ttl_s=ttl_s, below_prompt_index=below),
+            timeout=self.timeout_s)
         return [(p.prompt_index, p.attempt) for p in resp.prompts]
 
     @_transient_as_connection_error

@@ -138,7 +138,11 @@ class ReplayServicer(replay_pb2_grpc.ReplayServiceServicer):
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"num_groups ({request.num_groups}) must be >= 1")
         if not 0 <= request.timeout_s <= 600:
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"timeout_s ({request.timeout_s}) must be in [0, 600]")
-        got = self.buffer.sample(request.num_groups, request.learner_version, request.timeout_s, request.consumer)
+        try:
+            got = self.buffer.sample(request.num_groups, request.learner_version, request.timeout_s, request.consumer,
+                                     prompt_indices=list(request.prompt_indices) or None)
+        except ValueError as exc:
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
         if got is None:
             return replay_pb2.SampleResponse()
         lease_id, table = got
@@ -165,7 +169,8 @@ class ReplayServicer(replay_pb2_grpc.ReplayServiceServicer):
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"count ({request.count}) must be <= 4096")
         if not request.ttl_s >= 0:
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"ttl_s ({request.ttl_s}) must be >= 0")
-        leases = self.buffer.lease_prompts(request.consumer, request.count, request.ttl_s or None)
+        leases = self.buffer.lease_prompts(request.consumer, request.count, request.ttl_s or None,
+                                           below=request.below_prompt_index or None)
         return replay_pb2.LeasePromptsResponse(
             prompts=[replay_pb2.PromptLease(prompt_index=i, attempt=a) for i, a in leases])
 

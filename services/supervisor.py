@@ -21,6 +21,7 @@ import ray
 import structlog
 from ray.exceptions import GetTimeoutError, RayActorError
 
+import faults
 from services.actors import LearnerActor, ReplayActor, RolloutActor
 from services.grpc_common import check_health
 from services.recipe import Recipe
@@ -64,10 +65,21 @@ class ServiceFactory:
         out = recipe.out_dir.resolve()
         self.replay_dir = recipe.replay.dir or str(out / "replay")
         self.checkpoint_dir = out / "checkpoints"
+        self.rollout_journal_dir = out / "rollouts"
+        """Each rollout's run journal goes to ``{rollout_journal_dir}/rollout-{i}.jsonl`` (``gyre check``)."""
+        self.incarnations: dict[str, int] = {}
+        """Service name → actors created for it by this factory (re-attached ones do not count)."""
 
-    def _options(self, role: str, service: str, **extra) -> dict:
+    def fault_env(self, service: str, incarnation: int) -> dict:
+        """``env_vars`` of incarnation ``incarnation`` (0-based) of ``service``: ``self.env`` plus
+        ``GYRE_FAULT_POINT`` when the recipe's ``faults[service]`` arms that incarnation (``faults``)."""
+        specs = self.recipe.faults.get(service, [])
+        spec = specs[incarnation] if incarnation < len(specs) else ""
+        return {**self.env, faults.ENV: spec} if spec else dict(self.env)
+
+    def _options(self, role: str, service: str, env: dict | None = None, **extra) -> dict:
         return {"name": actor_name(self.recipe.name, service), "namespace": self.recipe.ray.namespace,
-                "lifetime": "detached", "runtime_env": {"env_vars": self.env},
+                "lifetime": "detached", "runtime_env": {"env_vars": self.env if env is None else env},
                 **getattr(self.recipe.placement, role).actor_options(), **extra}
 
     def attach(self, service: str) -> ray.actor.ActorHandle | None:
@@ -80,9 +92,12 @@ class ServiceFactory:
     def _create(self, cls, role: str, service: str, *args, **kwargs) -> ray.actor.ActorHandle:
         """A new actor; retries while a killed predecessor still holds the name (``ray.kill`` is async)."""
         deadline = time.monotonic() + 60
+        incarnation = self.incarnations.get(service, 0)
+        self.incarnations[service] = incarnation + 1
+        env = self.fault_env(service, incarnation)
         while True:
             try:
-                opts = self._options(role, service, **({"max_concurrency": 4} if role == "learner" else {}))
+                opts = self._options(role, service, env, **({"max_concurrency": 4} if role == "learner" else {}))
                 return cls.options(**opts).remote(*args, **kwargs)
             except ValueError as exc:
                 if "already" not in str(exc) or time.monotonic() > deadline:
@@ -111,7 +126,7 @@ class ServiceFactory:
         handle = self._create(RolloutActor, "rollout", name)
         return handle, handle.setup.remote(name, self.recipe.rollout.model_dump(), self.recipe.task.model_dump(),
                                            replay_address, weights_address, self.recipe.seed + index, self.security,
-                                           run_id=self.recipe.name)
+                                           run_id=self.recipe.name, journal_dir=str(self.rollout_journal_dir))
 
     def rollouts(self, indices: list[int], replay_address: str, weights_address: str) -> list[Service]:
         """Rollouts ``rollout-{i}`` for each index, set up concurrently (blocks until all are)."""

@@ -66,8 +66,8 @@ class FakeReplay:
     def __init__(self, buffer, fail_inserts: int = 0) -> None:
         self.buffer, self.fail_inserts, self.insert_calls = buffer, fail_inserts, 0
 
-    def lease_prompts(self, consumer, count, ttl_s=0.0):
-        return self.buffer.lease_prompts(consumer, count, ttl_s or None)
+    def lease_prompts(self, consumer, count, ttl_s=0.0, below=0):
+        return self.buffer.lease_prompts(consumer, count, ttl_s or None, below or None)
 
     def insert(self, table):
         self.insert_calls += 1
@@ -81,8 +81,8 @@ class FakeReplay:
 
         return SimpleNamespace(**self.buffer.info())
 
-    def sample(self, num_groups, learner_version, timeout_s, consumer=""):
-        return self.buffer.sample(num_groups, learner_version, timeout_s, consumer)
+    def sample(self, num_groups, learner_version, timeout_s, consumer="", prompt_indices=None):
+        return self.buffer.sample(num_groups, learner_version, timeout_s, consumer, prompt_indices)
 
     def ack(self, lease_ids):
         return self.buffer.ack(lease_ids)

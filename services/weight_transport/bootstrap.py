@@ -32,7 +32,8 @@ class BootstrapResult:
 
     version: int
     source: str
-    """``"learner"`` (caught up), ``"disk"`` (an export under ``bootstrap_dir``) or ``"initial"``."""
+    """``"learner"`` (caught up), ``"disk"`` (an export under ``bootstrap_dir``), ``"initial"``, or ``"lockstep"``
+    (no catch-up: each prompt loads its exact version from the version store)."""
     learner_latest: int | None
     """The learner's newest version when the wait ended; ``None``: it never answered."""
     path: str | None = None
