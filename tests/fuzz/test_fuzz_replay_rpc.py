@@ -95,6 +95,19 @@ def test_sample_with_a_bad_timeout(replay, num_groups, timeout, learner_version)
     assert_rejected(replay, lambda: replay.stub.Sample(request, timeout=10), "timeout_s (")
 
 
+@given(indices=st.lists(st.integers(-(2**63), 2**63 - 1), min_size=1, max_size=6), extra=st.integers(-1, 1))
+def test_sample_of_bad_prompt_indices(replay, indices, extra):
+    """Lockstep's exact-prompt lease: a count that differs from num_groups, a repeated or a negative index."""
+    num_groups = len(indices) + extra
+    if extra == 0 and len(set(indices)) == len(indices) and min(indices) >= 0:
+        indices = indices + indices[:1]  # make it invalid: a repeat (and one more than num_groups)
+    if num_groups < 1:
+        num_groups = len(indices) + 1
+    request = replay_pb2.SampleRequest(schema_version=SCHEMA_VERSION, num_groups=num_groups, learner_version=0,
+                                       prompt_indices=indices)
+    assert_rejected(replay, lambda: replay.stub.Sample(request, timeout=10), "distinct indices >= 0")
+
+
 @given(num_groups=st.integers(4097, 2**32 - 1), learner_version=st.integers(-(2**63), 0))
 def test_sample_of_more_groups_than_stored_is_empty_and_changes_nothing(replay, num_groups, learner_version):
     """Counts above the capacity (4096 groups) are not an error: nothing is ready, the answer is empty, nothing is leased."""
