@@ -177,6 +177,12 @@ class Recipe(BaseModel):
                              "cannot reproduce a truncated behaviour distribution")
         if t_roll == 0:
             raise ValueError("rollout.sampling.temperature must be > 0 for RL sampling (0 is greedy)")
+        if self.determinism == "lockstep" and self.rollout.max_groups_per_version is not None:
+            raise ValueError(f"rollout.max_groups_per_version ({self.rollout.max_groups_per_version}) cannot be "
+                             "combined with determinism: lockstep, which fixes each prompt's policy version itself")
+        if self.determinism == "lockstep" and self.rollout.engine.kind != "vllm":
+            raise ValueError(f"determinism: lockstep needs rollout.engine.kind 'vllm', got "
+                             f"{self.rollout.engine.kind!r}")
         if self.determinism == "lockstep" and self.replay.max_staleness < self.lockstep_lag:
             raise ValueError(f"replay.max_staleness ({self.replay.max_staleness}) must be >= lockstep_lag "
                              f"({self.lockstep_lag}): lockstep trains every group at exactly that lag")

@@ -114,6 +114,8 @@ def test_recipe_hands_lockstep_to_rollout_and_learner(tmp_path, tiny_llama):
     assert Recipe(**base).rollout.lockstep is None
     with pytest.raises(ValueError, match=r"replay.max_staleness \(1\) must be >= lockstep_lag \(2\)"):
         Recipe(**base, determinism="lockstep", lockstep_lag=2)
+    with pytest.raises(ValueError, match=r"max_groups_per_version \(2\) cannot be combined"):
+        Recipe(**{**base, "rollout": {"max_groups_per_version": 2}}, determinism="lockstep")
     with pytest.raises(ValueError, match="rollout.lockstep is set from the top-level"):
         Recipe(**{**base, "rollout": {"lockstep": {"groups_per_step": 1, "weights_dir": "x"}}})
 

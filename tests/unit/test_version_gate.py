@@ -1,0 +1,88 @@
+"""The rollout's version gate (``RolloutConfig.max_groups_per_version``): the synchronous on-policy mode."""
+
+import asyncio
+
+import pytest
+from pydantic import ValidationError
+
+from replay.buffer import TrajectoryBuffer
+from replay.config import ReplayConfig
+from rollout.config import EngineConfig, SamplingConfig
+from rollout.tasks import TaskConfig, TaskSource
+from rollout.worker import RolloutConfig, RolloutWorker
+from tests.fakes import FakeEngine, FakeReplay, FakeTokenizer, SlowEngine
+
+TASK = TaskSource(TaskConfig(params={"min_terms": 2, "max_terms": 2, "max_digits": 1, "operators": ["+"],
+                                     "allow_parentheses": False, "allow_negation": False}, heldout_size=4))
+
+
+def make_worker(engine, buffer, gate, groups_in_flight=4, max_ready_groups=100):
+    config = RolloutConfig.model_construct(
+        engine=None, sampling=SamplingConfig(), group_size=2, groups_in_flight=groups_in_flight,
+        max_ready_groups=max_ready_groups, eval_max_new_tokens=8, retry_backoff_s=0.01, num_workers=1,
+        max_groups_per_version=gate)
+    return RolloutWorker("r0", config, TASK, engine, FakeReplay(buffer), FakeTokenizer(), seed=3)
+
+
+def test_gate_stops_after_n_groups_per_version_until_a_newer_version_arrives():
+    buf = TrajectoryBuffer(ReplayConfig())
+    engine = FakeEngine(["7"])
+    worker = make_worker(engine, buf, gate=2)
+
+    async def scenario():
+        task = asyncio.create_task(worker.run())
+        await asyncio.sleep(0.8)
+        first = worker.stats.groups
+        await worker.apply_weights(1, [])
+        await asyncio.sleep(0.8)
+        second = worker.stats.groups
+        await worker.apply_weights(2, [])
+        await asyncio.sleep(0.8)
+        worker.stop()
+        await task
+        return first, second, worker.stats.groups
+
+    assert asyncio.run(scenario()) == (2, 4, 6)
+    assert buf.info()["prompts_completed"] == 6
+    assert engine.updates == [1, 2]
+
+
+def test_gate_counts_groups_started_not_finished():
+    buf = TrajectoryBuffer(ReplayConfig())
+    engine = SlowEngine(["7"], delay_s=1.5)
+    worker = make_worker(engine, buf, gate=2, groups_in_flight=4)
+
+    async def scenario():
+        task = asyncio.create_task(worker.run())
+        await asyncio.sleep(0.5)
+        in_flight_v0 = worker.stats.groups_in_flight
+        await worker.apply_weights(1, [])
+        await asyncio.sleep(0.5)
+        in_flight_both = worker.stats.groups_in_flight
+        worker.stop()
+        await task
+        return in_flight_v0, in_flight_both
+
+    # Two groups start with version 0 while they generate; version 1 lets two more start beside them.
+    assert asyncio.run(scenario()) == (2, 4)
+
+
+def test_no_gate_keeps_generating_until_backpressure():
+    buf = TrajectoryBuffer(ReplayConfig())
+    worker = make_worker(FakeEngine(["7"]), buf, gate=None, groups_in_flight=2, max_ready_groups=5)
+
+    async def scenario():
+        task = asyncio.create_task(worker.run())
+        await asyncio.sleep(1.0)
+        worker.stop()
+        await task
+
+    asyncio.run(scenario())
+    assert 5 <= buf.info()["size_groups"] <= 5 + 2  # only backpressure stopped it, at version 0
+
+
+def test_gate_must_be_positive():
+    engine = EngineConfig.model_construct(model="unused")
+    assert RolloutConfig(engine=engine).max_groups_per_version is None
+    with pytest.raises(ValidationError, match="max_groups_per_version"):
+        RolloutConfig(engine=engine, max_groups_per_version=0)
