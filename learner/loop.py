@@ -160,6 +160,8 @@ class LearnerLoop:
         self.tier_failures = 0
         """Mirror copies and archive uploads that failed (logged; training went on)."""
         self._emergency: int | None = None  # signal number awaiting an emergency checkpoint
+        self._rejoin: tuple | None = None
+        """``(checkpoint metadata or None,)`` after ``resume`` until ``rejoin_replay`` ran (first ``step``)."""
         lock = config.lockstep
         self._versions = VersionStore(lock.weights_dir, keep=lock.lag + 2) if lock is not None else None
 
@@ -205,6 +207,8 @@ class LearnerLoop:
             NoDataError: no batch within ``sample_timeout_s`` seconds.
         """
         t0 = time.monotonic()
+        if self._rejoin is not None:
+            self.rejoin_replay()
         lease_id, table = self._lease_batch()
         t_sampled = time.monotonic()
         batch = build_train_batch(table, self.pad_token_id, self.engine.version, self.config.algorithm)
@@ -336,9 +340,11 @@ class LearnerLoop:
         self._uploads = [f for f in self._uploads if not f.done()]
 
     def resume(self) -> Path | None:
-        """Apply ``config.resume``: load the chosen checkpoint into the engine and ``restore`` from it;
-        returns its path, or ``None`` for a cold start. Call before ``publish_current`` so the restored
-        version is (re-)published. Raises ``learner.checkpoint.CheckpointError`` when refused."""
+        """Apply ``config.resume``: load the chosen checkpoint into the engine; returns its path, or ``None``
+        for a cold start. Call before ``publish_current`` so the restored version is (re-)published. Talks to
+        no replay: that is ``rejoin_replay``, which the first ``step`` runs (so a learner restarted while replay
+        is down, too, starts at once and its supervisor can restart replay meanwhile).
+        Raises ``learner.checkpoint.CheckpointError`` when refused."""
         from learner.mirror import resolve_resume
 
         mode, mirror = self.config.resume, self.config.mirror_dir
@@ -347,17 +353,33 @@ class LearnerLoop:
         if path is None:
             log.info("cold_start", resume=mode, checkpoint_dir=str(self.checkpoint_dir))
             self._journal_resume(None, None)
-            self._rejoin_replay()
+            self._rejoin = (None,)
             return None
         meta = self.engine.load_checkpoint(path, fingerprint=self.config.fingerprint, force=self.config.force_resume)
         self._journal_resume(path, meta)  # before restore acks the checkpoint's leases
-        self.restore(meta)
-        released = self._rejoin_replay()
+        self.acked_lease_count = meta.acked_lease_count
+        self._rejoin = (meta,)
         self.last_checkpoint = path
         log.info("resumed", path=str(path), step=meta.step, version=meta.policy_version,
-                 pending_leases=len(meta.pending_lease_ids), acked_leases=self.acked_lease_count,
-                 released_groups=released)
+                 pending_leases=len(meta.pending_lease_ids))
         return path
+
+    def rejoin_replay(self) -> int:
+        """After ``resume``: ack the leases the restored checkpoint committed (``restore``), then ``Rejoin``
+        replay at the restored version — in that order, so the other leases this consumer holds, taken after
+        that checkpoint, are exactly the ones released. Returns how many groups were released. Runs once;
+        the first ``step`` calls it. Raises ``ConnectionError`` if replay stays unreachable (nothing is
+        released then: a lease the checkpoint trained on can never go back to the pool)."""
+        if self._rejoin is None:
+            return 0
+        meta, = self._rejoin
+        if meta is not None:
+            self.restore(meta)
+        released = self._rejoin_replay()
+        self._rejoin = None
+        log.info("replay_rejoined", version=self.engine.version, acked_leases=self.acked_lease_count,
+                 released_groups=released)
+        return released
 
     def _journal_resume(self, path: Path | None, meta) -> None:
         if self.journal is not None:
@@ -378,8 +400,10 @@ class LearnerLoop:
             try:
                 self.replay.ack([lease_id])
                 self.acked_lease_count += 1
+            except ConnectionError:
+                raise  # replay unreachable: rejoining now would release leases this checkpoint trained on
             except Exception as exc:  # recovery path: unknown (acked/expired: UnknownLeaseError in-process,
-                # NOT_FOUND over gRPC) or replay unreachable; an unacked lease expires back to the pool
+                # NOT_FOUND over gRPC): nothing left to ack
                 log.warning("resume_ack_skipped", lease_id=lease_id, error=f"{type(exc).__name__}: {str(exc)[:200]}")
 
     def _lease_batch(self) -> tuple[str, pa.Table]:

@@ -156,7 +156,9 @@ def test_resume_auto_loads_the_newest_verified_checkpoint_and_acks_its_pending_l
     ckpt.commit(tmp, ckpt.checkpoint_path(tmp_path, 7),
                 ckpt.CheckpointMetadata(step=7, policy_version=7, pending_lease_ids=[lease_id]))
     assert loop.resume() == tmp_path / "global_step_7"
-    assert loop.engine.version == 7 and buf.info()["acked_groups_total"] == 2
+    assert loop.engine.version == 7 and buf.info()["acked_groups_total"] == 0  # resume talks to no replay
+    assert loop.rejoin_replay() == 0  # the first step does this: ack the checkpoint's leases, then rejoin
+    assert buf.info()["acked_groups_total"] == 2
     none_loop, _ = make_loop(buf, checkpoint_dir=tmp_path, resume="none")
     assert none_loop.resume() is None and none_loop.engine.version == 0
 
@@ -174,6 +176,7 @@ def test_resume_from_an_older_checkpoint_rejoins_replay_so_training_goes_on(tmp_
     ckpt.commit(tmp, ckpt.checkpoint_path(tmp_path, 3), ckpt.CheckpointMetadata(step=3, policy_version=3))
     loop, _ = make_loop(buf, checkpoint_dir=tmp_path)
     assert loop.resume() == tmp_path / "global_step_3"
+    assert loop.rejoin_replay() == 1
     assert buf.info()["learner_version"] == 3 and buf.info()["active_leases"] == 0
     assert buf.insert(group_table(1, version=2)).dropped_stale == 0
     loop.step()  # both groups (the released one and the fresh one) are trainable at version 3
@@ -311,3 +314,26 @@ def test_a_failing_mirror_is_logged_and_training_goes_on(tmp_path):
                        CommittingEngine(), FakeReplay(buf), WeightPublisher(), 0, tmp_path / "primary")
     loop.step()
     assert loop.tier_failures == 1 and buf.info()["acked_groups_total"] == 2
+
+
+def test_rejoin_waits_for_replay_and_never_releases_a_lease_the_checkpoint_trained_on(tmp_path):
+    """Replay is down when the restarted learner first steps: the ack fails, so nothing is released (the
+    lease the checkpoint covers must be acked, not returned to the pool); the next attempt does both."""
+    from learner import checkpoint as ckpt
+
+    buf = filled_buffer()
+    trained, _ = buf.sample(2, 0, consumer="learner")  # committed in the checkpoint, ack lost in the crash
+    tmp = ckpt.temp_path(tmp_path, 1)
+    tmp.mkdir(parents=True)
+    ckpt.commit(tmp, ckpt.checkpoint_path(tmp_path, 1),
+                ckpt.CheckpointMetadata(step=1, policy_version=1, pending_lease_ids=[trained]))
+    loop, _ = make_loop(buf, checkpoint_dir=tmp_path)
+    loop.resume()
+    real_ack = loop.replay.ack
+    loop.replay.ack = lambda ids: (_ for _ in ()).throw(ConnectionError("replay down"))
+    with pytest.raises(ConnectionError):
+        loop.step()
+    assert buf.info()["active_leases"] == 1 and buf.info()["acked_groups_total"] == 0  # nothing released
+    loop.replay.ack = real_ack
+    loop.step()
+    assert buf.info()["acked_groups_total"] == 2 and loop.engine.version == 2
