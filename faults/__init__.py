@@ -10,8 +10,9 @@ Arming (read at every hit, so a test may set the variable in-process; unarmed a 
 - ``GYRE_FAULT_POINT=name:ENOSPC`` (or ``name#n:EIO``, any ``errno`` name): from the n-th hit on, the
   point raises ``OSError(errno.ENOSPC, ...)`` instead, as the system call after it would.
 - In-process tests use ``inject_error(name, errno)`` / ``clear_errors()`` for the same.
-- A recipe arms points per service with ``faults: {replay: "replay.wal.before_fsync#3", ...}``; the
-  supervisor passes them to the first incarnation of that service only, so the restarted one runs clean.
+- A recipe arms points per incarnation: ``faults: {learner: ["learner.ckpt.mid_write#2",
+  "learner.publish.mid_stream"]}``; the supervisor passes the i-th spec to the i-th process it creates for
+  that service (``ServiceFactory.fault_env``); later incarnations run clean.
 
 Every point is listed in ``POINTS``; ``parse_spec`` refuses a name that is not (a typo would otherwise arm
 nothing and the crash test would pass without a crash).

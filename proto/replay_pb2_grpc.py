@@ -110,8 +110,10 @@ class ReplayServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Ack(self, request, context):
-        """Marks leased groups consumed (trained). Durable before the response. Unknown lease id (never
-        issued, already acked/released, or expired): NOT_FOUND naming it, nothing changes.
+        """Marks leased groups consumed (trained). Durable before the response. Idempotent: a lease id among
+        the last 4096 acked counts 0 (an ack retried after a replay restart, whose first try was logged but
+        not answered). Unknown lease id (never issued, released, expired, or acked long ago): NOT_FOUND
+        naming it, nothing changes.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -196,9 +196,10 @@ class TrajectoryBuffer:
 
     def _end(self, kind: str, lease_ids: list[str]) -> int:
         with self._lock:
-            self.state.check_leases(lease_ids)
-            if len(set(lease_ids)) != len(lease_ids):
-                lease_ids = list(dict.fromkeys(lease_ids))
+            self.state.check_leases(lease_ids, acked_ok=kind == "ack")
+            lease_ids = [i for i in dict.fromkeys(lease_ids) if i in self.state.leases]  # acked before: done
+            if not lease_ids:
+                return 0
             lsn, n = self._commit(Record(kind, {"lease_ids": lease_ids}))
             self._lock.notify_all()
         self.wait_durable(lsn)
@@ -206,7 +207,9 @@ class TrajectoryBuffer:
 
     def ack(self, lease_ids: list[str]) -> int:
         """Mark leased groups consumed (deleted, or pooled again below ``max_times_sampled``); returns
-        how many groups. Raises ``UnknownLeaseError`` naming the first unknown id; nothing changes."""
+        how many groups. A lease acked before (one of the last ``ACKED_MEMORY``) counts 0: an ack retried
+        after a restart is idempotent. Raises ``UnknownLeaseError`` naming the first unknown id; nothing
+        changes."""
         return self._end("ack", lease_ids)
 
     def release(self, lease_ids: list[str]) -> int:

@@ -20,6 +20,9 @@ from replay.rate_limiter import RateLimiter
 from replay.records import Record
 from replay.types import EXCLUDED, LEASED, POOLED, Counters, Group, InsertPlan, InsertResult, Lease, UnknownLeaseError
 
+ACKED_MEMORY = 4096
+"""Acked lease ids remembered (in snapshots too) so that a repeated ack is answered 0, not NOT_FOUND."""
+
 
 class ReplayState:
     """Stored groups, leases, ledger, limiter and counters, changed only through ``apply``.
@@ -36,6 +39,9 @@ class ReplayState:
         self.ledger = PromptLedger(config.num_prompts, clock)
         self.limiter = RateLimiter(config.rate_limiter)
         self.leases: dict[str, Lease] = {}
+        self.acked_leases: dict[str, None] = {}
+        """The last ``ACKED_MEMORY`` acked lease ids, oldest first: an ack repeated after a replay restart (the
+        first was logged, its answer lost) is answered 0 instead of "unknown lease"."""
         self.learner_version = -1
         self.next_key = 0
         self.counters = Counters()
@@ -67,10 +73,10 @@ class ReplayState:
             return []
         return self.store.eviction_candidates(over, frozenset(range(self.next_key - inserted, self.next_key)))
 
-    def check_leases(self, lease_ids: list[str]) -> None:
-        """Raises ``UnknownLeaseError`` naming the first id not held."""
+    def check_leases(self, lease_ids: list[str], acked_ok: bool = False) -> None:
+        """Raises ``UnknownLeaseError`` naming the first id not held (with ``acked_ok``: nor acked lately)."""
         for lease_id in lease_ids:
-            if lease_id not in self.leases:
+            if lease_id not in self.leases and not (acked_ok and lease_id in self.acked_leases):
                 raise UnknownLeaseError(f"unknown lease id {lease_id!r}")
 
     def check(self, rec: Record) -> None:
@@ -192,6 +198,10 @@ class ReplayState:
     def _end_leases(self, how: str, lease_ids: list[str]) -> int:
         n = 0
         for lease_id in lease_ids:
+            if how == "ack":
+                self.acked_leases[lease_id] = None
+                if len(self.acked_leases) > ACKED_MEMORY:
+                    del self.acked_leases[next(iter(self.acked_leases))]
             for key in self.leases.pop(lease_id).keys:
                 n += 1
                 if how == "ack":
@@ -246,7 +256,8 @@ class ReplayState:
         counters["staleness_at_sample"] = [[k, v] for k, v in c.staleness_at_sample.items()]
         return {"learner_version": self.learner_version, "next_key": self.next_key, "counters": counters,
                 "limiter": self.limiter.state_dict(), "ledger": self.ledger.state_dict(),
-                "leases": [[x.lease_id, list(x.keys), x.consumer, x.expires_at] for x in self.leases.values()]}
+                "leases": [[x.lease_id, list(x.keys), x.consumer, x.expires_at] for x in self.leases.values()],
+                "acked_leases": list(self.acked_leases)}
 
     def load_state_dict(self, state: dict, groups: list[Group]) -> None:
         """Replace everything with ``state`` and ``groups`` (from ``state_dict`` and a snapshot)."""
@@ -259,4 +270,5 @@ class ReplayState:
         self.counters = Counters(**raw, inserted_by_newest_version=by_version, staleness_at_sample=lags)
         self.ledger.load_state_dict(state["ledger"])
         self.leases = {i: Lease(i, tuple(keys), c, float(t)) for i, keys, c, t in state["leases"]}
+        self.acked_leases = dict.fromkeys(state.get("acked_leases", []))  # older snapshots: none remembered
         self.limiter.load_state_dict(state["limiter"])

@@ -10,6 +10,9 @@ name and config: replay restores from its directory (snapshot + WAL), the learne
 verified checkpoint and re-publishes it, a rollout re-subscribes to the newest weights (its prompt leases
 expire in replay and are re-issued). The new address is pushed to the clients (``set_replay_address``,
 ``set_weights_address``).
+
+Crash tests: the recipe's ``faults`` section arms fault points per incarnation — the i-th actor this factory
+creates for a service name gets the i-th spec as ``GYRE_FAULT_POINT`` (``ServiceFactory.fault_env``).
 """
 
 from __future__ import annotations

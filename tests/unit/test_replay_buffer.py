@@ -64,8 +64,9 @@ def test_release_returns_groups_to_front_and_ack_consumes():
     assert set(table.column("prompt_index").to_pylist()) == {0}
     assert buf.ack([lease]) == 1
     assert buf.info()["acked_groups_total"] == 1
+    assert buf.ack([lease]) == 0  # a repeated ack (a retry after a lost answer) is idempotent
     with pytest.raises(UnknownLeaseError, match=repr(lease)):
-        buf.ack([lease])
+        buf.release([lease])
 
 
 def test_expired_sample_lease_returns_by_itself():

@@ -66,3 +66,25 @@ def test_rejoin_is_durable_across_a_replay_restart(tmp_path):
     assert info["learner_version"] == 2 and info["active_leases"] == 0
     assert restored.insert(group_table(1, version=1)).dropped_stale == 0  # lag 1 at version 2: fresh
     restored.close()
+
+
+def test_an_ack_repeated_after_a_restart_is_idempotent(tmp_path):
+    """Replay logged an ack and died before answering; the learner retries it against the restarted replay:
+    answered 0 (not NOT_FOUND, which used to fail the learner), and nothing changes."""
+    cfg = ReplayConfig(dir=str(tmp_path), seed=0, snapshot=NO_AUTO)
+    buf = TrajectoryBuffer(cfg)
+    buf.insert(group_table(0))
+    buf.insert(group_table(1))
+    lease, _ = buf.sample(1, 0, consumer="learner")
+    assert buf.ack([lease]) == 1
+    buf.snapshot()  # remembered through a snapshot as well as the WAL
+    buf.close()
+    restored = TrajectoryBuffer(cfg)
+    before = restored.info()["acked_groups_total"]
+    assert restored.ack([lease]) == 0 and restored.ack([lease, lease]) == 0
+    assert restored.info()["acked_groups_total"] == before == 1
+    with pytest.raises(KeyError, match="unknown lease id 'never-issued'"):
+        restored.ack([lease, "never-issued"])
+    with pytest.raises(KeyError, match="unknown lease id"):
+        restored.release([lease])  # a release of an acked lease is still an error
+    restored.close()
