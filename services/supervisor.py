@@ -246,10 +246,10 @@ class Supervisor:
         requests = ray.get(self.state.take_requests.remote())
         for name in requests["restart"]:
             if name in self.services:
-                self.restart(self.services[name], reason="requested")
+                self._restart_or_retry(self.services[name], reason="requested")
         for svc in list(self.services.values()):
             if not self.check(svc):
-                self.restart(svc, reason=f"{svc.failures} failed health checks")
+                self._restart_or_retry(svc, reason=f"{svc.failures} failed health checks")
         self.scale(requests["rollouts"])
         self._adopt_started()
         if requests["checkpoint"]:
@@ -274,6 +274,14 @@ class Supervisor:
             log.warning("health_check_failed", service=svc.name, failures=svc.failures)
         return svc.failures < self.fail_threshold
 
+    def _restart_or_retry(self, svc: Service, reason: str) -> None:
+        """``restart``; if the new incarnation dies while starting, the old entry stays (dead), so the next
+        tick's check fails and restarts it again instead of the error ending the run."""
+        try:
+            self.restart(svc, reason)
+        except (RayActorError, GetTimeoutError) as exc:
+            log.error("restart_failed_retrying", service=svc.name, error=str(exc)[:300])
+
     def restart(self, svc: Service, reason: str) -> Service:
         """Kill and recreate ``svc`` with the same config; push its new address to its clients."""
         log.warning("restarting_service", service=svc.name, reason=reason, restarts=svc.restarts + 1)
@@ -285,12 +293,12 @@ class Supervisor:
             new = self.factory.learner(self.replay.address, restarted=True)
             self.learner_generation += 1
             self._push("set_weights_address", new.address, self.rollouts())
-        else:
-            del self.services[svc.name]
+        else:  # the dead entry stays until the new rollout is up (a failed start is retried next tick)
             new = self._add_rollout(int(svc.name[8:]))
-        new.restarts = svc.restarts + 1
+        new.restarts = svc.restarts  # counted once it answers: a start that dies is retried, not counted
         self.services[svc.name] = new
         new.info = ray.get(new.handle.describe.remote())
+        new.restarts += 1
         log.info("service_restarted", service=svc.name, address=new.address, pid=new.info.get("pid"))
         return new
 

@@ -139,3 +139,22 @@ def test_a_rollout_behind_the_learner_waits_before_generating(sup):
     assert "rollout-1" in sup.starting and [s.name for s in sup.rollouts()] == ["rollout-0"]
     sup.tick()
     assert not sup.starting and ("start", ()) in sup.services["rollout-1"].handle.calls
+
+
+def test_a_restart_whose_new_incarnation_dies_while_starting_is_retried_next_tick(sup):
+    sup.rollouts()[0].handle.killed = True
+    make = sup.factory.begin_rollout
+    attempts = []
+
+    def dies_in_setup(index, replay_address, weights_address):
+        handle, _ = make(index, replay_address, weights_address)
+        attempts.append(handle)
+        if len(attempts) == 1:
+            handle.killed = True  # the new process dies before setup returned (e.g. a fault point)
+        return handle, handle.setup.remote()
+
+    sup.factory.begin_rollout = dies_in_setup
+    sup.tick()  # the failed restart is logged, not raised; the dead entry stays
+    assert [s.name for s in sup.rollouts()] == ["rollout-0"] and sup.rollouts()[0].restarts == 0
+    sup.tick()
+    assert len(attempts) == 2 and sup.rollouts()[0].handle is attempts[1] and sup.rollouts()[0].restarts == 1
