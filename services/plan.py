@@ -26,6 +26,10 @@ def describe(recipe: Recipe) -> str:
         f"evaluation greedy on held-out set: before={recipe.eval_before} after={recipe.eval_after}",
         f"outputs    metrics.jsonl, reward_accuracy.png, checkpoints/global_step_{l.num_steps}/, final_policy/",
         f"resume     {l.resume}{' (forced)' if l.force_resume else ''}",
+        (f"determinism lockstep: prompt i generated with policy version max(0, i // {l.groups_per_step} - "
+         f"{recipe.lockstep_lag}); versions in {l.lockstep.weights_dir}" if l.lockstep is not None
+         else "determinism async (bounded staleness)"),
+        *([f"faults     {recipe.faults}"] if recipe.faults else []),
         *placement_lines(recipe),
     ]
     return "\n".join(lines)
