@@ -38,6 +38,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from faults import fault_point
+from proto.durable import fsync_path
 from proto.trajectory import SCHEMA_VERSION
 
 log = structlog.get_logger("learner.checkpoint")
@@ -125,13 +126,6 @@ def load_rng(dir: Path, rank: int = 0) -> None:
 
 
 # ---- commit -------------------------------------------------------------------------------------
-def fsync_path(path: Path) -> None:
-    """fsync a file's data, or a directory's entries (creations, renames, deletions)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _sha256(path: Path) -> str:

@@ -30,6 +30,8 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from proto.durable import fsync_path as _fsync_dir
+
 __all__ = ["Journal", "JournalError", "JournalRead", "read_journal"]
 
 
@@ -48,12 +50,6 @@ class JournalRead:
     """The file ended in an unterminated line (a crash mid-append); it was skipped."""
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _truncate_torn_tail(fd: int) -> int:

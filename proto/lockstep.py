@@ -28,6 +28,8 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from safetensors.torch import load_file, save_file
 
+from proto.durable import fsync_path
+
 _VERSION_FILE = re.compile(r"^v(\d+)\.safetensors$")
 
 
@@ -96,14 +98,9 @@ class VersionStore:
         final = self.path(version)
         tmp = final.with_name(f".{final.name}.{os.getpid()}.tmp")
         save_file(tensors, str(tmp), metadata={"policy_version": str(version)})
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
+        fsync_path(tmp)
         os.replace(tmp, final)
-        dir_fd = os.open(self.root, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+        fsync_path(self.root)
         for old in self.versions():  # relative to this version: a resumed learner re-writes older ones
             if old <= version - self.keep:
                 self.path(old).unlink(missing_ok=True)

@@ -11,16 +11,11 @@ from pathlib import Path
 
 import pyarrow as pa
 
+from proto.durable import fsync_path
 from replay.types import SnapshotError
 
-
-def fsync_dir(path: Path) -> None:
-    """fsync a directory so that file creations, renames and deletions in it are durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+fsync_dir = fsync_path
+"""fsync a directory so that file creations, renames and deletions in it are durable (``proto.durable``)."""
 
 
 def _libc_sync_file_range():

@@ -40,6 +40,7 @@ import pyarrow as pa
 import structlog
 
 from faults import fault_point
+from proto.durable import fsync_path as _fsync_dir
 from proto.trajectory import SchemaError, from_ipc, to_ipc
 
 log = structlog.get_logger("rollout.spool")
@@ -52,12 +53,6 @@ QUARANTINE = "quarantine"
 REFUSED_CODES = frozenset({"INVALID_ARGUMENT", "FAILED_PRECONDITION", "OUT_OF_RANGE"})
 """gRPC status names after which replay will refuse the same bytes again: the entry is quarantined."""
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class SpoolCorruptError(ValueError):
