@@ -29,6 +29,10 @@ from services.weight_transport.bootstrap import write_export_version
 log = structlog.get_logger("actors")
 
 
+TORCH_DIST_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE")
+"""torch.distributed rendezvous variables a single-rank ``LearnerActor`` drops before it starts DeepSpeed."""
+
+
 def _node_ip() -> str:
     return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
 
@@ -125,6 +129,8 @@ class LearnerActor:
         from transformers import AutoTokenizer
 
         configure_logging(run_id, "learner")
+        for key in TORCH_DIST_ENV:  # a single-rank learner is a world of its own: a rendezvous inherited from
+            os.environ.pop(key, None)  # the driver's env (it may have run DeepSpeed in-process) would collide
         sec = _security(security)
         host = host or (sec.bind_host if sec is not None else "127.0.0.1")
         self.config = LearnerLoopConfig(**config)

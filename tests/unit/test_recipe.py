@@ -78,8 +78,9 @@ def test_resume_flag_reaches_the_learner_and_bad_values_are_named(capsys, tmp_pa
     code = cli.main(["run", DEFAULT, "--dry-run", "--resume", "none", "--force-resume"])
     assert code == 0 and "resume     none (forced)" in capsys.readouterr().out
     code = cli.main(["run", DEFAULT, "--dry-run", "--resume", str(tmp_path / "global_step_9")])
-    out = " ".join(capsys.readouterr().out.split())  # rich wraps long lines
-    assert code == 2 and f"--resume '{tmp_path / 'global_step_9'}': expected auto, none or an existing" in out
+    out = "".join(capsys.readouterr().out.split())  # rich wraps long lines, even inside a long path
+    expected = "".join(f"--resume '{tmp_path / 'global_step_9'}': expected auto, none or an existing".split())
+    assert code == 2 and expected in out
 
 
 def test_placement_section_is_validated_and_printed():
