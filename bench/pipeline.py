@@ -233,7 +233,7 @@ class Chaos:
     def _chaos(self) -> None:
         import ray
 
-        from services.supervisor import actor_name
+        from services.service_factory import actor_name
 
         deadline, name = time.monotonic() + 300, actor_name(self.run_name, "controller")
         while not ray.is_initialized() or name not in {a["name"] for a in ray.util.list_named_actors(True)}:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import ray
 
-from services.supervisor import actor_name
+from services.service_factory import actor_name
 
 
 class OpsError(RuntimeError):

@@ -18,7 +18,7 @@ from ray._private import auto_init_hook
 from services import controller, ops
 from services.recipe import load_recipe
 from services.report import read_metrics
-from services.supervisor import actor_name
+from services.service_factory import actor_name
 
 pytestmark = pytest.mark.slow
 
