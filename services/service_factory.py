@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 import ray
 
 import faults
-from services.actors import LearnerActor, ReplayActor, RolloutActor
+from services.actors import LearnerActor, ReplayActor
+from services.rollout_actor import RolloutActor
 from services.recipe import Recipe
 
 

@@ -1,0 +1,173 @@
+"""The rollout service as a Ray actor (async): vLLM engine + worker loop + weight subscriber, and its run
+journal. Shares the actor conventions of ``services.actors`` (``describe``, pushed addresses)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+from pathlib import Path
+
+import ray
+
+from services.actors import _node_ip, _security
+from services.logs import bind_policy_version
+from services.replay_links import TrackedReplay
+
+
+@ray.remote
+class RolloutActor:
+    """A rollout service (async actor): vLLM engine + worker loop + weight subscriber."""
+
+    async def setup(self, rollout_id: str, config: dict, task_config: dict, replay_address: str,
+                    weights_address: str, seed: int, security: dict | None = None, run_id: str = "run",
+                    metrics_port: int | None = 0, journal_dir: str | None = None) -> int:
+        """Start the engine and subscribe to weights; returns the pid. With ``config["spool_dir"]`` the
+        rollout spools under ``{spool_dir}/{rollout_id}`` (a restarted rollout flushes what it left).
+        With ``journal_dir`` it journals every acknowledged insert and applied policy version to
+        ``{journal_dir}/{rollout_id}.jsonl`` (``proto.journal``; checked by ``gyre check``)."""
+        from proto.journal import Journal
+        from rollout.tasks import TaskConfig, TaskSource
+        from rollout.worker import RolloutConfig, RolloutWorker
+        from services.logs import configure_logging
+        from services.observability import RolloutMetrics, serve
+        from services.replay_client import ReplayClient
+        from transformers import AutoTokenizer
+
+        configure_logging(run_id, rollout_id)
+        cfg = RolloutConfig(**config)
+        if cfg.spool_dir:
+            cfg = cfg.model_copy(update={"spool_dir": os.path.join(cfg.spool_dir, rollout_id)})
+        self.rollout_id, self.security = rollout_id, _security(security)
+        self.loop = asyncio.get_running_loop()
+        if cfg.engine.kind == "simulated":  # benchmarks: sleeps instead of sampling (rollout.sim_engine)
+            from rollout.sim_engine import SimulatedEngine as Engine
+        else:
+            from rollout.engine import RolloutEngine as Engine
+        # lockstep: version 0 too comes from the version store, so every load of a version takes one path
+        self.engine = await (Engine.start(cfg.engine, initial_version=-1) if cfg.lockstep is not None
+                             else Engine.start(cfg.engine))
+        tokenizer = AutoTokenizer.from_pretrained(cfg.engine.model)
+        self.journal = Journal(Path(journal_dir) / f"{rollout_id}.jsonl") if journal_dir is not None else None
+        self.journaled_version: int | None = None
+        self._journal_lock = threading.Lock()  # setup (event loop) and the subscriber thread both journal
+        self.replay = TrackedReplay(ReplayClient(replay_address, security=self.security), self.journal)
+        self.worker = RolloutWorker(rollout_id, cfg, TaskSource(TaskConfig(**task_config)), self.engine,
+                                    self.replay, tokenizer, seed)
+        self.engine_config, self.subscriber, self.bootstrapped = cfg.engine, None, None
+        self.metrics = RolloutMetrics(run_id, rollout_id, source=lambda: self.worker.stats.as_dict(self._version()))
+        host = self.security.bind_host if self.security is not None else "127.0.0.1"
+        self.metrics_port = serve(self.metrics.registry, host, metrics_port) if metrics_port is not None else None
+        await self.set_weights_address(weights_address)
+        self._journal_weights()
+        self.task = None
+        return os.getpid()
+
+    async def set_weights_address(self, address: str) -> None:
+        """(Re-)subscribe to the learner's WeightService at ``address`` through the configured transport
+        (``engine.weight_transport``: grpc | nccl), from the version we have (no-op when already subscribed
+        there). The first subscription bootstraps: the engine reaches the learner's newest version (or the
+        newest export in ``engine.bootstrap_dir`` if the learner is unreachable, said loudly) before any
+        generation starts."""
+        from services.weight_transport import make_transport
+        from services.weight_transport.bootstrap import BootstrapResult, bootstrap
+
+        if self.subscriber is not None and self.subscriber.address == address:
+            return
+        if self.subscriber is not None:  # off the event loop: its thread may be applying a version on it
+            await asyncio.to_thread(self.subscriber.stop)
+        self.subscriber = make_transport(self.engine_config.weight_transport, address, self._on_version,
+                                         have_version=self.engine.version, name=self.rollout_id,
+                                         security=self.security)
+        if self.bootstrapped is None and self.worker.lockstep is not None:
+            # lockstep loads each prompt's exact version from the version store: nothing to catch up to
+            self.subscriber.start()
+            self.bootstrapped = BootstrapResult(self.engine.version, "lockstep", None)
+        elif self.bootstrapped is None:
+            self.bootstrapped = await bootstrap(self.engine, self.subscriber, self.engine_config)  # starts it
+        else:
+            self.subscriber.start()
+
+    async def set_replay_address(self, address: str) -> None:
+        """Send leases/inserts to a restarted replay (each call looks ``worker.replay`` up afresh)."""
+        from services.replay_client import ReplayClient
+
+        if address != self.replay.address:
+            self.replay.client = ReplayClient(address, security=self.security)
+
+    def _on_version(self, version, tensors) -> None:
+        # Called in the subscriber thread: apply on the actor's event loop and wait for it.
+        asyncio.run_coroutine_threadsafe(self.worker.apply_weights(version, tensors), self.loop).result()
+        bind_policy_version(self.engine.version)
+        self._journal_weights()
+
+    def _journal_weights(self) -> None:
+        """Journal the engine's policy version once per new version (and once at setup); the version is
+        read under the lock, so two callers cannot write an older version after a newer one."""
+        if self.journal is None:
+            return
+        with self._journal_lock:
+            version = self._version()  # lockstep: the newest offered (each prompt loads its own exact one)
+            if version != self.journaled_version:
+                self.journal.append({"event": "weights", "version": version, "pid": os.getpid(), "time": time.time()})
+                self.journaled_version = version
+
+    async def swap_reward(self, config) -> dict[str, str]:
+        """Swap reward functions in flight (``RolloutWorker.swap_reward``: validated first, applies to groups
+        started afterwards); returns task → reward version. Raises on an invalid config (nothing changes)."""
+        return self.worker.swap_reward(config)
+
+    async def start(self) -> None:
+        """Start generating (no-op when already generating, e.g. a re-attached rollout)."""
+        if self.task is None or self.task.done():
+            self.task = asyncio.create_task(self.worker.run())
+
+    async def drain(self, timeout_s: float) -> int:
+        """Lease no more prompts and wait up to ``timeout_s`` seconds until every group this rollout holds
+        a prompt lease for was delivered; then stop generating. Returns the prompt leases left undelivered
+        (replay re-issues them after ``prompt_lease_ttl_s``)."""
+        self.replay.draining = True
+        deadline = self.loop.time() + timeout_s
+        while self.replay.outstanding and self.task is not None and not self.task.done() \
+                and self.loop.time() < deadline:
+            await asyncio.sleep(0.2)
+        await self.pause()
+        return len(self.replay.outstanding)
+
+    async def pause(self) -> None:
+        """Stop taking new prompts; groups in flight end (their prompt leases expire and are re-issued)."""
+        self.worker.stop()
+        if self.task is not None:
+            await self.task
+            self.task = None
+
+    def _version(self) -> int:
+        """The policy version this rollout serves; in lockstep, the newest it was offered (each prompt then
+        loads its own exact version from the version store)."""
+        return max(self.engine.version, self.worker.newest_offered)
+
+    async def wait_for_version(self, version: int, timeout_s: float) -> int:
+        deadline = self.loop.time() + timeout_s
+        while self._version() < version and self.loop.time() < deadline:
+            await asyncio.sleep(0.2)
+        return self._version()
+
+    async def evaluate(self) -> dict:
+        if self.worker.lockstep is not None:  # score the newest offered version, loaded exactly
+            async with self.worker.lockstep.hold(self._version()):
+                return await self.worker.evaluate()
+        return await self.worker.evaluate()
+
+    async def stats(self) -> dict:
+        return self.worker.stats.as_dict(self._version())
+
+    async def describe(self) -> dict:
+        return {"pid": os.getpid(), "node": _node_ip(), "generating": self.task is not None,
+                "metrics_port": self.metrics_port,
+                **self.worker.stats.as_dict(self._version())}
+
+    async def stop(self) -> None:
+        await self.pause()
+        await asyncio.to_thread(self.subscriber.stop)
+        await self.engine.shutdown()
