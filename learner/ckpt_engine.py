@@ -42,9 +42,9 @@ def save_checkpoint(learner: LearnerEngine, root: Path, pending_lease_ids: list[
     rank = dist.get_rank()
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
-    holder = [os.getpid()]
-    dist.broadcast_object_list(holder, src=0)
-    tmp = ckpt.temp_path(root, learner.step, holder[0])
+    holder = torch.tensor([os.getpid()], dtype=torch.int64)  # rank 0's pid names the temp dir on every rank
+    dist.broadcast(holder, src=0)
+    tmp = ckpt.temp_path(root, learner.step, int(holder.item()))
     final = ckpt.checkpoint_path(root, learner.step)
     meta = ckpt.CheckpointMetadata(
         step=learner.step, policy_version=learner.version, pending_lease_ids=list(pending_lease_ids),

@@ -29,7 +29,7 @@ log = structlog.get_logger("actors")
 
 
 TORCH_DIST_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE")
-"""torch.distributed rendezvous variables a single-rank ``LearnerActor`` drops before it starts DeepSpeed."""
+"""torch.distributed rendezvous variables a learner rank replaces (or, single-rank, drops) before DeepSpeed starts."""
 
 
 def _node_ip() -> str:
@@ -114,13 +114,18 @@ class LearnerActor:
             The learner's run journal goes next to it: ``{checkpoint_dir}/../learner_journal.jsonl``.
         security: ``SecurityConfig`` fields for the weight server and the replay client.
         run_id, metrics_port: as for ``ReplayActor``.
+        ranks: rank 0 of a multi-rank learner (``rank_env``'s fields): the other ranks are
+            ``LearnerRankActor``s mirroring this one's collective calls (``learner.ranks``); a failed
+            collective ends this process (fail-stop: the supervisor restarts the whole group). ``None``: a
+            world of one.
     """
 
     def __init__(self, config: dict, replay_address: str, host: str | None = None,
                  checkpoint_dir: str | None = None, security: dict | None = None, run_id: str = "run",
-                 metrics_port: int | None = 0) -> None:
+                 metrics_port: int | None = 0, ranks: dict | None = None) -> None:
         from learner.engine import LearnerEngine
         from learner.loop import LearnerLoop, LearnerLoopConfig
+        from learner.ranks import LeaderEngine
         from learner.publisher import WeightPublisher
         from services import weight_server
         from services.logs import configure_logging
@@ -128,12 +133,13 @@ class LearnerActor:
         from transformers import AutoTokenizer
 
         configure_logging(run_id, "learner")
-        for key in TORCH_DIST_ENV:  # a single-rank learner is a world of its own: a rendezvous inherited from
-            os.environ.pop(key, None)  # the driver's env (it may have run DeepSpeed in-process) would collide
+        set_rank_env(ranks)
         sec = _security(security)
         host = host or (sec.bind_host if sec is not None else "127.0.0.1")
         self.config = LearnerLoopConfig(**config)
         self.engine = LearnerEngine(self.config.engine, self.config.algorithm)
+        if ranks is not None and ranks["world_size"] > 1:  # rank 0 announces each collective call to the others
+            self.engine = LeaderEngine(self.engine, on_failure=fail_stop)
         self.publisher = WeightPublisher()
         self.server, self.port = weight_server.serve(self.publisher, host=host, security=sec)
         self.host = advertised_host(host)
@@ -251,5 +257,75 @@ class LearnerActor:
         return {"checkpoint": str(ckpt), "export": str(export)}
 
     def stop(self) -> None:
+        if hasattr(self.engine, "stop_followers"):
+            self.engine.stop_followers()
         self.publisher.close()
         self.server.stop(grace=2).wait()
+
+
+@ray.remote
+class LearnerRankActor:
+    """Rank ``r >= 1`` of a multi-rank learner: the same DeepSpeed engine as rank 0's ``LearnerActor``, driven by
+    rank 0's broadcast commands (``learner.ranks.follow``). Talks to no replay and serves no weights.
+
+    Args:
+        config: ``LearnerLoopConfig`` fields (only ``engine`` and ``algorithm`` are used).
+        ranks: this rank's rendezvous (``rank_env``'s fields).
+        run_id: carried by every log line.
+    """
+
+    def __init__(self, config: dict, ranks: dict, run_id: str = "run") -> None:
+        from learner.engine import LearnerEngine
+        from learner.loop import LearnerLoopConfig
+        from services.logs import configure_logging
+
+        if ranks["rank"] < 1:
+            raise ValueError(f"LearnerRankActor is for ranks >= 1, got rank {ranks['rank']} (rank 0 is LearnerActor)")
+        configure_logging(run_id, f"learner-rank-{ranks['rank']}")
+        set_rank_env(ranks)
+        self.rank = ranks["rank"]
+        cfg = LearnerLoopConfig(**config)
+        self.engine = LearnerEngine(cfg.engine, cfg.algorithm)
+        self._following = False
+
+    def follow(self) -> int:
+        """Run rank 0's commands until it sends ``stop``; returns how many ran. A failed collective (rank 0 or
+        another rank died) ends this process (fail-stop)."""
+        from learner.ranks import follow
+
+        self._following = True
+        try:
+            return follow(self.engine)
+        except BaseException as exc:  # the group is broken: never continue in it
+            fail_stop(exc)
+            raise
+        finally:
+            self._following = False
+
+    def describe(self) -> dict:
+        return {"pid": os.getpid(), "node": _node_ip(), "rank": self.rank, "version": self.engine.version,
+                "following": self._following}
+
+
+def set_rank_env(ranks: dict | None) -> None:
+    """Point ``torch.distributed`` at this learner rank's rendezvous (``{"rank", "world_size", "master_addr",
+    "master_port"}``), or, for ``None``, drop an inherited one: a single-rank learner is a world of its own, and
+    the driver's env (it may have run DeepSpeed in-process) would collide. ``LOCAL_RANK`` is 0: Ray gives each
+    rank actor its own visible GPU."""
+    for key in TORCH_DIST_ENV:
+        os.environ.pop(key, None)
+    if ranks is not None:
+        os.environ.update(RANK=str(ranks["rank"]), WORLD_SIZE=str(ranks["world_size"]), LOCAL_RANK="0",
+                          MASTER_ADDR=str(ranks["master_addr"]), MASTER_PORT=str(ranks["master_port"]))
+
+
+def rank_env(rank: int, world_size: int, master_addr: str, master_port: int) -> dict:
+    """The ``ranks`` argument of ``LearnerActor`` (rank 0) and ``LearnerRankActor`` (ranks >= 1)."""
+    return {"rank": rank, "world_size": world_size, "master_addr": master_addr, "master_port": master_port}
+
+
+def fail_stop(exc: BaseException) -> None:
+    """A multi-rank learner's collective failed: log it and end this process at once (exit 75), so the
+    supervisor restarts every rank together from the newest checkpoint."""
+    log.error("learner_rank_fail_stop", pid=os.getpid(), error=f"{type(exc).__name__}: {str(exc)[:500]}")
+    os._exit(75)

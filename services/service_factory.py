@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 import ray
 
 import faults
-from services.actors import LearnerActor, ReplayActor
+from services import learner_group
+from services.actors import LearnerActor, LearnerRankActor, ReplayActor, rank_env
 from services.rollout_actor import RolloutActor
 from services.recipe import Recipe
 
@@ -40,15 +41,14 @@ class Service:
     """Consecutive failed health checks."""
     info: dict = field(default_factory=dict)
     """Last ``describe()`` answer (pid, node, version, gauges)."""
+    followers: list = field(default_factory=list)
+    """The learner's ranks >= 1 (``LearnerRankActor`` handles) when ``placement.learner.world_size > 1``."""
 
 
 class ServiceFactory:
     """Creates (or re-attaches to) the detached, named service actors of one recipe."""
 
     def __init__(self, recipe: Recipe, env: dict, fingerprint: str) -> None:
-        if recipe.placement.learner.world_size > 1:
-            raise ValueError(f"placement.learner.world_size ({recipe.placement.learner.world_size}) > 1: the "
-                             "controller starts single-rank learners only (multi-rank actors are not implemented)")
         self.recipe, self.env, self.fingerprint = recipe, env, fingerprint
         self.security = recipe.security.model_dump()
         out = recipe.out_dir.resolve()
@@ -78,15 +78,18 @@ class ServiceFactory:
         except ValueError:
             return None
 
-    def _create(self, cls, role: str, service: str, *args, **kwargs) -> ray.actor.ActorHandle:
+    def _create(self, cls, role: str, service: str, *args, scheduling_strategy=None, **kwargs) -> ray.actor.ActorHandle:
         """A new actor; retries while a killed predecessor still holds the name (``ray.kill`` is async)."""
         deadline = time.monotonic() + 60
         incarnation = self.incarnations.get(service, 0)
         self.incarnations[service] = incarnation + 1
         env = self.fault_env(service, incarnation)
+        extra = {"max_concurrency": 4} if role == "learner" else {}
+        if scheduling_strategy is not None:
+            extra["scheduling_strategy"] = scheduling_strategy
         while True:
             try:
-                opts = self._options(role, service, env, **({"max_concurrency": 4} if role == "learner" else {}))
+                opts = self._options(role, service, env, **extra)
                 return cls.options(**opts).remote(*args, **kwargs)
             except ValueError as exc:
                 if "already" not in str(exc) or time.monotonic() > deadline:
@@ -99,14 +102,33 @@ class ServiceFactory:
         return Service("replay", "replay", handle, ray.get(handle.address.remote()))
 
     def learner(self, replay_address: str, restarted: bool = False) -> Service:
+        """The learner: one ``LearnerActor``, or with ``placement.learner.world_size > 1`` rank 0 plus
+        ``LearnerRankActor`` ranks ``learner-rank-{r}``, one per bundle of the learner's placement group
+        (``services.learner_group``). Blocks until rank 0 serves weights."""
         cfg = self.recipe.learner.model_dump()
         cfg["fingerprint"] = cfg["fingerprint"] or self.fingerprint
         if restarted and any(self.checkpoint_dir.glob("global_step_*")):
             cfg["resume"] = "auto"  # a restarted learner rejoins from its own newest verified checkpoint
-        handle = self._create(LearnerActor, "learner", "learner", cfg, replay_address,
-                              checkpoint_dir=str(self.checkpoint_dir), security=self.security,
-                              run_id=self.recipe.name)
-        return Service("learner", "learner", handle, ray.get(handle.weights_address.remote()))
+        kwargs = {"checkpoint_dir": str(self.checkpoint_dir), "security": self.security, "run_id": self.recipe.name}
+        world = self.recipe.placement.learner.world_size
+        if world == 1:
+            handle = self._create(LearnerActor, "learner", "learner", cfg, replay_address, **kwargs)
+            return Service("learner", "learner", handle, ray.get(handle.weights_address.remote()))
+        group = learner_group.LearnerGroup(self.recipe)
+        master_addr, master_port = group.rendezvous()
+        followers = [self._create(LearnerRankActor, "learner", learner_group.rank_name(r), cfg,
+                                  rank_env(r, world, master_addr, master_port), run_id=self.recipe.name,
+                                  scheduling_strategy=group.bundle(r)) for r in range(1, world)]
+        handle = self._create(LearnerActor, "learner", "learner", cfg, replay_address, **kwargs,
+                              ranks=rank_env(0, world, master_addr, master_port), scheduling_strategy=group.bundle(0))
+        for follower in followers:
+            follower.follow.remote()  # runs once its DeepSpeed init (a collective with rank 0's) returned
+        return Service("learner", "learner", handle, ray.get(handle.weights_address.remote()), followers=followers)
+
+    def attach_followers(self) -> list | None:
+        """The live ranks >= 1 of a re-attached multi-rank learner, or ``None`` if any is missing."""
+        handles = [self.attach(learner_group.rank_name(r)) for r in range(1, self.recipe.placement.learner.world_size)]
+        return None if any(h is None for h in handles) else handles
 
     def begin_rollout(self, index: int, replay_address: str, weights_address: str):
         """Create ``rollout-{index}`` and start its setup (vLLM start, weight subscription); returns

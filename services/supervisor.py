@@ -23,6 +23,7 @@ import ray
 import structlog
 from ray.exceptions import GetTimeoutError, RayActorError
 
+from services import learner_group
 from services.grpc_common import check_health
 from services.service_factory import Service, ServiceFactory
 
@@ -80,11 +81,15 @@ class Supervisor:
         for name, make in (("replay", self.factory.replay),
                            ("learner", lambda: self.factory.learner(self.replay.address))):
             handle = self.factory.attach(name)
-            if handle is not None and self._alive(handle):
+            followers = self.factory.attach_followers() if name == "learner" else []
+            if handle is not None and followers is not None and all(map(self._alive, [handle, *followers])):
                 addr = ray.get(handle.address.remote() if name == "replay" else handle.weights_address.remote())
-                self.services[name] = Service(name, name, handle, addr)
+                self.services[name] = Service(name, name, handle, addr, followers=followers)
                 attached.append(name)
             else:
+                for h in [handle, *(followers or [])]:  # a learner group is only whole or restarted whole
+                    if h is not None:
+                        ray.kill(h, no_restart=True)
                 self.services[name] = make()
         if "learner" in attached and "replay" not in attached:
             self._push("set_replay_address", self.replay.address, [self.learner])
@@ -151,6 +156,7 @@ class Supervisor:
         ``fail_threshold`` checks). Updates ``svc.info`` and ``svc.failures``."""
         try:
             svc.info = ray.get(svc.handle.describe.remote(), timeout=self.check_timeout_s)
+            ray.get([f.describe.remote() for f in svc.followers], timeout=self.check_timeout_s)  # learner ranks >= 1
             security = self.factory.recipe.security if svc.role in ("learner", "replay") else None
             healthy = svc.address is None or check_health(svc.address, timeout_s=self.check_timeout_s,
                                                           security=security)
@@ -175,7 +181,8 @@ class Supervisor:
     def restart(self, svc: Service, reason: str) -> Service:
         """Kill and recreate ``svc`` with the same config; push its new address to its clients."""
         log.warning("restarting_service", service=svc.name, reason=reason, restarts=svc.restarts + 1)
-        ray.kill(svc.handle, no_restart=True)
+        for handle in [svc.handle, *svc.followers]:  # every learner rank: DeepSpeed groups restart whole
+            ray.kill(handle, no_restart=True)
         if svc.role == "replay":
             new = self.factory.replay()
             self._push("set_replay_address", new.address, [self.services["learner"]] + self.rollouts())
@@ -294,4 +301,6 @@ class Supervisor:
                 ray.get(svc.handle.stop.remote(), timeout=60)
             except (RayActorError, GetTimeoutError) as exc:
                 log.warning("stop_failed", service=name, error=str(exc)[:200])
-            ray.kill(svc.handle, no_restart=True)
+            for handle in [svc.handle, *svc.followers]:
+                ray.kill(handle, no_restart=True)
+        learner_group.remove(self.factory.recipe)

@@ -58,6 +58,9 @@ class FakeFactory:
         handle = FakeHandle("learner", describe=lambda: {"pid": 2, "version": 5})
         return Service("learner", "learner", handle, f"weights:{self.made['learner']}")
 
+    def attach_followers(self):
+        return []
+
     def begin_rollout(self, index, replay_address, weights_address):
         self.made["rollout"] += 1
         handle = FakeHandle(f"rollout-{index}", describe=lambda: {"pid": 10 + index, "version": 5})
@@ -91,6 +94,19 @@ def test_dead_actor_is_restarted_at_once_and_its_address_pushed(sup):
     assert ("set_replay_address", ("replay:2",)) in sup.learner.handle.calls
     assert ("set_replay_address", ("replay:2",)) in sup.rollouts()[0].handle.calls
     assert sup.state_body.status()["restarts"] == {"replay": 1, "learner": 0, "rollout-0": 0}
+
+
+def test_a_dead_learner_rank_restarts_every_rank_of_the_group(sup):
+    follower = FakeHandle("learner-rank-1", describe=lambda: {"pid": 3, "rank": 1})
+    sup.learner.followers = [follower]
+    old = sup.learner.handle
+    sup.tick()
+    assert sup.learner.restarts == 0  # a live follower: nothing to do
+    follower.killed = True  # rank 1's process is gone; rank 0 still answers
+    sup.tick()
+    assert old.killed and follower.killed  # DeepSpeed groups restart whole
+    assert sup.learner.restarts == 1 and sup.learner_generation == 1 and sup.factory.made["learner"] == 2
+    assert ("set_weights_address", ("weights:2",)) in sup.rollouts()[0].handle.calls
 
 
 def test_hung_service_is_restarted_after_fail_threshold_checks(sup):

@@ -1,0 +1,186 @@
+"""Multi-rank learner: rank 0 runs the ``LearnerLoop``; every other rank mirrors its collective engine calls.
+
+DeepSpeed needs every rank to enter the same collectives in the same order (forward/backward/step, ZeRO-3
+parameter gathers, checkpoint save and load, export). Only rank 0 talks to replay and to the rollouts, so
+rank 0's engine is wrapped in a ``LeaderEngine``: before each collective call it broadcasts a command (the
+method name, its plain arguments as JSON, and its tensors) over the learner's own process group, and each
+follower (``follow``) runs the same call on its ``LearnerEngine``. This is the driver/worker split of
+torchrun-style trainers (one controller rank, SPMD engine ranks) without a second control plane.
+
+Wire format (no pickle): one int64 length, then that many uint8 bytes of a UTF-8 JSON header
+``{"op", "args", "tensors": [[name, dtype, shape], ...]}``, then each tensor broadcast in header order.
+
+Failure model (fail-stop, as torchelastic): when a collective fails on any rank (a peer died: gloo raises on
+the closed socket), that rank's process exits, so the whole learner group is restarted together by the
+supervisor and resumes from its newest checkpoint. No rank ever tries to continue in a broken group.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Callable
+
+import structlog
+import torch
+import torch.distributed as dist
+
+from learner.batch import TrainBatch
+
+log = structlog.get_logger("learner")
+
+OPS = ("train_step", "named_weights", "save_checkpoint", "load_checkpoint", "export_hf", "stop")
+"""Commands a follower understands; anything else is a protocol error."""
+_DTYPES = {str(d): d for d in (torch.int64, torch.int32, torch.float32, torch.bfloat16, torch.bool, torch.uint8)}
+_BATCH_TENSORS = ("input_ids", "attention_mask", "response_mask", "behaviour_logprobs", "advantages", "rewards",
+                  "staleness")
+
+
+class RankProtocolError(RuntimeError):
+    """A follower received a command it does not know, or a malformed header."""
+
+
+def _broadcast_bytes(payload: bytes | None) -> bytes:
+    """Rank 0 sends ``payload``; every rank returns it. Two broadcasts: an int64 length, then uint8 bytes."""
+    rank0 = dist.get_rank() == 0
+    length = torch.tensor([len(payload) if rank0 else 0], dtype=torch.int64)
+    dist.broadcast(length, src=0)
+    buf = (torch.frombuffer(bytearray(payload), dtype=torch.uint8) if rank0 and payload
+           else torch.empty(int(length.item()), dtype=torch.uint8))
+    if int(length.item()):
+        dist.broadcast(buf, src=0)
+    return bytes(buf.numpy().tobytes())
+
+
+def send_command(op: str, args: dict[str, Any], tensors: dict[str, torch.Tensor] | None = None) -> None:
+    """Rank 0: broadcast one command. ``args`` must be JSON-serialisable; ``tensors`` are sent as they are
+    (CPU, contiguous). Raises ``ValueError`` for an unknown ``op`` or a tensor dtype outside ``_DTYPES``."""
+    if op not in OPS:
+        raise ValueError(f"unknown learner rank command {op!r}; expected one of {OPS}")
+    tensors = tensors or {}
+    for name, t in tensors.items():
+        if str(t.dtype) not in _DTYPES:
+            raise ValueError(f"tensor {name!r} has dtype {t.dtype}; rank commands carry {sorted(_DTYPES)}")
+    header = {"op": op, "args": args, "tensors": [[n, str(t.dtype), list(t.shape)] for n, t in tensors.items()]}
+    _broadcast_bytes(json.dumps(header).encode())
+    for t in tensors.values():
+        dist.broadcast(t.detach().to("cpu").contiguous(), src=0)
+
+
+def receive_command() -> tuple[str, dict[str, Any], dict[str, torch.Tensor]]:
+    """Follower: the next ``(op, args, tensors)`` broadcast by rank 0. Raises ``RankProtocolError`` on a
+    malformed header or unknown op, and what ``torch.distributed`` raises when rank 0 is gone."""
+    raw = _broadcast_bytes(None)
+    try:
+        header = json.loads(raw)
+        op, args, specs = header["op"], header["args"], header["tensors"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise RankProtocolError(f"malformed learner rank command header ({len(raw)} bytes): {exc}") from exc
+    if op not in OPS:
+        raise RankProtocolError(f"unknown learner rank command {op!r}; expected one of {OPS}")
+    tensors = {}
+    for name, dtype, shape in specs:
+        if dtype not in _DTYPES:
+            raise RankProtocolError(f"tensor {name!r}: dtype {dtype!r} is not one of {sorted(_DTYPES)}")
+        t = torch.empty(shape, dtype=_DTYPES[dtype])
+        dist.broadcast(t, src=0)
+        tensors[name] = t
+    return op, args, tensors
+
+
+def _batch_tensors(batch: TrainBatch) -> dict[str, torch.Tensor]:
+    return {name: getattr(batch, name) for name in _BATCH_TENSORS}
+
+
+def _batch_of(args: dict, tensors: dict[str, torch.Tensor]) -> TrainBatch:
+    return TrainBatch(**{name: tensors[name] for name in _BATCH_TENSORS}, num_groups=int(args["num_groups"]))
+
+
+class LeaderEngine:
+    """Rank 0's view of a multi-rank ``LearnerEngine``: the same interface, each collective call announced to
+    the followers first. Everything else (``step``, ``version``, ``config``…) is the wrapped engine's.
+
+    Args:
+        engine: rank 0's ``learner.engine.LearnerEngine`` (``torch.distributed`` world size > 1).
+        on_failure: called with the exception when a collective call fails on this rank, before it is
+            re-raised (the actor passes a fail-stop that ends the process: the group is broken then).
+    """
+
+    def __init__(self, engine, on_failure: Callable[[BaseException], None] | None = None) -> None:
+        self._engine = engine
+        self._on_failure = on_failure
+
+    def _run(self, op: str, args: dict, tensors: dict | None, call: Callable[[], Any]):
+        try:
+            send_command(op, args, tensors)
+            return call()
+        except BaseException as exc:
+            if self._on_failure is not None:
+                self._on_failure(exc)
+            raise
+
+    def __getattr__(self, name: str):
+        return getattr(self._engine, name)
+
+    @property
+    def step(self) -> int:
+        return self._engine.step
+
+    @property
+    def version(self) -> int:
+        return self._engine.version
+
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        """Broadcast ``batch`` ([B, L] tensors as in ``TrainBatch``) and step every rank on it."""
+        return self._run("train_step", {"num_groups": batch.num_groups}, _batch_tensors(batch),
+                         lambda: self._engine.train_step(batch))
+
+    def named_weights(self, dtype: torch.dtype | None = torch.bfloat16) -> list[tuple[str, torch.Tensor]]:
+        """Full weights on rank 0; under ZeRO-3 every rank takes part in the per-parameter gathers."""
+        if self._engine.config.zero_stage != 3:
+            return self._engine.named_weights(dtype)
+        return self._run("named_weights", {"dtype": None if dtype is None else str(dtype)}, None,
+                         lambda: self._engine.named_weights(dtype))
+
+    def save_checkpoint(self, root, pending_lease_ids=(), acked_lease_count: int = 0, fingerprint: str = "",
+                        keep_last_n: int | None = None, saver=None, after_commit=None, pending_group_ids=()):
+        """Every rank writes its shard; rank 0 commits (metadata, manifest, rename) and runs ``after_commit``.
+        Always synchronous with more than one rank (``learner.ckpt_engine.save_checkpoint``)."""
+        return self._run("save_checkpoint", {"root": str(root), "fingerprint": fingerprint,
+                                             "keep_last_n": keep_last_n}, None,
+                         lambda: self._engine.save_checkpoint(root, pending_lease_ids, acked_lease_count, fingerprint,
+                                                              keep_last_n, saver, after_commit, pending_group_ids))
+
+    def load_checkpoint(self, path, fingerprint: str = "", force: bool = False):
+        """Every rank loads ``path`` (its own shard and RNG state)."""
+        return self._run("load_checkpoint", {"path": str(path), "fingerprint": fingerprint, "force": force}, None,
+                         lambda: self._engine.load_checkpoint(path, fingerprint, force))
+
+    def export_hf(self, out_dir, tokenizer_dir: str) -> None:
+        return self._run("export_hf", {"out_dir": str(out_dir), "tokenizer_dir": tokenizer_dir}, None,
+                         lambda: self._engine.export_hf(out_dir, tokenizer_dir))
+
+    def stop_followers(self) -> None:
+        """Tell every follower to return from ``follow``."""
+        self._run("stop", {}, None, lambda: None)
+
+
+def follow(engine) -> int:
+    """Follower ranks: run rank 0's collective engine calls until it sends ``stop``; returns the number of
+    commands run. Raises what a failed collective raised (rank 0 gone) or ``RankProtocolError``."""
+    done = 0
+    while True:
+        op, args, tensors = receive_command()
+        if op == "stop":
+            log.info("follower_stopped", rank=dist.get_rank(), commands=done)
+            return done
+        if op == "train_step":
+            engine.train_step(_batch_of(args, tensors))
+        elif op == "named_weights":
+            engine.named_weights(None if args["dtype"] is None else _DTYPES[args["dtype"]])
+        elif op == "save_checkpoint":
+            engine.save_checkpoint(args["root"], fingerprint=args["fingerprint"], keep_last_n=args["keep_last_n"])
+        elif op == "load_checkpoint":
+            engine.load_checkpoint(args["path"], args["fingerprint"], args["force"])
+        elif op == "export_hf":
+            engine.export_hf(args["out_dir"], args["tokenizer_dir"])
+        done += 1

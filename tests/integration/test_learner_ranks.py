@@ -1,0 +1,124 @@
+"""The multi-rank learner's command channel (``learner.ranks``) across two real gloo processes: rank 0's
+``LeaderEngine`` announces each collective call and rank 1's ``follow`` runs the same call with the same
+arguments and bit-identical batch tensors, in order, until ``stop``; an unknown command is refused by name.
+The engines are recording test doubles: what is under test is the channel, not DeepSpeed."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from learner import ranks
+from learner.batch import TrainBatch
+
+
+class RecordingEngine:
+    """Records each call with a digest of its arguments; ``zero_stage`` 3 so weights are a collective too."""
+
+    def __init__(self) -> None:
+        self.calls: list = []
+        self.step = self.version = 0
+        self.config = type("Cfg", (), {"zero_stage": 3})()
+
+    def train_step(self, batch: TrainBatch) -> dict:
+        self.calls.append(["train_step", batch.num_groups, batch.input_ids.tolist(),
+                           batch.behaviour_logprobs.tolist(), batch.response_mask.tolist()])
+        return {"loss": 0.0}
+
+    def named_weights(self, dtype=torch.bfloat16):
+        self.calls.append(["named_weights", str(dtype)])
+        return []
+
+    def save_checkpoint(self, root, pending_lease_ids=(), acked_lease_count=0, fingerprint="", keep_last_n=None,
+                        saver=None, after_commit=None, pending_group_ids=()):
+        self.calls.append(["save_checkpoint", str(root), fingerprint, keep_last_n])
+        return Path(root) / "global_step_0"
+
+    def load_checkpoint(self, path, fingerprint="", force=False):
+        self.calls.append(["load_checkpoint", str(path), fingerprint, force])
+
+    def export_hf(self, out_dir, tokenizer_dir):
+        self.calls.append(["export_hf", str(out_dir), tokenizer_dir])
+
+
+def batch() -> TrainBatch:
+    g = torch.Generator().manual_seed(7)
+    return TrainBatch(input_ids=torch.randint(0, 100, (4, 6), generator=g),
+                      attention_mask=torch.ones(4, 6, dtype=torch.int64),
+                      response_mask=torch.rand(4, 5, generator=g) > 0.5,
+                      behaviour_logprobs=-torch.rand(4, 5, generator=g),
+                      advantages=torch.randn(4, generator=g), rewards=torch.rand(4, generator=g),
+                      staleness=torch.tensor([0, 1, 0, 2]), num_groups=2)
+
+
+def rank_main(rank: int, port: int, out: str, mode: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    engine = RecordingEngine()
+    result: dict = {}
+    try:
+        if rank == 0:
+            if mode == "bad":
+                ranks._broadcast_bytes(json.dumps({"op": "format_disk", "args": {}, "tensors": []}).encode())
+            else:
+                leader = ranks.LeaderEngine(engine)
+                leader.train_step(batch())
+                leader.named_weights(torch.float32)
+                leader.save_checkpoint("/ckpt", ["lease-1"], 3, "fp", 2)
+                leader.load_checkpoint("/ckpt/global_step_0", "fp", True)
+                leader.export_hf("/export", "/tok")
+                leader.stop_followers()
+        else:
+            try:
+                result["commands"] = ranks.follow(engine)
+            except ranks.RankProtocolError as exc:
+                result["error"] = str(exc)
+    finally:
+        result["calls"] = engine.calls
+        Path(out).write_text(json.dumps(result))
+        dist.destroy_process_group()
+
+
+def run_pair(tmp_path: Path, mode: str) -> list[dict]:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    outs = [tmp_path / f"rank{r}.json" for r in range(2)]
+    procs = [ctx.Process(target=rank_main, args=(r, port, str(outs[r]), mode)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+        assert p.exitcode == 0, f"rank exited {p.exitcode}"
+    return [json.loads(o.read_text()) for o in outs]
+
+
+def test_follower_runs_the_leaders_collective_calls_in_order(tmp_path):
+    leader, follower = run_pair(tmp_path, "ok")
+    assert follower["commands"] == 5
+    # the follower saw the same calls with the same arguments and bit-identical batch tensors, in order;
+    # lease ids stay on rank 0 (only it commits checkpoint metadata)
+    assert [c[0] for c in follower["calls"]] == ["train_step", "named_weights", "save_checkpoint",
+                                                 "load_checkpoint", "export_hf"]
+    assert follower["calls"][0] == leader["calls"][0]
+    assert follower["calls"][1:] == [["named_weights", "torch.float32"], ["save_checkpoint", "/ckpt", "fp", 2],
+                                     ["load_checkpoint", "/ckpt/global_step_0", "fp", True],
+                                     ["export_hf", "/export", "/tok"]]
+
+
+def test_an_unknown_command_is_refused_by_name(tmp_path):
+    _, follower = run_pair(tmp_path, "bad")
+    assert "format_disk" in follower["error"] and follower["calls"] == []
+
+
+def test_the_leader_refuses_to_send_an_unknown_command():
+    with pytest.raises(ValueError, match="format_disk"):
+        ranks.send_command("format_disk", {})
