@@ -150,6 +150,12 @@ class LearnerConfig(BaseModel):
     """Sequences per forward/backward; a batch is split into ``ceil(B / micro_batch_size)``
     micro-batches whose gradients are accumulated before one optimizer step."""
 
+    batch_split: Literal["shard", "replicate"] = "shard"
+    """With more than one data-parallel rank: ``shard`` trains each rank on its own contiguous ``B / world``
+    rows of the batch (data parallelism; ``B`` must be a multiple of the world size, so every rank runs the
+    same number of micro-batches and collectives); ``replicate`` feeds every rank the whole batch, so the
+    ranks compute identical gradients (ZeRO's memory partitioning only; bit-identical to one rank)."""
+
     grad_clip: float = Field(1.0, gt=0.0)
     """Global gradient 2-norm clipping threshold (DeepSpeed ``gradient_clipping``)."""
 

@@ -26,6 +26,7 @@ from learner.algorithms import token_logprobs
 from learner.batch import TrainBatch
 from learner.comm_timer import CommTimer
 from learner.config import AlgorithmConfig, LearnerConfig
+from learner.ranks import gather_step_metrics, rank_rows
 from learner.losses import kl_penalty, loss_normaliser, policy_loss, token_entropy, value_loss
 from learner.step_metrics import explained_variance, kish_ess_fraction, merge_metrics, staleness_histogram
 
@@ -187,15 +188,18 @@ class LearnerEngine:
         """
         start = time.perf_counter()
         self.engine.train()
-        normaliser = loss_normaliser(self.algo, batch.response_mask)
+        normaliser = loss_normaliser(self.algo, batch.response_mask)  # of the whole batch, on every rank
         targets = self._critic_targets(batch) if self.critic else None
+        mine, world = rank_rows(batch.batch_size, self.config.batch_split)
         loss_total, parts, rhos = 0.0, [], []
-        for lo in range(0, batch.batch_size, self.config.micro_batch_size):
-            rows = slice(lo, lo + self.config.micro_batch_size)
-            loss, metrics, rho = self._forward_backward(batch, rows, normaliser, targets)
+        for lo in range(mine.start, mine.stop, self.config.micro_batch_size):
+            rows = slice(lo, min(lo + self.config.micro_batch_size, mine.stop))
+            loss, metrics, rho = self._forward_backward(batch, rows, normaliser, targets, grad_scale=world)
             loss_total += loss
             parts.append(metrics)
             rhos.append(rho)
+        if world > 1:  # every rank saw its shard only: metrics over the whole batch
+            loss_total, parts, rhos = gather_step_metrics(loss_total, parts, rhos)
         local_norm = self._local_grad_norm() if self.engine.optimizer is self.engine.basic_optimizer else None
         t_update = time.perf_counter()
         self.engine.step()
@@ -273,9 +277,11 @@ class LearnerEngine:
         return CriticTargets(advantages=advantages, returns=returns, old_values=old_values)
 
     def _forward_backward(
-        self, batch: TrainBatch, rows: slice, normaliser: float, targets: CriticTargets | None
+        self, batch: TrainBatch, rows: slice, normaliser: float, targets: CriticTargets | None, grad_scale: int = 1
     ) -> tuple[float, dict, torch.Tensor]:
-        """Forward/backward one micro-batch; returns (loss, metrics, valid tokens' rho = prox/behaviour)."""
+        """Forward/backward one micro-batch; returns (loss, metrics, valid tokens' rho = prox/behaviour).
+        ``grad_scale``: the backward loss is multiplied by it (the world size when the batch is sharded:
+        DeepSpeed averages gradients over ranks, and the whole batch's gradient is their sum)."""
         input_ids, attention_mask, mask = self._micro_inputs(batch, rows)
         cols = slice(0, input_ids.shape[1] - 1)
         logits, values = self._forward(input_ids, attention_mask)
@@ -299,7 +305,7 @@ class LearnerEngine:
             loss = loss + self.algo.value_coef * vloss
             metrics["value_loss"] = float(vloss.detach()) * normaliser / max(vmetrics["valid_tokens"], 1.0)
             metrics["value_clip_frac"] = vmetrics["value_clip_frac"]
-        self.engine.backward(loss, scale_wrt_gas=False)
+        self.engine.backward(loss * grad_scale if grad_scale != 1 else loss, scale_wrt_gas=False)
         rho = torch.exp(logprobs.detach() - behaviour)[mask]
         return float(loss.detach()), metrics, rho.cpu()
 

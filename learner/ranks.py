@@ -39,16 +39,71 @@ class RankProtocolError(RuntimeError):
     """A follower received a command it does not know, or a malformed header."""
 
 
+_CONTROL: list = []
+
+
+def control_group():
+    """The process group the rank commands and step metrics travel on: the default group under gloo, else
+    (NCCL on GPUs, which only moves CUDA tensors) a gloo group over the same ranks, created on first use —
+    every rank's first command or metrics exchange, so all ranks create it in the same order."""
+    if not _CONTROL:
+        _CONTROL.append(None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo"))
+    return _CONTROL[0]
+
+
 def _broadcast_bytes(payload: bytes | None) -> bytes:
     """Rank 0 sends ``payload``; every rank returns it. Two broadcasts: an int64 length, then uint8 bytes."""
-    rank0 = dist.get_rank() == 0
+    rank0, group = dist.get_rank() == 0, control_group()
     length = torch.tensor([len(payload) if rank0 else 0], dtype=torch.int64)
-    dist.broadcast(length, src=0)
+    dist.broadcast(length, src=0, group=group)
     buf = (torch.frombuffer(bytearray(payload), dtype=torch.uint8) if rank0 and payload
            else torch.empty(int(length.item()), dtype=torch.uint8))
     if int(length.item()):
-        dist.broadcast(buf, src=0)
+        dist.broadcast(buf, src=0, group=group)
     return bytes(buf.numpy().tobytes())
+
+
+def all_gather_json(obj: Any) -> list[Any]:
+    """Every rank's JSON-serialisable ``obj``, in rank order (uint8 all-gathers on ``control_group``)."""
+    group, world = control_group(), dist.get_world_size()
+    data = json.dumps(obj).encode()
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64), group=group)
+    longest = max(int(s.item()) for s in sizes)
+    buf = torch.zeros(longest, dtype=torch.uint8)
+    buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    bufs = [torch.empty(longest, dtype=torch.uint8) for _ in range(world)]
+    dist.all_gather(bufs, buf, group=group)
+    return [json.loads(b[: int(s.item())].numpy().tobytes()) for b, s in zip(bufs, sizes)]
+
+
+def rank_rows(batch_size: int, split: str) -> tuple[range, int]:
+    """``(rows this rank trains on, gradient scale)`` for a batch of ``batch_size`` rows.
+
+    ``split == "shard"`` with world size ``W > 1``: rank ``r`` gets rows ``[r B/W, (r+1) B/W)`` and the scale is
+    ``W`` (DeepSpeed averages gradients over data-parallel ranks; the batch gradient is their sum). Otherwise
+    every row, scale 1. Raises ``ValueError`` when sharding a batch that is not a multiple of ``W`` (ranks
+    would run different numbers of micro-batches, i.e. of collectives)."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if split != "shard" or world == 1:
+        return range(batch_size), 1
+    if batch_size % world:
+        raise ValueError(f"batch of {batch_size} rows cannot be sharded over {world} data-parallel ranks: make "
+                         f"groups_per_step * group_size a multiple of {world}, or set batch_split: replicate")
+    share = batch_size // world
+    rank = dist.get_rank()
+    return range(rank * share, (rank + 1) * share), world
+
+
+def gather_step_metrics(loss: float, parts: list[dict], rhos: list[torch.Tensor]
+                        ) -> tuple[float, list[dict], list[torch.Tensor]]:
+    """A sharded step's per-rank results made whole-batch on every rank: the loss summed (each rank's is its
+    share of the batch-normalised total), the micro-batch metric dicts and importance ratios ([N] float32)
+    concatenated in rank order."""
+    mine = {"loss": loss, "parts": parts, "rhos": [r.tolist() for r in rhos]}
+    every = all_gather_json(mine)
+    return (sum(e["loss"] for e in every), [p for e in every for p in e["parts"]],
+            [torch.tensor(r, dtype=torch.float32) for e in every for r in e["rhos"]])
 
 
 def send_command(op: str, args: dict[str, Any], tensors: dict[str, torch.Tensor] | None = None) -> None:
@@ -63,7 +118,7 @@ def send_command(op: str, args: dict[str, Any], tensors: dict[str, torch.Tensor]
     header = {"op": op, "args": args, "tensors": [[n, str(t.dtype), list(t.shape)] for n, t in tensors.items()]}
     _broadcast_bytes(json.dumps(header).encode())
     for t in tensors.values():
-        dist.broadcast(t.detach().to("cpu").contiguous(), src=0)
+        dist.broadcast(t.detach().to("cpu").contiguous(), src=0, group=control_group())
 
 
 def receive_command() -> tuple[str, dict[str, Any], dict[str, torch.Tensor]]:
@@ -82,7 +137,7 @@ def receive_command() -> tuple[str, dict[str, Any], dict[str, torch.Tensor]]:
         if dtype not in _DTYPES:
             raise RankProtocolError(f"tensor {name!r}: dtype {dtype!r} is not one of {sorted(_DTYPES)}")
         t = torch.empty(shape, dtype=_DTYPES[dtype])
-        dist.broadcast(t, src=0)
+        dist.broadcast(t, src=0, group=control_group())
         tensors[name] = t
     return op, args, tensors
 

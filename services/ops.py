@@ -179,7 +179,9 @@ def format_status(st: dict) -> str:
     for s in st["services"]:
         lines.append(f"{s['name']:<12}{fmt(s['pid']):>8}  {fmt(s['node']):<16}{fmt(s['version']):>8}"
                      f"{s['restarts']:>10}  {fmt(s.get('metrics_port')):>8}  {s['address'] or '-'}")
-    lines += [f"policy     learner v{fmt(st['learner_version'])}, rollouts {st['rollout_versions']}, "
+    ranks = st.get("learner_ranks", 1)
+    lines += [f"policy     learner v{fmt(st['learner_version'])}{f' ({ranks} ranks)' if ranks > 1 else ''}, "
+              f"rollouts {st['rollout_versions']}, "
               f"lag {fmt(st['lag'])} versions",
               f"throughput generate {st['rollout_tokens_per_s']:.0f} tok/s, learn "
               f"{fmt(st['learner_tokens_per_s'], '.0f')} tok/s",

@@ -186,6 +186,11 @@ class Recipe(BaseModel):
         if self.determinism == "lockstep" and self.replay.max_staleness < self.lockstep_lag:
             raise ValueError(f"replay.max_staleness ({self.replay.max_staleness}) must be >= lockstep_lag "
                              f"({self.lockstep_lag}): lockstep trains every group at exactly that lag")
+        world, rows = self.placement.learner.world_size, self.learner.groups_per_step * self.rollout.group_size
+        if world > 1 and self.learner.engine.batch_split == "shard" and rows % world:
+            raise ValueError(f"learner.groups_per_step * rollout.group_size ({rows} rows) must be a multiple of "
+                             f"placement.learner.world_size ({world}) to shard each batch over the ranks; or set "
+                             "learner.engine.batch_split: replicate")
         return self
 
     @property

@@ -279,6 +279,7 @@ class Supervisor:
                 "version": None,
                 "restarts": 0, "failures": 0, "starting": True} for n in self.starting],
             "learner_version": version,
+            "learner_ranks": 1 + len(self.learner.followers),
             "rollout_versions": [r.get("version") for r in rollouts],
             "lag": (version - min(r["version"] for r in rollouts)) if rollouts and version is not None else None,
             "rollout_tokens_per_s": sum(r.get("tokens_per_s", 0.0) for r in rollouts),

@@ -3,10 +3,11 @@ checkpoint written by a different data-parallel world size, and optionally check
 
     RANK=r WORLD_SIZE=w LOCAL_RANK=r MASTER_ADDR=127.0.0.1 MASTER_PORT=p \\
     python -m tests.integration.reshard_proc MODEL ROOT OUT STEPS [--save-at K] [--resume CKPT]
-        [--zero-stage 2] [--dtype fp32] [--sabotage-optimizer]
+        [--zero-stage 2] [--dtype fp32] [--sabotage-optimizer] [--batch-split replicate|shard]
 
-Every rank is fed the whole batch of step ``s`` (``_table(seed=s)``), as ``LearnerEngine.train_step``
-does today. Rank 0 writes the final fp32 parameters to ``OUT`` (safetensors) and ``OUT.json``
+Every rank is fed the whole batch of step ``s`` (``_table(seed=s)``, 6 rows); with ``--batch-split replicate``
+(the default here) each rank trains on all of it, with ``shard`` on its own rows (``LearnerConfig.batch_split``).
+The last step's metrics go to ``OUT.metrics.json``. Rank 0 writes the final fp32 parameters to ``OUT`` (safetensors) and ``OUT.json``
 (``{"step", "version", "world_size"}``). ``--sabotage-optimizer`` drops the AdamW moments after the
 resume (ZeRO-1/2 only), so the test can show its comparison would notice a reshard that loses them.
 """
@@ -40,17 +41,19 @@ def main() -> None:
     p.add_argument("--zero-stage", type=int, default=2)
     p.add_argument("--dtype", default="fp32")
     p.add_argument("--sabotage-optimizer", action="store_true")
+    p.add_argument("--batch-split", default="replicate", choices=("replicate", "shard"))
     args = p.parse_args()
     torch.set_num_threads(1)
     cfg = LearnerConfig(model=args.model, zero_stage=args.zero_stage, dtype=args.dtype, micro_batch_size=2,
-                        lr=1e-3, seed=7)
+                        lr=1e-3, seed=7, batch_split=args.batch_split)
     engine = LearnerEngine(cfg, ALGO)
     if args.resume:
         engine.load_checkpoint(Path(args.resume), fingerprint=FINGERPRINT)
         if args.sabotage_optimizer:
             engine.engine.optimizer.optimizer.state.clear()
+    metrics = {}
     while engine.step < args.steps:
-        engine.train_step(build_train_batch(_table(seed=engine.step), 0, engine.version, ALGO))
+        metrics = engine.train_step(build_train_batch(_table(seed=engine.step), 0, engine.version, ALGO))
         if engine.step == args.save_at:
             engine.save_checkpoint(args.root, fingerprint=FINGERPRINT)
     weights = {n: t.contiguous() for n, t in engine.named_weights(dtype=torch.float32)}
@@ -58,6 +61,7 @@ def main() -> None:
         save_file(weights, args.out)
         doc = {"step": engine.step, "version": engine.version, "world_size": dist.get_world_size()}
         Path(f"{args.out}.json").write_text(json.dumps(doc))
+        Path(f"{args.out}.metrics.json").write_text(json.dumps(metrics))
     dist.barrier()
     dist.destroy_process_group()
 

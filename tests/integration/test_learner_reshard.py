@@ -3,9 +3,9 @@
 if uninterrupted.
 
 Every rank is a fresh ``python`` process (``reshard_proc``) on the tiny Llama with attention dropout 0.1,
-so training consumes the torch RNG and a rank resumed without RNG state would diverge. Each rank is fed
-the whole batch (``LearnerEngine.train_step`` splits nothing per rank), so world size 2 all-reduces two
-identical gradients and its update equals world size 1's: measured max |Δθ| = 0.0 (fp32 and bf16, ZeRO
+so training consumes the torch RNG and a rank resumed without RNG state would diverge. Each rank trains on
+the whole batch (``batch_split: replicate``; sharding is tested in ``test_learner_data_parallel``), so world
+size 2 all-reduces two identical gradients and its update equals world size 1's: measured max |Δθ| = 0.0 (fp32 and bf16, ZeRO
 1/2/3) on this machine; the tolerance below leaves room for float reduction order only.
 """
 

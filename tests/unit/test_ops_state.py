@@ -65,6 +65,8 @@ def test_status_text_shows_services_versions_lag_and_restarts():
     assert lines[8] == "checkpoint runs/r/checkpoints/global_step_7 (12 s old)"
     assert lines[9] == "rollouts   1 running, 2 desired"
     assert ops.format_status({}).startswith("status not published yet")
+    two_ranks = ops.format_status({**state.status(), "learner_ranks": 2}).splitlines()
+    assert two_ranks[5] == "policy     learner v7 (2 ranks), rollouts [6], lag 1 versions"
 
 
 def test_recorded_ray_address_is_used_unless_one_is_given(tmp_path):

@@ -94,6 +94,15 @@ def test_placement_section_is_validated_and_printed():
     assert "gyre:smollm2-arith:rollout-i ×1  num_cpus=0 num_gpus=0.5 rollout_nodes=1" in text
 
 
+def test_a_batch_that_cannot_be_sharded_over_the_ranks_is_named():
+    placement = {"learner": {"world_size": 3, "strategy": "PACK"}}
+    with pytest.raises(RecipeError) as err:  # the default recipe: 4 groups × 8 samples = 32 rows
+        load_recipe(DEFAULT, {"placement": placement})
+    assert "(32 rows) must be a multiple of placement.learner.world_size (3)" in str(err.value)
+    ok = load_recipe(DEFAULT, {"placement": placement, "learner.engine.batch_split": "replicate"})
+    assert ok.learner.engine.batch_split == "replicate"
+
+
 @pytest.mark.parametrize("placement, message", [
     ({"learner": {"world_size": 2}}, "world_size 2 > 1 needs a placement group"),
     ({"critic": {"num_gpus": 1}}, "placement.critic: unknown key"),
