@@ -48,8 +48,14 @@ class LearnerGroup:
         placement = recipe.placement.learner
         self.name = f"gyre:{recipe.name}:learner-pg"
         self.world_size = placement.world_size
-        self.group = self._get() or placement_group(placement.bundles(), strategy=placement.strategy,
-                                                     name=self.name, lifetime="detached")
+        self.group = self._get()
+        if self.group is not None and self.group.bundle_count != self.world_size:  # the recipe's world size changed
+            log.warning("learner_group_resized", name=self.name, was=self.group.bundle_count, now=self.world_size)
+            remove_placement_group(self.group)
+            self.group = None
+        if self.group is None:
+            self.group = placement_group(placement.bundles(), strategy=placement.strategy, name=self.name,
+                                         lifetime="detached")
         try:
             ray.get(self.group.ready(), timeout=READY_TIMEOUT_S)
         except ray.exceptions.GetTimeoutError as exc:

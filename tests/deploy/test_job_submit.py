@@ -43,6 +43,8 @@ def test_job_submit_runs_a_recipe(tiny_llama, tmp_path):
 
         out = run_dir / "tiny-cluster"
         assert json.loads((out / "summary.json").read_text())["final_version"] == 1
+        # the recipe's learner is two DeepSpeed ranks in a placement group: both wrote the final checkpoint
+        assert json.loads((out / "checkpoints" / "global_step_1" / "metadata.json").read_text())["world_size"] == 2
         assert [r["step"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r] == [1]
         assert json.loads((out / "recipe.json").read_text())["ray"]["address"] == "auto"
 
