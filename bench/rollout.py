@@ -3,8 +3,10 @@
 Baselines are measured in the same run, on the same machine:
 
 - ``rollout_overhead_ratio``: tokens/s of gyre's ``RolloutEngine.generate`` (groups of ``n``, behaviour
-  logprobs, version spans, ``Sample`` conversion) with a weight subscriber attached ÷ bare vLLM
-  ``AsyncLLM.generate`` of the same prompts, ``n`` and lengths on the same engine (alternated, medians).
+  logprobs, version spans, ``Sample`` conversion) with the service's weight subscriber attached (idle) ÷
+  bare vLLM ``AsyncLLM.generate`` of the same prompts, ``n``, lengths and sampling settings, also asking
+  for the sampled tokens' logprobs, on the same engine; rounds alternate which goes first; median of the
+  per-round ratios.
 - ``weight_sync_ratio``: GB/s of one version delivered to 2 ``WeightSubscriber``s (staged, CRC32
   verified) from a WeightService subprocess ÷ 2 clients draining a raw grpcio byte stream of the same
   bytes in the same message size from a subprocess with the same server options (alternated, medians).
@@ -25,8 +27,8 @@ import sys
 import time
 from pathlib import Path
 
-from bench.rollout_parts import (WeightServerProc, bare_vllm_tokens, gyre_fetch_s, gyre_tokens, raw_fetch_s,
-                                 serve_weights)
+from bench.rollout_parts import (WeightFeed, WeightServerProc, bare_vllm_tokens, gyre_fetch_s, gyre_tokens,
+                                 raw_fetch_s, serve_weights)
 from bench.replay_parts import free_port
 
 SMOLLM2 = Path(__file__).resolve().parents[1] / ".cache/models/SmolLM2-135M-Instruct"
@@ -53,6 +55,12 @@ def weight_sync(total_bytes: int, rounds: int) -> dict:
 
 
 async def generation(engine, prompts, n: int, max_tokens: int, rounds: int) -> dict:
+    """tok/s of ``RolloutEngine.generate`` and of bare ``AsyncLLM.generate`` on the same engine and load.
+
+    Each round runs both back to back (which goes first alternates). ``rollout_overhead_ratio`` is the
+    median of the per-round ratios: load from other processes that drifts between rounds (a shared
+    machine) hits both halves of a pair alike. The ratio of the two medians is reported beside it.
+    """
     await gyre_tokens(engine, prompts[:2], n, 4)  # warm up both paths
     await bare_vllm_tokens(engine._llm, prompts[:2], n, 4)
     gyre, bare = [], []
@@ -63,45 +71,33 @@ async def generation(engine, prompts, n: int, max_tokens: int, rounds: int) -> d
             t0 = time.perf_counter()
             tokens = await run()
             rates.append(tokens / (time.perf_counter() - t0))
+    ratios = sorted(g / b for g, b in zip(gyre, bare))
     g, b = statistics.median(gyre), statistics.median(bare)
-    return {"rollout_overhead_ratio": round(g / b, 3), "gyre_tok_s": round(g, 1), "bare_vllm_tok_s": round(b, 1)}
+    return {"rollout_overhead_ratio": round(statistics.median(ratios), 3),
+            "rollout_overhead_ratio_range": [round(ratios[0], 3), round(ratios[-1], 3)],
+            "rollout_overhead_ratio_of_medians": round(g / b, 3), "generation_rounds": rounds,
+            "gyre_tok_s": round(g, 1), "bare_vllm_tok_s": round(b, 1)}
 
 
-async def sync_apply(engine, rounds: int) -> dict:
-    from learner.publisher import WeightPublisher
-    from services import weight_server
-    from services.weight_transport import make_transport
+async def sync_apply(feed: WeightFeed, rounds: int) -> dict:
+    """SmolLM2 versions published on ``feed``: seconds until the engine reports each (median)."""
     from services.weight_transport.bootstrap import load_export
 
-    base = load_export(SMOLLM2)
-    pub = WeightPublisher()
-    server, port = weight_server.serve(pub)
-    loop = asyncio.get_running_loop()
-    arrived, applied = [], []
-
-    def on_version(version, tensors) -> None:
-        arrived.append(time.perf_counter())
-        applied.append(asyncio.run_coroutine_threadsafe(engine.update_weights(version, tensors), loop).result())
-    transport = make_transport(engine._config.weight_transport, f"127.0.0.1:{port}", on_version,
-                               have_version=engine.version, name="bench").start()
+    base, engine = load_export(SMOLLM2), feed.engine
     times, delivered = [], []
-    try:
-        for i in range(rounds):
-            version = engine.version + 1
-            named = [(n, t * (1.0 + 1e-3 * (i + 1))) for n, t in base]
-            t0 = time.perf_counter()
-            pub.publish(version, named)
-            while engine.version < version:
-                await asyncio.sleep(0.005)
-            times.append(time.perf_counter() - t0)
-            delivered.append(arrived[-1] - t0)
-    finally:
-        transport.stop()
-        server.stop(0)
+    for i in range(rounds):
+        version = engine.version + 1
+        named = [(n, t * (1.0 + 1e-3 * (i + 1))) for n, t in base]
+        t0 = time.perf_counter()
+        feed.publisher.publish(version, named)
+        while engine.version < version:
+            await asyncio.sleep(0.005)
+        times.append(time.perf_counter() - t0)
+        delivered.append(feed.arrived[-1] - t0)
     nbytes = sum(t.numel() * t.element_size() for _, t in base)
     return {"smollm2_sync_apply_s": round(statistics.median(times), 3), "smollm2_bytes": nbytes,
             "smollm2_publish_to_verified_s": round(statistics.median(delivered), 3),
-            "smollm2_engine_apply_s": round(statistics.median(applied), 3)}
+            "smollm2_engine_apply_s": round(statistics.median(feed.applied_s), 3)}
 
 
 async def engine_part(quick: bool) -> dict:
@@ -110,14 +106,16 @@ async def engine_part(quick: bool) -> dict:
 
     engine = await RolloutEngine.start(EngineConfig(model=str(SMOLLM2), kv_cache_gib=1.0, max_model_len=512,
                                                     max_num_seqs=64), initial_version=0)
+    feed = WeightFeed(engine, asyncio.get_running_loop())  # the service's weight subscriber, attached throughout
     try:
         prompts = [[1 + (7 * i + j) % 4000 for j in range(32)] for i in range(8)]
-        out = await generation(engine, prompts, n=4, max_tokens=32 if quick else 96, rounds=4 if quick else 10)
-        out.update(await sync_apply(engine, rounds=3 if quick else 7))
+        out = await generation(engine, prompts, n=4, max_tokens=32 if quick else 96, rounds=10 if quick else 16)
+        out.update(await sync_apply(feed, rounds=3 if quick else 7))
         return out
     finally:
+        feed.stop()
         await engine.shutdown()
-        del engine
+        del engine, feed
         gc.collect()  # vLLM's AsyncLLM.__del__ fails if it first runs at interpreter exit
 
 

@@ -110,12 +110,17 @@ def raw_fetch_s(address: str, subscribers: int) -> tuple[float, int]:
 
 
 async def bare_vllm_tokens(llm, prompts: list[list[int]], n: int, max_tokens: int) -> int:
-    """Bare ``AsyncLLM.generate`` of every prompt (groups of ``n``) concurrently; returns tokens made."""
+    """Bare ``AsyncLLM.generate`` of every prompt (groups of ``n``) concurrently; returns tokens made.
+
+    It requests what ``RolloutEngine.generate`` requests (``rollout/engine.py``): the same sampling
+    settings, final outputs only, and the sampled token's logprob (``logprobs=0``: vLLM's sampler
+    computes it and the output processor returns it per token), so both paths ask vLLM for the same work.
+    """
     from vllm import SamplingParams
     from vllm.inputs.engine import tokens_input
     from vllm.sampling_params import RequestOutputKind
 
-    params = SamplingParams(n=n, temperature=1.0, max_tokens=max_tokens, ignore_eos=True,
+    params = SamplingParams(n=n, temperature=1.0, top_p=1.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0,
                             output_kind=RequestOutputKind.FINAL_ONLY)
 
     async def one(p: list[int]) -> int:
@@ -130,6 +135,34 @@ async def gyre_tokens(engine, prompts: list[list[int]], n: int, max_tokens: int)
     """The same load through ``RolloutEngine.generate`` (behaviour logprobs, version spans, ``Sample``s)."""
     from rollout.config import SamplingConfig
 
-    sampling = SamplingConfig(temperature=1.0, max_new_tokens=max_tokens, ignore_eos=True)
+    sampling = SamplingConfig(temperature=1.0, top_p=1.0, max_new_tokens=max_tokens, ignore_eos=True)
     groups = await asyncio.gather(*(engine.generate(p, n, sampling, f"gyre-{uuid.uuid4().hex}") for p in prompts))
     return sum(len(s.token_ids) for g in groups for s in g)
+
+
+class WeightFeed:
+    """A rollout service's weight path in one process: an in-process learner ``WeightService`` and the
+    engine's configured weight transport subscribed to it, applying every version it receives to ``engine``
+    (``RolloutEngine.update_weights`` on ``loop``). Idle until ``publisher.publish``."""
+
+    def __init__(self, engine, loop: asyncio.AbstractEventLoop) -> None:
+        from services.weight_transport import make_transport
+
+        self.engine, self.loop = engine, loop
+        self.publisher = WeightPublisher()
+        self.server, port = weight_server.serve(self.publisher)
+        self.arrived: list[float] = []
+        """``perf_counter`` when each version had arrived, verified, at the subscriber."""
+        self.applied_s: list[float] = []
+        """Seconds ``update_weights`` took for each version."""
+        self.transport = make_transport(engine._config.weight_transport, f"127.0.0.1:{port}", self._on_version,
+                                        have_version=engine.version, name="bench").start()
+
+    def _on_version(self, version: int, tensors) -> None:
+        self.arrived.append(time.perf_counter())
+        future = asyncio.run_coroutine_threadsafe(self.engine.update_weights(version, tensors), self.loop)
+        self.applied_s.append(future.result())
+
+    def stop(self) -> None:
+        self.transport.stop()
+        self.server.stop(0)
