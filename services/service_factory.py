@@ -123,7 +123,14 @@ class ServiceFactory:
                               ranks=rank_env(0, world, master_addr, master_port), scheduling_strategy=group.bundle(0))
         for follower in followers:
             follower.follow.remote()  # runs once its DeepSpeed init (a collective with rank 0's) returned
-        return Service("learner", "learner", handle, ray.get(handle.weights_address.remote()), followers=followers)
+        try:  # a rank that dies while starting fails this at once (rank 0 would wait in the rendezvous)
+            *_, address = ray.get([f.describe.remote() for f in followers] + [handle.weights_address.remote()],
+                                  timeout=learner_group.READY_TIMEOUT_S)
+        except Exception:
+            for h in [handle, *followers]:  # the group starts whole or not at all; the supervisor retries
+                ray.kill(h, no_restart=True)
+            raise
+        return Service("learner", "learner", handle, address, followers=followers)
 
     def attach_followers(self) -> list | None:
         """The live ranks >= 1 of a re-attached multi-rank learner, or ``None`` if any is missing."""
