@@ -10,7 +10,8 @@ Every ratio's baseline is measured in the same run, on the same machine and disk
   then released) at two buffer sizes, 10k/100k trajectories with ``--quick``, 100k/1M without.
 - ``snapshot_ratio``: snapshot MB/s (stored Arrow bytes ÷ the server's capture-to-commit time, otherwise idle) ÷
   writing the same number of bytes sequentially to the same directory with one fsync (alternated, medians).
-  ``insert_p99_during_snapshot_ratio``: insert RPC p99 while snapshots run ÷ p99 with none running.
+  ``insert_p99_during_snapshot_ratio``: insert RPC p99 while snapshots run ÷ p99 with none running
+  (3 alternated rounds of >= 40 inserts each way, pooled).
 - ``restore_s_per_gb``: the restarted server's restore time (newest snapshot + WAL tail after a
   ``kill -9``) per GB of stored Arrow data.
 """
@@ -89,15 +90,17 @@ def insert_latencies(client: ReplayClient, first_prompt: int, n: int, while_aliv
     return out
 
 
-def snapshots_under_load(client: ReplayClient, next_prompt: int) -> tuple[list[float], list[float], int]:
-    """Snapshot RPC times and insert latencies while they run; returns (snap_s, insert_s, next_prompt)."""
+def snapshots_under_load(client: ReplayClient, next_prompt: int, min_inserts: int = 40,
+                         max_snapshots: int = 4) -> tuple[list[float], list[float], int]:
+    """Snapshot RPC times and insert latencies while they run (snapshots one after another until
+    ``min_inserts`` inserts ran during them); returns (snap_s, insert_s, next_prompt)."""
     snaps, during = [], []
     def snapshot() -> None:
         t0 = time.perf_counter()
         client.snapshot()
         snaps.append(time.perf_counter() - t0)
 
-    while len(during) < 100 and len(snaps) < 8:
+    while len(during) < min_inserts and len(snaps) < max_snapshots:
         t = threading.Thread(target=snapshot)
         t.start()
         time.sleep(0.005)
@@ -106,6 +109,19 @@ def snapshots_under_load(client: ReplayClient, next_prompt: int) -> tuple[list[f
         during += got
         t.join()
     return snaps, during, next_prompt
+
+
+def insert_p99_rounds(client: ReplayClient, next_prompt: int, rounds: int = 3,
+                      per_round: int = 40) -> tuple[list[float], list[float], int]:
+    """Insert latencies with no snapshot running and while snapshots run, in alternated rounds (so a
+    change of load on the machine hits both alike); returns (idle_s, during_s, next_prompt)."""
+    idle, during = [], []
+    for _ in range(rounds):
+        idle += insert_latencies(client, next_prompt, per_round)
+        next_prompt += per_round * GROUPS
+        _, got, next_prompt = snapshots_under_load(client, next_prompt, per_round)
+        during += got
+    return idle, during, next_prompt
 
 
 def ingest_phase(root: Path, batches: int, rounds: int) -> dict:
@@ -142,15 +158,13 @@ def snapshot_phase(server: Server, client: ReplayClient, root: Path, next_prompt
         snap_s.append(client.info().last_snapshot_seconds)  # capture → commit, as timed by the server
         seq.append(sequential_write_mb_s(root, stored_bytes))
     snap_mb_s, seq_mb_s = stored_bytes / 1e6 / statistics.median(snap_s), statistics.median(seq)
-    idle = insert_latencies(client, next_prompt, 100)
-    next_prompt += 100 * GROUPS
-    _, during, next_prompt = snapshots_under_load(client, next_prompt)
+    idle, during, next_prompt = insert_p99_rounds(client, next_prompt)
     out = dict(stored_gb=round(stored_bytes / 1e9, 3), snapshot_s=round(statistics.median(snap_s), 3),
                snapshot_mb_s=round(snap_mb_s, 1), sequential_write_mb_s=round(seq_mb_s, 1),
                snapshot_ratio=round(snap_mb_s / seq_mb_s, 3), insert_p99_idle_ms=round(p99_ms(idle), 2),
                insert_p99_during_snapshot_ms=round(p99_ms(during), 2),
                insert_p99_during_snapshot_ratio=round(p99_ms(during) / p99_ms(idle), 3),
-               inserts_during_snapshots=len(during))
+               inserts_idle=len(idle), inserts_during_snapshots=len(during))
     print(f"snapshot {snap_mb_s:.0f} MB/s vs sequential write {seq_mb_s:.0f} MB/s; insert p99 idle "
           f"{out['insert_p99_idle_ms']} ms, during snapshots {out['insert_p99_during_snapshot_ms']} ms", flush=True)
     return out, next_prompt

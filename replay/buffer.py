@@ -12,6 +12,7 @@ A caller therefore never sees an answer describing state a crash could take back
 
 from __future__ import annotations
 
+import contextlib
 import random
 import threading
 import time
@@ -58,9 +59,13 @@ class TrajectoryBuffer:
         self._waiting: Counter[int] = Counter()
         self._inserts, self._samples = RateWindow(), RateWindow()
         self.durability = None
+        self._foreground = None
+        """The durability's ``ForegroundGate``: an insert's store step is foreground work that a
+        snapshot's background steps wait for (``replay.files``)."""
         if config.dir is not None:  # restore first, then log every change from here on
             self.durability = Durability(self)
             self._wal = self.durability.wal
+            self._foreground = self.durability.foreground
             self.durability.start()
 
     @property
@@ -110,7 +115,7 @@ class TrajectoryBuffer:
         """``insert`` without the durability wait: returns ``(result, lsn)``; the caller must
         ``wait_durable(lsn)`` before acknowledging (lets a stream store the next batch meanwhile)."""
         rec, encoded = Record("insert"), None
-        with self._prepare_lock:
+        with self._urgent(), self._prepare_lock:
             if self._wal is not None and payload is None:
                 payload = to_ipc(table)
             plan = split_groups(table, None if payload is None else len(payload))
@@ -121,14 +126,24 @@ class TrajectoryBuffer:
         with self._lock:
             if not self._wait(lambda: self.state.can_insert(max(self._waiting, default=0)), deadline):
                 raise RateLimitedError(self.state.limiter.why_not_insert())
-            before = self.state.next_key
-            lsn, result = self._commit(rec, encoded, plan)
-            evict = self.state.eviction_keys(self.state.next_key - before)
-            if evict:
-                lsn, _ = self._commit(Record("evict", {"keys": evict}))
+            with self._urgent():  # not the rate limiter's wait above: that is no work
+                before = self.state.next_key
+                lsn, result = self._commit(rec, encoded, plan)
+                evict = self.state.eviction_keys(self.state.next_key - before)
+                if evict:
+                    lsn, _ = self._commit(Record("evict", {"keys": evict}))
             self._inserts.add(result.accepted)
             self._lock.notify_all()
         return result, lsn
+
+    def foreground(self):
+        """Context manager marking foreground work (an RPC's store or ack wait): a snapshot's next
+        background step waits for it (``replay.files.ForegroundGate``); a no-op in memory."""
+        return self._urgent()
+
+    def _urgent(self):
+        """Mark foreground work: a snapshot's next background step waits for it (``ForegroundGate``)."""
+        return self._foreground.urgent() if self._foreground is not None else contextlib.nullcontext()
 
     def wait_durable(self, lsn: int) -> None:
         """Block until WAL record ``lsn`` is durable (no-op in memory). Raises ``WalError``."""

@@ -35,7 +35,7 @@ class WalConfig(BaseModel):
 
     compression: Literal["none", "zstd"] = "none"
     """Buffer compression of insert payloads in the WAL. ``none`` appends the client's Arrow IPC bytes
-    as they arrived (no copy, no CPU beyond a crc32), which keeps ingest near the network's speed;
+    as they arrived (no copy, no CPU beyond a CRC-32C), which keeps ingest near the network's speed;
     ``zstd`` spends ~1 ms of CPU per 0.5 MB message (at level 1) for ~30% less disk on random token
     ids. Arrow IPC records the compression per batch, so a log written either way reads back alike."""
 

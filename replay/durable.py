@@ -14,7 +14,11 @@ snapshot is committed, the WAL is made durable up to its position, so a snapshot
 anything the log could lose. After the commit, old snapshots beyond ``keep`` are removed and WAL
 segments covered by the oldest kept snapshot are deleted. The files are written by a low-priority
 thread through Arrow's native writer (the GIL is released while it encodes and writes), so the
-snapshot competes as little as possible with the insert and sample threads.
+snapshot competes as little as possible with the insert and sample threads; its writeback goes in
+1 MiB ranges, and each of its steps (a record batch, a range hashed or written back, a chunk of an old
+file deleted) first lets the foreground work in flight finish — WAL fsyncs and inserts
+(``replay.files.ForegroundGate``) — so inserts neither queue behind the snapshot on the disk nor
+share the cores and the GIL with it for long.
 
 Garbage collection: restore runs with the cycle collector paused and then ``gc.freeze()``s what it
 built; every snapshot freezes the survivors again. Full collections therefore never walk the whole
@@ -35,7 +39,7 @@ from pathlib import Path
 import structlog
 
 from faults import fault_point
-from replay.files import run_in_background
+from replay.files import ForegroundGate, run_in_background
 from replay.restore import RestoreError, RestoreReport, restore
 from replay.snapshot import list_snapshots, remove_snapshot, write_snapshot
 from replay.wal import Wal
@@ -83,7 +87,10 @@ class Durability:
         self.root.mkdir(parents=True, exist_ok=True)
         self.report: RestoreReport = _restore_frozen(buffer.state, self.root)
         self._listeners: list = []
-        self.wal = Wal(self.root / "wal", self.config.wal, self.report.next_lsn, on_fail=self._wal_failed)
+        self.foreground = ForegroundGate()
+        """Foreground first: snapshot steps wait for the WAL fsyncs and inserts in flight (``replay.files``)."""
+        self.wal = Wal(self.root / "wal", self.config.wal, self.report.next_lsn, on_fail=self._wal_failed,
+                       gate=self.foreground)
         self._snap_lock = threading.Lock()
         self._config_hash = hashlib.sha256(self.config.model_dump_json().encode()).hexdigest()
         self._last_lsn = self.report.snapshot_lsn if self.report.snapshot else (0 if self.report.next_lsn == 0 else -1)
@@ -134,10 +141,11 @@ class Durability:
             t0 = time.monotonic()
             self.wal.wait(data.lsn - 1)
             root = self.root / "snapshots"
-            path = run_in_background(write_snapshot, root, data, self.config.snapshot.compression, self._config_hash)
+            path = run_in_background(write_snapshot, root, data, self.config.snapshot.compression, self._config_hash,
+                                     self.foreground)
             self.last_snapshot_seconds = time.monotonic() - t0
             for old in list_snapshots(root)[self.config.snapshot.keep:]:
-                remove_snapshot(old)
+                remove_snapshot(old, self.foreground)
             fault_point("replay.snapshot.before_wal_delete")
             kept = list_snapshots(root)
             deleted = self.wal.delete_covered(int(kept[-1].name[5:])) if kept else []

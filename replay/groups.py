@@ -21,19 +21,19 @@ from replay.config import ReplayConfig
 from replay.selectors import make_selector
 from replay.types import EXCLUDED, LEASED, POOLED, Group, InsertPlan
 
-def _check_ids(table: pa.Table) -> None:
+def _check_ids(table: pa.Table, ints: dict[str, np.ndarray]) -> None:
     """Every ``trajectory_id`` is ``"{prompt_index}-{sample_index}-{attempt}"`` (one int → string cast
-    of the three columns stacked). Uniqueness is checked in ``_check_unique`` once groups are known."""
+    of the three columns stacked); ``ints`` holds those columns as numpy arrays. Uniqueness is checked
+    in ``_check_unique`` once groups are known."""
     n = table.num_rows
     if n == 0:
         return
     for name in ("prompt_index", "sample_index", "attempt"):
-        col = table.column(name)
-        if pc.min(col).as_py() < 0:
-            i = pc.index(pc.less(col, 0), True).as_py()
-            raise SchemaError(f"row {i}: {name} {col[i].as_py()} must be >= 0")
-    stacked = np.concatenate([table.column(c).to_numpy().astype(np.int64)
-                              for c in ("prompt_index", "sample_index", "attempt")])
+        col = ints[name]
+        if col.min() < 0:
+            i = int(np.flatnonzero(col < 0)[0])
+            raise SchemaError(f"row {i}: {name} {int(col[i])} must be >= 0")
+    stacked = np.concatenate([ints[c].astype(np.int64) for c in ("prompt_index", "sample_index", "attempt")])
     text = pc.cast(pa.array(stacked), pa.utf8())
     expected = pc.binary_join_element_wise(text.slice(0, n), text.slice(n, n), text.slice(2 * n, n), "-")
     ok = pc.equal(table.column("trajectory_id"), expected)
@@ -43,10 +43,10 @@ def _check_ids(table: pa.Table) -> None:
                           f"'{{prompt_index}}-{{sample_index}}-{{attempt}}' ({expected[i].as_py()!r})")
 
 
-def _check_unique(table: pa.Table, codes: np.ndarray) -> None:
+def _check_unique(table: pa.Table, codes: np.ndarray, samples: np.ndarray) -> None:
     """No trajectory id twice. Ids are ``"{prompt}-{sample}-{attempt}"`` (checked) and a group has
     one prompt and attempt (checked), so an id repeats exactly when a (group, sample_index) pair does."""
-    key = (codes.astype(np.int64) << 32) | (table.column("sample_index").to_numpy().astype(np.int64) & 0xFFFFFFFF)
+    key = (codes.astype(np.int64) << 32) | (samples.astype(np.int64) & 0xFFFFFFFF)
     ranked = np.argsort(key, kind="stable")
     same = key[ranked[1:]] == key[ranked[:-1]]
     if same.any():
@@ -93,10 +93,11 @@ def split_groups(table: pa.Table, nbytes: int | None = None) -> InsertPlan:
             ``"{prompt_index}-{sample_index}-{attempt}"``, a repeated id, or a group mixing prompts.
     """
     validate_table(table)
-    _check_ids(table)
+    ints = {c: table.column(c).to_numpy() for c in ("prompt_index", "sample_index", "attempt")}
+    _check_ids(table, ints)
     group_ids, order, starts, sizes, codes = _group_rows(table)
     first, last = (x[order] for x in _span_ends(table))
-    prompts, attempts = (table.column(c).to_numpy()[order] for c in ("prompt_index", "attempt"))
+    prompts, attempts = ints["prompt_index"][order], ints["attempt"][order]
     uniform = ((np.minimum.reduceat(prompts, starts) == np.maximum.reduceat(prompts, starts))
                & (np.minimum.reduceat(attempts, starts) == np.maximum.reduceat(attempts, starts)))
     p_l, a_l = prompts[starts].tolist(), attempts[starts].tolist()
@@ -106,7 +107,7 @@ def split_groups(table: pa.Table, nbytes: int | None = None) -> InsertPlan:
         seen = sorted(set(zip(table.column("prompt_index").to_numpy()[rows].tolist(),
                               table.column("attempt").to_numpy()[rows].tolist())))
         raise SchemaError(f"group {group_ids[bad[0]]!r} mixes prompt indices/attempts {seen}")
-    _check_unique(table, codes)
+    _check_unique(table, codes, ints["sample_index"])
     per_row = (table.nbytes if nbytes is None else nbytes) / max(table.num_rows, 1)
     if bool((order[starts + sizes - 1] - order[starts] + 1 == sizes).all()):
         offsets = order[starts]  # every group is one run of the insert: keep the client's table

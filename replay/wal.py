@@ -6,20 +6,25 @@ never appends to a segment it did not create: after a restart it starts a new se
 
 Commit protocol (``durability="fsync"``): the caller appends a record's bytes with one ``write()``
 (under the buffer's lock, so log order is apply order), releases its lock and calls ``wait(lsn)``,
-which returns once a background syncer thread has fsync'd every segment up to ``lsn`` (and the WAL
-directory, when a segment was created). The syncer fsyncs whatever was appended while the previous
-fsync ran, optionally waiting ``group_commit_ms`` first, so concurrent operations share one fsync.
+which returns once every segment up to ``lsn`` is fsync'd (and the WAL directory, when a segment was
+created). Group commit is leader/follower (as in PostgreSQL's and InnoDB's logs): a waiter whose
+record is not durable and finds no fsync in flight becomes the leader and fsyncs everything appended
+so far, optionally waiting ``group_commit_ms`` first; waiters arriving meanwhile wait for it and then
+one of them leads the next fsync, which covers everything appended while the previous one ran. So
+concurrent operations share one fsync, and no thread hand-off sits between a write and its ack.
 A write or fsync error is not retried (after a failed fsync the page cache state is unknown — the
 "fsyncgate" lesson of PostgreSQL): the log fails for good, calls ``on_fail`` once, and every later
 ``append``/``wait`` raises ``WalError`` naming the first error. The service reports NOT_SERVING and must
 be restarted, which restores from what is on disk (every acknowledged record was fsync'd before).
 
 Segments roll once they exceed ``segment_bytes``; the sealed segment is fsync'd and closed by the
-syncer before any record of the new segment is reported durable.
+next fsync leader before any record of the new segment is reported durable. ``durability="buffered"``
+keeps a background thread that writes the queued records every ``group_commit_ms``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -27,7 +32,7 @@ from pathlib import Path
 
 from replay.config import WalConfig
 from faults import fault_point
-from replay.files import fsync_dir
+from replay.files import fsync_dir, remove_gently
 from replay.records import end_of_stream, segment_header
 
 SEGMENT_SUFFIX = ".arrows"
@@ -50,10 +55,12 @@ class Wal:
         next_lsn: LSN of the first record this writer appends.
         on_fail: called once, with the exception, when the log fails (from the thread that saw it,
             holding the log's lock: it must not call back into the log).
+        gate: marks each group-commit fsync ``urgent`` so a snapshot's writeback waits for it
+            (``replay.files.ForegroundGate``); ``None``: no coordination.
     """
 
-    def __init__(self, wal_dir: Path, config: WalConfig, next_lsn: int, on_fail=None) -> None:
-        self.dir, self.config = Path(wal_dir), config
+    def __init__(self, wal_dir: Path, config: WalConfig, next_lsn: int, on_fail=None, gate=None) -> None:
+        self.dir, self.config, self.gate = Path(wal_dir), config, gate
         self.dir.mkdir(parents=True, exist_ok=True)
         self._cv = threading.Condition()
         self._next_lsn = next_lsn
@@ -63,13 +70,14 @@ class Wal:
         self._error: BaseException | None = None
         self._on_fail = on_fail
         self._closed = False
+        self._syncing = False  # a leader's fsync is in flight ("fsync" mode)
         self.bytes_written = 0
         """Bytes appended by this writer (all segments)."""
         self.fsyncs = 0
         """fsync calls on segments (group commit shares one among many records)."""
         self._open_segment()
         self._thread = None
-        if config.durability != "write":
+        if config.durability == "buffered":
             self._thread = threading.Thread(target=self._sync_loop, name="wal-sync", daemon=True)
             self._thread.start()
 
@@ -120,7 +128,8 @@ class Wal:
                 except OSError as exc:
                     self._fail(exc)
                     raise WalError(f"WAL could not start a segment after {self.path}: {exc}") from exc
-            self._cv.notify_all()
+            if self._thread is not None:  # "buffered": the writer thread waits for queued records;
+                self._cv.notify_all()     # fsync waiters wait for a leader, never for an append
             return self._next_lsn - 1
 
     def _roll(self) -> None:
@@ -139,14 +148,43 @@ class Wal:
             self._write(data)
 
     def wait(self, lsn: int) -> None:
-        """Block until the record ``lsn`` is durable under the configured mode. Raises ``WalError``."""
+        """Block until the record ``lsn`` is durable under the configured mode; in ``fsync`` mode the
+        calling thread may run the fsync itself (group commit leader, see the module doc).
+
+        Raises:
+            WalError: the log failed (now or earlier) or is closed.
+            ValueError: ``lsn`` was never appended.
+        """
         if self.config.durability != "fsync":
             self._check()
             return
-        with self._cv:
-            while self._durable_lsn < lsn:
+        while True:
+            with self._cv:
+                while self._durable_lsn < lsn and self._syncing:
+                    self._check()
+                    self._cv.wait(timeout=1.0)
+                if self._durable_lsn >= lsn:
+                    return
                 self._check()
-                self._cv.wait(timeout=1.0)
+                if lsn >= self._next_lsn:
+                    raise ValueError(f"WAL record {lsn} was never appended (next LSN is {self._next_lsn})")
+                self._syncing = True
+            self._lead()
+
+    def _lead(self) -> None:
+        """One group-commit fsync by the calling thread (``_syncing`` is set); fails the log on error."""
+        try:
+            if self.config.group_commit_ms:
+                time.sleep(self.config.group_commit_ms / 1000.0)
+            self._sync_once()
+        except OSError as exc:
+            with self._cv:
+                self._fail(exc)
+            raise WalError(f"WAL {self.dir} failed: {exc}") from exc
+        finally:
+            with self._cv:
+                self._syncing = False
+                self._cv.notify_all()
 
     def _fail(self, exc: BaseException) -> None:
         """Mark the log failed (caller holds ``_cv``) and tell ``on_fail`` the first time."""
@@ -172,8 +210,8 @@ class Wal:
         window = self.config.group_commit_ms / 1000.0
         while True:
             with self._cv:
-                while not self._closed and self._next_lsn - 1 <= self._durable_lsn and not self._pending:
-                    self._cv.wait(timeout=1.0 if self.config.durability == "fsync" else window or 0.005)
+                while not self._closed and not self._pending:
+                    self._cv.wait(timeout=window or 0.005)
                 if self._closed:
                     return
             if window:
@@ -194,22 +232,26 @@ class Wal:
                 self._durable_lsn = target
                 return
         fault_point("replay.wal.before_fsync")
-        for old_fd, _ in sealed:
-            os.fsync(old_fd)
-            os.close(old_fd)
-        os.fsync(fd)  # the current fd is only closed by close(), which joins this thread first
-        if dir_dirty:
-            fsync_dir(self.dir)
+        with self.gate.urgent() if self.gate is not None else contextlib.nullcontext():
+            for old_fd, _ in sealed:
+                os.fsync(old_fd)
+                os.close(old_fd)
+            os.fsync(fd)  # the current fd is only closed by close(), which waits for the leader first
+            if dir_dirty:
+                fsync_dir(self.dir)
         with self._cv:
             self.fsyncs += 1 + len(sealed)
             self._durable_lsn = max(self._durable_lsn, target)
             self._cv.notify_all()
 
     def close(self) -> None:
-        """Write what is pending, end the segment, fsync and close. Idempotent."""
+        """Write what is pending, end the segment, fsync and close (after a leader's fsync in flight
+        ends; later waiters get ``WalError``). Idempotent."""
         with self._cv:
             if self._closed:
                 return
+            while self._syncing:
+                self._cv.wait(timeout=1.0)
             self._closed = True
             self._cv.notify_all()
         if self._thread is not None:
@@ -240,7 +282,7 @@ class Wal:
         firsts = [int(p.stem) for p in files] + [current_first]
         for path, next_first in zip(files, firsts[1:]):
             if next_first <= lsn and path not in open_sealed:
-                path.unlink()
+                remove_gently(path, self.gate)  # covered: a shorter file after a crash is never read
                 deleted.append(path)
         if deleted:
             fsync_dir(self.dir)

@@ -1,7 +1,7 @@
 """Reading WAL segments back: valid records, where they end, and whether a bad tail is torn or corrupt.
 
 A segment is read message by message (``pa.ipc.read_message``) so the byte offset where the valid
-prefix ends is known. The first record that cannot be read or fails its crc32 ends the prefix. What
+prefix ends is known. The first record that cannot be read or fails its checksum ends the prefix. What
 follows decides what it was:
 
 - nothing decodable after it, in the newest segment → a **torn tail**: the crash hit the middle of an
@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from replay.records import RECORD_SCHEMA, CorruptRecordError, Record, decode, end_of_stream
+from replay.records import (RECORD_SCHEMA, RECORD_SCHEMAS, WAL_FORMAT_VERSION, CorruptRecordError, Record,
+                            decode, end_of_stream, record_format)
 from replay.wal import SEGMENT_SUFFIX
 
 _CONTINUATION = b"\xff\xff\xff\xff"
@@ -47,17 +48,17 @@ class SegmentScan:
     """A decodable record exists after the bad one (so this is corruption, not a torn tail)."""
 
 
-def _read_batch(reader: pa.BufferReader) -> pa.RecordBatch:
+def _read_record(reader: pa.BufferReader, fmt: int) -> Record:
     msg = pa.ipc.read_message(reader)
-    return pa.ipc.read_record_batch(msg, RECORD_SCHEMA)
+    return decode(pa.ipc.read_record_batch(msg, RECORD_SCHEMAS[fmt]), fmt)
 
 
-def _decodable_after(buf: pa.Buffer, start: int) -> bool:
+def _decodable_after(buf: pa.Buffer, start: int, fmt: int = WAL_FORMAT_VERSION) -> bool:
     data = buf.to_pybytes()
     pos = data.find(_CONTINUATION, start + 1)
     while pos != -1:
         try:
-            decode(_read_batch(pa.BufferReader(buf.slice(pos))))
+            _read_record(pa.BufferReader(buf.slice(pos)), fmt)
             return True
         except (OSError, EOFError, ValueError, pa.ArrowException):
             pos = data.find(_CONTINUATION, pos + 1)
@@ -76,15 +77,17 @@ def read_segment(path: Path) -> SegmentScan:
         schema = pa.ipc.read_schema(pa.ipc.read_message(reader))
     except (OSError, EOFError, ValueError, pa.ArrowException) as exc:
         return SegmentScan(path, first_lsn, records, ends, 0, 0, buf.size, f"unreadable segment header: {exc}",
-                           _decodable_after(buf, 0))
-    if not schema.equals(RECORD_SCHEMA, check_metadata=True):
+                           any(_decodable_after(buf, 0, fmt) for fmt in RECORD_SCHEMAS))
+    fmt = record_format(schema)
+    if fmt is None:
         return SegmentScan(path, first_lsn, records, ends, 0, 0, buf.size,
-                           f"segment header has schema {schema} / {schema.metadata}; expected {RECORD_SCHEMA}")
+                           f"segment header has schema {schema} / {schema.metadata}; expected WAL format "
+                           f"{sorted(RECORD_SCHEMAS)} ({RECORD_SCHEMA})")
     good = header = reader.tell()
     error = None
     while reader.tell() < buf.size:
         try:
-            records.append(decode(_read_batch(reader)))
+            records.append(_read_record(reader, fmt))
             ends.append(reader.tell())
         except EOFError:  # the end-of-stream marker of a cleanly closed segment
             good = reader.tell()
@@ -97,7 +100,7 @@ def read_segment(path: Path) -> SegmentScan:
         good = reader.tell()
     # A segment that ends with the end-of-stream marker was closed cleanly: nothing in it is torn.
     closed = buf.size >= good + len(_EOS) and buf.slice(buf.size - len(_EOS)).to_pybytes() == _EOS
-    after = (closed or _decodable_after(buf, good)) if error else False
+    after = (closed or _decodable_after(buf, good, fmt)) if error else False
     return SegmentScan(path, first_lsn, records, ends, header, good, buf.size, error, after)
 
 

@@ -57,6 +57,18 @@ def _read_ipc(payload) -> pa.Table:
     return table
 
 
+def _aligned(payload) -> pa.Buffer:
+    """``payload`` as an Arrow buffer whose first byte is 8-byte aligned (Arrow IPC's buffer
+    alignment: Arrow reads IPC buffers in place, and C++ kernels may fault on misaligned ones): as is
+    when it already is, else one copy into Arrow's (64-byte aligned) memory, made with the GIL released."""
+    buf = pa.py_buffer(payload)
+    if buf.address % 8 == 0:
+        return buf
+    out = pa.allocate_buffer(buf.size)
+    pa.FixedSizeBufferWriter(out).write(buf)
+    return out
+
+
 def _aborting(fn):
     """Run a unary handler, turning ``_Abort`` and the buffer's errors into status codes."""
     def handler(self, request, context):
@@ -90,7 +102,10 @@ class ReplayServicer(replay_pb2_grpc.ReplayServiceServicer):
         timeout = self.buffer.config.insert_timeout_s if remaining is None else min(
             remaining, self.buffer.config.insert_timeout_s)
         try:
-            result, lsn = self.buffer.insert_nowait(_read_ipc(payload), payload, timeout)
+            with self.buffer.foreground():  # a snapshot's next step waits for it (not for the rate limiter)
+                payload = _aligned(payload)
+                table = _read_ipc(payload)
+            result, lsn = self.buffer.insert_nowait(table, payload, timeout)
         except SchemaError as exc:
             log.warning("insert_rejected", batch_id=req.batch_id, error=str(exc))
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"batch {req.batch_id}: {exc}") from exc
@@ -124,7 +139,8 @@ class ReplayServicer(replay_pb2_grpc.ReplayServiceServicer):
                 context.abort(item.code, item.message)
             lsn, response = item
             try:
-                self.buffer.wait_durable(lsn)
+                with self.buffer.foreground():
+                    self.buffer.wait_durable(lsn)
             except WalError as exc:
                 log.error("replay_wal_failed", error=str(exc))
                 context.abort(grpc.StatusCode.UNAVAILABLE, f"replay cannot persist: {exc}")
