@@ -8,8 +8,10 @@ Baselines are measured in the same run, on the same machine:
   for the sampled tokens' logprobs, on the same engine; rounds alternate which goes first; median of the
   per-round ratios.
 - ``weight_sync_ratio``: GB/s of one version delivered to 2 ``WeightSubscriber``s (staged, CRC32
-  verified) from a WeightService subprocess ÷ 2 clients draining a raw grpcio byte stream of the same
-  bytes in the same message size from a subprocess with the same server options (alternated, medians).
+  verified, assembled into tensors), each in its own process as rollout services are, from a WeightService
+  subprocess ÷ 2 client processes draining a raw grpcio byte stream of the same bytes in the same message
+  size from a subprocess with the same server options (timed from a common ``go`` after every process
+  started; rounds alternate which goes first; median of the per-round ratios).
 - ``smollm2_sync_apply_s``: SmolLM2-135M, seconds from ``publish`` (encode included) on an in-process
   WeightService to the engine reporting the new version (gRPC transfer, verify, /dev/shm safetensors,
   vLLM load, cache reset), median over rounds.
@@ -27,31 +29,46 @@ import sys
 import time
 from pathlib import Path
 
-from bench.rollout_parts import (WeightFeed, WeightServerProc, bare_vllm_tokens, gyre_fetch_s, gyre_tokens,
-                                 raw_fetch_s, serve_weights)
+from bench.rollout_parts import (WeightFeed, WeightServerProc, bare_vllm_tokens, fetch_main, gyre_tokens,
+                                 process_fetch_s, serve_weights)
 from bench.replay_parts import free_port
 
 SMOLLM2 = Path(__file__).resolve().parents[1] / ".cache/models/SmolLM2-135M-Instruct"
 
 
 def weight_sync(total_bytes: int, rounds: int) -> dict:
+    """GB/s of one version to 2 gyre subscribers ÷ 2 raw-stream clients. Each round measures both back to
+    back (which goes first alternates); ``weight_sync_ratio`` is the median of the per-round ratios, so load
+    drifting between rounds hits both halves of a pair alike (the ratio of medians is reported beside it)."""
     gyre_s, raw_s, nbytes = [], [], 0
-    for _ in range(rounds):
+
+    def gyre() -> None:
         server = WeightServerProc("gyre", free_port(), total_bytes)
         try:
-            gyre_s.append(gyre_fetch_s(server.address, 2))
+            gyre_s.append(process_fetch_s("gyre", server.address, 2)[0])
         finally:
             server.stop()
+
+    def raw() -> None:
+        nonlocal nbytes
         server = WeightServerProc("raw", free_port(), total_bytes)
         try:
-            seconds, nbytes = raw_fetch_s(server.address, 2)
+            seconds, nbytes = process_fetch_s("raw", server.address, 2)
             raw_s.append(seconds)
         finally:
             server.stop()
+
+    for r in range(rounds):
+        for run in (gyre, raw) if r % 2 == 0 else (raw, gyre):
+            run()
+    ratios = sorted(r / g for g, r in zip(gyre_s, raw_s))  # seconds raw ÷ gyre = gyre GB/s ÷ raw GB/s, per round
     gyre_gb_s = 2 * nbytes / statistics.median(gyre_s) / 1e9
     raw_gb_s = 2 * nbytes / statistics.median(raw_s) / 1e9
-    return {"weight_sync_ratio": round(gyre_gb_s / raw_gb_s, 3), "weight_sync_gb_s": round(gyre_gb_s, 3),
-            "raw_stream_gb_s": round(raw_gb_s, 3), "weight_sync_bytes": nbytes}
+    return {"weight_sync_ratio": round(statistics.median(ratios), 3),
+            "weight_sync_ratio_range": [round(ratios[0], 3), round(ratios[-1], 3)],
+            "weight_sync_ratio_of_medians": round(gyre_gb_s / raw_gb_s, 3), "weight_sync_rounds": rounds,
+            "weight_sync_gb_s": round(gyre_gb_s, 3), "raw_stream_gb_s": round(raw_gb_s, 3),
+            "weight_sync_bytes": nbytes}
 
 
 async def generation(engine, prompts, n: int, max_tokens: int, rounds: int) -> dict:
@@ -123,14 +140,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--weights-server", nargs=3, metavar=("KIND", "PORT", "BYTES"), help=argparse.SUPPRESS)
+    parser.add_argument("--fetch", nargs=2, metavar=("KIND", "ADDRESS"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.fetch:
+        fetch_main(*args.fetch)
+        return
     if args.weights_server:
         kind, port, nbytes = args.weights_server
         serve_weights(kind, int(port), int(nbytes))
         return
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     result = {"quick": args.quick}
-    result.update(weight_sync(270 << 20, rounds=3 if args.quick else 7))
+    result.update(weight_sync(270 << 20, rounds=7 if args.quick else 11))
     print(json.dumps(result), file=sys.stderr)
     result.update(asyncio.run(engine_part(args.quick)))
     print(json.dumps(result))

@@ -77,18 +77,42 @@ class WeightServerProc:
         self.proc.wait()
 
 
-def gyre_fetch_s(address: str, subscribers: int) -> float:
-    """Seconds until ``subscribers`` WeightSubscribers each hold the verified version (staged, CRC32)."""
-    done = threading.Barrier(subscribers + 1)
-    subs = [WeightSubscriber(address, lambda v, t: done.wait(), name=f"b{i}") for i in range(subscribers)]
-    t0 = time.perf_counter()
-    for s in subs:
-        s.start()
-    done.wait()
-    seconds = time.perf_counter() - t0
-    for s in subs:
-        s.stop()
-    return seconds
+def fetch_main(kind: str, address: str) -> None:
+    """Subprocess body of ``process_fetch_s``: one subscriber (a rollout service's process) or one raw client.
+    Prints ``ready``, waits for ``go`` on stdin, fetches the version (gyre: staged, CRC32-verified, assembled
+    into tensors) or drains the raw stream, then prints the bytes it received."""
+    print("ready", flush=True)
+    sys.stdin.readline()
+    if kind == "gyre":
+        got, nbytes = threading.Event(), []
+        sub = WeightSubscriber(address, lambda v, t: (nbytes.append(sum(x.numel() * x.element_size() for _, x in t)),
+                                                      got.set()), name="bench").start()
+        got.wait()
+        sub.stop()
+        print(nbytes[0], flush=True)
+    else:
+        seconds, nbytes = raw_fetch_s(address, 1)
+        print(nbytes, flush=True)
+
+
+def process_fetch_s(kind: str, address: str, subscribers: int) -> tuple[float, int]:
+    """Seconds from ``go`` until each of ``subscribers`` client processes (``fetch_main``) holds the whole
+    version — one process per subscriber, as rollout services are — and the bytes each received."""
+    procs = [subprocess.Popen([sys.executable, "-m", "bench.rollout", "--fetch", kind, address], cwd=REPO,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for _ in range(subscribers)]
+    try:
+        for p in procs:
+            if p.stdout.readline().strip() != "ready":
+                raise RuntimeError(f"{kind} fetch process did not start (exit {p.poll()})")
+        t0 = time.perf_counter()
+        for p in procs:
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        sizes = [int(p.stdout.readline()) for p in procs]
+        return time.perf_counter() - t0, sizes[0]
+    finally:
+        for p in procs:
+            p.wait(timeout=60)
 
 
 def raw_fetch_s(address: str, subscribers: int) -> tuple[float, int]:
