@@ -12,16 +12,16 @@ import time
 
 import pytest
 import ray
-from ray._private import auto_init_hook
 
-from services import controller, ops
+from services import ops
 from services.invariants import check_run
 from services.recipe import load_recipe
 from services.service_factory import actor_name
+from tests.e2e.chaos_run import run_with_chaos
 
 pytestmark = pytest.mark.slow
 
-STEPS = 6
+STEPS = 4
 
 
 class KillRank1(threading.Thread):
@@ -69,23 +69,13 @@ class KillRank1(threading.Thread):
 
 
 def test_a_killed_rank_restarts_the_learner_group_and_the_run_finishes(tiny_llama, tmp_path, monkeypatch):
-    monkeypatch.setattr(auto_init_hook, "enable_auto_connect", False)
     recipe = load_recipe("deploy/recipes/tiny-test.yaml", {
         "model": str(tiny_llama), "run_dir": str(tmp_path), "ray.num_cpus": 2, "name": "ranks",
         "learner.num_steps": STEPS, "learner.save_interval": 1, "replay.lease_ttl_s": 60,
         "placement.learner.world_size": 2, "placement.learner.strategy": "PACK",
         "eval_before": False, "eval_after": False})
     chaos = KillRank1(recipe.name, recipe.ray.namespace)
-    real_shutdown = ray.shutdown
-
-    def shutdown_after_chaos():
-        chaos.stop.set()
-        chaos.join(timeout=60)
-        real_shutdown()
-
-    monkeypatch.setattr(controller.ray, "shutdown", shutdown_after_chaos)
-    chaos.start()
-    summary = controller.run(recipe)
+    summary = run_with_chaos(recipe, chaos, monkeypatch)
 
     assert chaos.error is None, repr(chaos.error)
     assert chaos.killed_pid is not None and chaos.new_pid not in (None, chaos.killed_pid)

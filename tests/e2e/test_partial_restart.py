@@ -13,12 +13,12 @@ import time
 
 import pytest
 import ray
-from ray._private import auto_init_hook
 
-from services import controller, ops
+from services import ops
 from services.recipe import load_recipe
 from services.report import read_metrics
 from services.service_factory import actor_name
+from tests.e2e.chaos_run import run_with_chaos
 
 pytestmark = pytest.mark.slow
 
@@ -102,22 +102,12 @@ class Chaos(threading.Thread):
 
 
 def test_killed_services_restart_and_the_fleet_scales(tiny_llama, tmp_path, monkeypatch):
-    monkeypatch.setattr(auto_init_hook, "enable_auto_connect", False)  # a late chaos call must not start a Ray
     recipe = load_recipe("deploy/recipes/tiny-test.yaml", {
         "model": str(tiny_llama), "run_dir": str(tmp_path), "ray.num_cpus": 2, "name": "chaos",
         "learner.num_steps": STEPS, "learner.save_interval": 1, "replay.lease_ttl_s": 60,
         "replay.prompt_lease_ttl_s": 20, "eval_before": False, "eval_after": False})
     chaos = Chaos(recipe.name, recipe.ray.namespace)
-    real_shutdown = ray.shutdown
-
-    def shutdown_after_chaos():
-        chaos.stop.set()
-        chaos.join(timeout=60)
-        real_shutdown()
-
-    monkeypatch.setattr(controller.ray, "shutdown", shutdown_after_chaos)
-    chaos.start()
-    summary = controller.run(recipe)
+    summary = run_with_chaos(recipe, chaos, monkeypatch)
 
     assert chaos.error is None, repr(chaos.error)
     assert set(chaos.killed) == {"replay", "learner", "rollout-0"}

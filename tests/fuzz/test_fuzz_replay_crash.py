@@ -7,7 +7,6 @@ segfault on bad list offsets, CANCELLED on an unimplemented type); replay now va
 from __future__ import annotations
 
 import os
-import resource
 import subprocess
 import sys
 import textwrap
@@ -27,7 +26,9 @@ from tests.fuzz.replay_harness import NAMED_CODES
 
 REPO = Path(__file__).resolve().parents[2]
 SERVER = textwrap.dedent("""
+    import resource
     import sys
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # no core file if a poison payload crashes it
     from replay.buffer import TrajectoryBuffer
     from replay.config import ReplayConfig
     from services import replay_server
@@ -68,8 +69,7 @@ def unsupported_type() -> bytes:
 def child_replay():
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen([sys.executable, "-c", SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            env=env, cwd=REPO, text=True,
-                            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_CORE, (0, 0)))  # no core file
+                            env=env, cwd=REPO, text=True)  # no preexec_fn: it forces a fork after gRPC was used
     line = ""
     while not line.startswith("PORT="):  # structlog writes to stdout too
         line = proc.stdout.readline()

@@ -6,7 +6,8 @@ Every rank is a fresh ``python`` process (``reshard_proc``) on the tiny Llama wi
 so training consumes the torch RNG and a rank resumed without RNG state would diverge. Each rank trains on
 the whole batch (``batch_split: replicate``; sharding is tested in ``test_learner_data_parallel``), so world
 size 2 all-reduces two identical gradients and its update equals world size 1's: measured max |Δθ| = 0.0 (fp32 and bf16, ZeRO
-1/2/3) on this machine; the tolerance below leaves room for float reduction order only.
+1/2/3) on this machine; the tolerance below leaves room for float reduction order only. CI runs ZeRO-2 bf16
+and ZeRO-3 fp32 (ZeRO-1 shares ZeRO-2's optimizer partitioning code in DeepSpeed and passed when last run).
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ def model(tiny_llama, tmp_path_factory) -> Path:
     return model
 
 
-@pytest.fixture(scope="module", params=[(2, "bf16"), (1, "fp32"), (3, "fp32")], ids=lambda p: f"zero{p[0]}-{p[1]}")
+@pytest.fixture(scope="module", params=[(2, "bf16"), (3, "fp32")], ids=lambda p: f"zero{p[0]}-{p[1]}")
 def runs(request, model, tmp_path_factory) -> dict:
     """Uninterrupted runs of 3 steps at world sizes 1 and 2 (each checkpointing at step 2), then the
     step-2 checkpoint of each resumed on the other world size for the 3rd step."""
