@@ -43,10 +43,10 @@ dry-run: setup
 # Two workers, whole files per worker (module fixtures stay shared): on 2 cores the suite spends most of
 # its time in services starting up and waiting, so this halves its wall time.
 test: setup
-	$(BIN)/python -m pytest -q -n 3 --dist loadfile --durations=25
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=25
 
 test-fast: setup
-	$(BIN)/python -m pytest -q -n 3 --dist loadfile -m "not slow"
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not slow"
 
 proto: $(STAMP)
 	$(BIN)/python -m proto.gen
