@@ -51,8 +51,9 @@ def control_group():
     return _CONTROL[0]
 
 
-def _broadcast_bytes(payload: bytes | None) -> bytes:
-    """Rank 0 sends ``payload``; every rank returns it. Two broadcasts: an int64 length, then uint8 bytes."""
+def broadcast_bytes(payload: bytes | None) -> bytes:
+    """Rank 0 sends ``payload`` (others pass ``None``); every rank returns it. Two broadcasts on
+    ``control_group``: an int64 length, then (if not empty) the uint8 bytes."""
     rank0, group = dist.get_rank() == 0, control_group()
     length = torch.tensor([len(payload) if rank0 else 0], dtype=torch.int64)
     dist.broadcast(length, src=0, group=group)
@@ -116,7 +117,7 @@ def send_command(op: str, args: dict[str, Any], tensors: dict[str, torch.Tensor]
         if str(t.dtype) not in _DTYPES:
             raise ValueError(f"tensor {name!r} has dtype {t.dtype}; rank commands carry {sorted(_DTYPES)}")
     header = {"op": op, "args": args, "tensors": [[n, str(t.dtype), list(t.shape)] for n, t in tensors.items()]}
-    _broadcast_bytes(json.dumps(header).encode())
+    broadcast_bytes(json.dumps(header).encode())
     for t in tensors.values():
         dist.broadcast(t.detach().to("cpu").contiguous(), src=0, group=control_group())
 
@@ -124,7 +125,7 @@ def send_command(op: str, args: dict[str, Any], tensors: dict[str, torch.Tensor]
 def receive_command() -> tuple[str, dict[str, Any], dict[str, torch.Tensor]]:
     """Follower: the next ``(op, args, tensors)`` broadcast by rank 0. Raises ``RankProtocolError`` on a
     malformed header or unknown op, and what ``torch.distributed`` raises when rank 0 is gone."""
-    raw = _broadcast_bytes(None)
+    raw = broadcast_bytes(None)
     try:
         header = json.loads(raw)
         op, args, specs = header["op"], header["args"], header["tensors"]
@@ -175,14 +176,6 @@ class LeaderEngine:
 
     def __getattr__(self, name: str):
         return getattr(self._engine, name)
-
-    @property
-    def step(self) -> int:
-        return self._engine.step
-
-    @property
-    def version(self) -> int:
-        return self._engine.version
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """Broadcast ``batch`` ([B, L] tensors as in ``TrainBatch``) and step every rank on it."""

@@ -175,18 +175,21 @@ def to_universal(checkpoint_dir: Path) -> Path:
 
 # ---- loading ------------------------------------------------------------------------------------
 def _convert_on_rank0(checkpoint_dir: Path) -> None:
-    """Rank 0 converts while the others wait; a failure on rank 0 is raised on every rank."""
-    error = [None]
+    """Rank 0 converts while the others wait; a failure on rank 0 is raised on every rank (its message
+    broadcast as UTF-8 bytes, ``learner.ranks.broadcast_bytes``; empty means success)."""
+    from learner.ranks import broadcast_bytes
+
     if dist.get_rank() == 0:
         try:
             to_universal(checkpoint_dir)
         except Exception as exc:  # propagate to the other ranks instead of leaving them in a barrier
-            error = [f"{type(exc).__name__}: {exc}"]
-            dist.broadcast_object_list(error, src=0)
+            broadcast_bytes(f"{type(exc).__name__}: {exc}".encode())
             raise
-    dist.broadcast_object_list(error, src=0)
-    if error[0] is not None:
-        raise ckpt.CheckpointError(f"checkpoint {checkpoint_dir}: universal conversion failed on rank 0: {error[0]}")
+        broadcast_bytes(b"")
+        return
+    error = broadcast_bytes(None).decode()
+    if error:
+        raise ckpt.CheckpointError(f"checkpoint {checkpoint_dir}: universal conversion failed on rank 0: {error}")
 
 
 def load_resharded(learner: LearnerEngine, checkpoint_dir: Path, saved_world_size: int) -> ckpt.CheckpointMetadata:

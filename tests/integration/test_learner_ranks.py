@@ -66,7 +66,7 @@ def rank_main(rank: int, port: int, out: str, mode: str) -> None:
     try:
         if rank == 0:
             if mode == "bad":
-                ranks._broadcast_bytes(json.dumps({"op": "format_disk", "args": {}, "tensors": []}).encode())
+                ranks.broadcast_bytes(json.dumps({"op": "format_disk", "args": {}, "tensors": []}).encode())
             else:
                 leader = ranks.LeaderEngine(engine)
                 leader.train_step(batch())
