@@ -264,14 +264,28 @@ class RolloutEngine:
         await self._llm.collective_rpc("gyre_load_weights_file", args=(str(path),))
 
     async def _receive_broadcast(self, version: int, manifest: VersionManifest) -> float:
-        """Validate the manifest, then pause and let the workers receive, verify and load the broadcast."""
-        self._validated([(m.name, torch.empty(m.shape, dtype=DTYPES.get(m.dtype, torch.uint8), device="meta"))
-                         for m in manifest.tensors], materialize=False)
+        """Validate the manifest, then pause and let the workers receive, verify and load the broadcast.
+
+        A manifest refused here (unknown tensor, wrong shape) is still received and dropped without pausing
+        (``drain``): the learner and every other rank wait in the collective until each rank took its bytes.
+        """
         if self._nccl_ready is None:
             raise RuntimeError("a VersionManifest needs weight_transport type 'nccl'")
-        await self._nccl_ready
         timeout_s = self._config.weight_transport.broadcast_timeout_s
+        try:
+            self._validated([(m.name, torch.empty(m.shape, dtype=DTYPES.get(m.dtype, torch.uint8), device="meta"))
+                             for m in manifest.tensors], materialize=False)
+        except WeightMismatchError:
+            await self._nccl_ready
+            await asyncio.wait_for(self._drain_broadcast(manifest), timeout_s)
+            raise
+        await self._nccl_ready
         return await self._swap_weights(version, asyncio.wait_for(self._load_broadcast(manifest), timeout_s))
+
+    async def _drain_broadcast(self, manifest: VersionManifest) -> None:
+        await self._llm.start_weight_update()
+        await self._llm.update_weights(nccl_update_request(manifest, drain=True))
+        await self._llm.finish_weight_update()
 
     async def _load_broadcast(self, manifest: VersionManifest) -> None:
         await self._llm.start_weight_update()
@@ -327,9 +341,10 @@ def nccl_init_request(config: NcclTransportConfig) -> WeightTransferInitRequest:
         "rank_offset": config.rank_offset, "world_size": config.world_size, "packed": False})
 
 
-def nccl_update_request(manifest: VersionManifest) -> WeightTransferUpdateRequest:
-    """The ``gyre_nccl`` update info: what to receive (in broadcast order) and each tensor's checksum."""
+def nccl_update_request(manifest: VersionManifest, drain: bool = False) -> WeightTransferUpdateRequest:
+    """The ``gyre_nccl`` update info: what to receive (in broadcast order) and each tensor's checksum;
+    ``drain=True`` receives the bytes and drops them (a refused version), loading nothing."""
     return WeightTransferUpdateRequest(update_info={
         "names": [m.name for m in manifest.tensors], "dtype_names": [m.dtype for m in manifest.tensors],
         "shapes": [list(m.shape) for m in manifest.tensors], "checksums": [m.checksum for m in manifest.tensors],
-        "checksum_kind": manifest.checksum_kind})
+        "checksum_kind": manifest.checksum_kind, "drain": drain})

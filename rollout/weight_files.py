@@ -79,6 +79,7 @@ def register_nccl_backend() -> None:
     class GyreNcclUpdateInfo(NCCLWeightTransferUpdateInfo):
         checksums: list[int]
         checksum_kind: str
+        drain: bool = False
 
     class GyreNcclWeightTransferEngine(NCCLWeightTransferEngine):
         update_info_cls = GyreNcclUpdateInfo
@@ -98,22 +99,34 @@ def register_nccl_backend() -> None:
 def load_broadcast_verified(engine, info) -> int:
     """Worker side of one ``gyre_nccl`` update on vLLM's NCCL ``engine``; returns tensors loaded.
 
+    ``info.drain`` (a version the engine refused by name or shape) or an unknown checksum kind: receive every
+    tensor and drop it, so the learner and the other ranks are not left waiting in the broadcast.
+
     Raises:
         ChunkError: unknown checksum kind, dtype, or a checksum mismatch (nothing loaded).
     """
     from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
-    from proto.tensor_chunks import CHECKSUM_KIND, ChunkError, TensorMeta, receive_verified
+    from proto.tensor_chunks import CHECKSUM_KIND, DTYPES, ChunkError, TensorMeta, receive_verified
 
-    if info.checksum_kind != CHECKSUM_KIND:
-        raise ChunkError(f"checksum kind {info.checksum_kind!r}, expected {CHECKSUM_KIND!r}")
-    metas = [TensorMeta(n, d, tuple(s), 0, c)
-             for n, d, s, c in zip(info.names, info.dtype_names, info.shapes, info.checksums, strict=True)]
+    unknown = sorted(set(info.dtype_names) - set(DTYPES))
+    if unknown:  # the byte count of each broadcast is unknowable: nothing can be received, not even drained
+        raise ChunkError(f"unknown dtype(s) {unknown}; expected one of {sorted(DTYPES)}")
     group = engine.model_update_group
     if group is None:
         raise RuntimeError("gyre_nccl: init_weight_transfer_engine was not called")
     stream = torch.cuda.current_stream()
-    tensors = receive_verified(lambda t, src: group.broadcast(t, src=src, stream=stream), metas, engine.device)
+    broadcast = lambda t, src: group.broadcast(t, src=src, stream=stream)  # noqa: E731
+    drain = getattr(info, "drain", False)
+    if drain or info.checksum_kind != CHECKSUM_KIND:  # take the bytes, load nothing
+        for dtype, shape in zip(info.dtype_names, info.shapes, strict=True):
+            broadcast(torch.empty(tuple(shape), dtype=DTYPES[dtype], device=engine.device), 0)
+        if drain:
+            return 0
+        raise ChunkError(f"checksum kind {info.checksum_kind!r}, expected {CHECKSUM_KIND!r}")
+    metas = [TensorMeta(n, d, tuple(s), 0, c)
+             for n, d, s, c in zip(info.names, info.dtype_names, info.shapes, info.checksums, strict=True)]
+    tensors = receive_verified(broadcast, metas, engine.device)
     initialize_layerwise_reload(engine.model)
     engine.model.load_weights(tensors)
     finalize_layerwise_reload(engine.model, engine.model_config)

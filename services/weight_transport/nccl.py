@@ -7,7 +7,10 @@ broadcast the tensors in manifest order from rank 0. Rollout side (``NcclTranspo
 joins the broadcast through vLLM's weight-transfer API (``RolloutEngine.update_weights``), its workers
 receive every tensor into fresh buffers, verify them all (``receive_verified``) and only then load
 them, so a corrupt transfer never reaches the model. Same version semantics as gRPC: versions only
-increase, a refused version is retried after backoff, and the engine keeps serving the old one.
+increase and the engine keeps serving the old one when it refuses a version. Unlike gRPC, a refused NCCL
+version is *not* retried: its bytes went by in the one broadcast this rank took part in, so the transport
+moves its announce cursor past it and waits for the next version (re-asking would block this rank in a
+broadcast the learner never repeats, then pair the next version's bytes with the old manifest).
 
 Both sides are written against ``Broadcast`` (``broadcast(tensor, src)`` in place on receivers):
 ``torch.distributed`` (NCCL in production, gloo in the CPU tests) or vLLM's ``PyNcclCommunicator``.
@@ -28,7 +31,7 @@ from proto.tensor_chunks import (CHECKSUM_KIND, Broadcast, ChunkError, TensorMet
 from rollout.config import NcclTransportConfig
 from services import grpc_common
 from services.security import SecurityConfig
-from services.weight_client import VersionRefusedError, latest_version
+from services.weight_client import latest_version
 from services.weight_transport.base import OnVersion, TransportUnavailableError, WeightTransport
 
 log = structlog.get_logger("weights")
@@ -119,6 +122,8 @@ class NcclTransport(WeightTransport):
         self.address, self.security, self.name = address, security, name
         self.on_version = on_version
         self.have_version = have_version
+        self._cursor = have_version
+        """Newest announced version whose broadcast this rank took part in (applied or refused)."""
         self.backoff_s = config.backoff_s
         self._errors = 0
         self._stop = threading.Event()
@@ -152,7 +157,7 @@ class NcclTransport(WeightTransport):
             try:
                 self._follow()
                 backoff = self.backoff_s
-            except (grpc.RpcError, ChunkError, VersionRefusedError) as exc:
+            except (grpc.RpcError, ChunkError) as exc:
                 if self._stop.is_set():
                     return
                 self._errors += 1
@@ -164,17 +169,27 @@ class NcclTransport(WeightTransport):
     def _follow(self) -> None:
         with grpc_common.channel(self.address, self.security) as ch:
             stub = weights_pb2_grpc.WeightServiceStub(ch)
-            self._call = stub.Announce(weights_pb2.SubscribeRequest(have_version=self.have_version,
+            self._call = stub.Announce(weights_pb2.SubscribeRequest(have_version=self._cursor,
                                                                     subscriber=self.name))
             for msg in self._call:
                 manifest = to_manifest(msg)
-                if manifest.version <= self.have_version:
+                if manifest.version <= self._cursor:
                     continue
-                try:
-                    self.on_version(manifest.version, manifest)
-                except Exception as exc:
-                    raise VersionRefusedError(f"version {manifest.version} refused: {exc!r}") from exc
-                self.have_version = manifest.version
+                self._deliver(manifest)
+
+    def _deliver(self, manifest: VersionManifest) -> None:
+        """Hand one announced version to ``on_version`` (which joins its broadcast); a refusal is counted and
+        logged, and the cursor moves past the version either way (its bytes cannot be asked for again)."""
+        try:
+            self.on_version(manifest.version, manifest)
+        except Exception as exc:
+            self._errors += 1
+            log.warning("weight_version_refused", subscriber=self.name, version=manifest.version,
+                        kept_version=self.have_version, error=repr(exc)[:300])
+        else:
+            self.have_version = manifest.version
+        finally:
+            self._cursor = manifest.version
 
 
 def to_manifest(msg: weights_pb2.VersionManifest) -> VersionManifest:

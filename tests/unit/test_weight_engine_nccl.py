@@ -82,13 +82,15 @@ def test_a_stalled_broadcast_fails_the_engine_loudly_instead_of_hanging(tiny_lla
         loop.run_until_complete(engine.update_weights(5, _manifest(tiny_llama, 5)))
 
 
-def test_unknown_tensor_in_manifest_is_refused_before_pausing(tiny_llama):
+def test_unknown_tensor_in_manifest_is_refused_without_pausing_but_its_broadcast_is_drained(tiny_llama):
     llm = RecordingLLM()
     engine, loop = _engine(tiny_llama, llm)
     extra = [("model.layers.9.mlp.nope.weight", torch.zeros(2, 2, dtype=torch.bfloat16))]
     with pytest.raises(WeightMismatchError, match=r"unknown tensor 'model\.layers\.9\.mlp\.nope\.weight'"):
         loop.run_until_complete(engine.update_weights(4, _manifest(tiny_llama, extra=extra)))
-    assert llm.calls == [] and engine.version == 3
+    # the learner and the other ranks wait in the broadcast until this rank took the bytes: drain, no pause
+    assert [c[0] for c in llm.calls] == ["start_weight_update", "update_weights", "finish_weight_update"]
+    assert llm.calls[1][1][0].update_info["drain"] is True and engine.version == 3
 
 
 def test_worker_side_loads_only_after_every_checksum_passed(monkeypatch):
@@ -116,3 +118,16 @@ def test_worker_side_loads_only_after_every_checksum_passed(monkeypatch):
     with pytest.raises(ChunkError, match="'b': checksum"):
         load_broadcast_verified(engine_with([named[0][1], named[1][1] + 1]), info)
     assert events == []  # nothing loaded
+    # drained (refused by the engine) or of an unknown checksum kind: every tensor received, nothing loaded
+    engine = engine_with([t for _, t in named])
+    assert load_broadcast_verified(engine, SimpleNamespace(**{**vars(info), "drain": True})) == 0
+    with pytest.raises(StopIteration):
+        engine.model_update_group.broadcast(torch.empty(1), 0, None)  # both tensors were taken
+    engine = engine_with([t for _, t in named])
+    with pytest.raises(ChunkError, match="checksum kind 'crc9', expected 'wsum64-v1'"):
+        load_broadcast_verified(engine, SimpleNamespace(**{**vars(info), "checksum_kind": "crc9"}))
+    with pytest.raises(StopIteration):
+        engine.model_update_group.broadcast(torch.empty(1), 0, None)
+    with pytest.raises(ChunkError, match=r"unknown dtype\(s\) \['int4'\]"):
+        load_broadcast_verified(engine_with([]), SimpleNamespace(**{**vars(info), "dtype_names": ["int4", "float32"]}))
+    assert events == []
