@@ -18,6 +18,8 @@ supervisor and resumes from its newest checkpoint. No rank ever tries to continu
 from __future__ import annotations
 
 import json
+import threading
+import time
 from typing import Any, Callable
 
 import structlog
@@ -28,8 +30,12 @@ from learner.batch import TrainBatch
 
 log = structlog.get_logger("learner")
 
-OPS = ("train_step", "named_weights", "save_checkpoint", "load_checkpoint", "export_hf", "stop")
+OPS = ("train_step", "named_weights", "save_checkpoint", "load_checkpoint", "export_hf", "stop", "ping")
 """Commands a follower understands; anything else is a protocol error."""
+HEARTBEAT_S = 60.0
+"""An idle rank 0 pings its followers this often (seconds). A learner that waits for data longer than the
+group's collective timeout (gloo's default: 30 min) would otherwise time its followers out of
+``receive_command``; a ping to a dead follower also fails rank 0 at once instead of at the next step."""
 _DTYPES = {str(d): d for d in (torch.int64, torch.int32, torch.float32, torch.bfloat16, torch.bool, torch.uint8)}
 _BATCH_TENSORS = ("input_ids", "attention_mask", "response_mask", "behaviour_logprobs", "advantages", "rewards",
                   "staleness")
@@ -159,20 +165,42 @@ class LeaderEngine:
         engine: rank 0's ``learner.engine.LearnerEngine`` (``torch.distributed`` world size > 1).
         on_failure: called with the exception when a collective call fails on this rank, before it is
             re-raised (the actor passes a fail-stop that ends the process: the group is broken then).
+        heartbeat_s: ping the followers after this many idle seconds (``None``: never). A lock keeps each
+            command and its collective call whole, so a ping never lands inside one.
     """
 
-    def __init__(self, engine, on_failure: Callable[[BaseException], None] | None = None) -> None:
+    def __init__(self, engine, on_failure: Callable[[BaseException], None] | None = None,
+                 heartbeat_s: float | None = HEARTBEAT_S) -> None:
         self._engine = engine
         self._on_failure = on_failure
+        self._lock = threading.RLock()
+        self._last = time.monotonic()
+        self._stopped = threading.Event()
+        if heartbeat_s:
+            threading.Thread(target=self._heartbeat, args=(heartbeat_s,), name="learner-rank-heartbeat",
+                             daemon=True).start()
 
     def _run(self, op: str, args: dict, tensors: dict | None, call: Callable[[], Any]):
-        try:
-            send_command(op, args, tensors)
-            return call()
-        except BaseException as exc:
-            if self._on_failure is not None:
-                self._on_failure(exc)
-            raise
+        with self._lock:
+            try:
+                send_command(op, args, tensors)
+                return call()
+            except BaseException as exc:
+                if self._on_failure is not None:
+                    self._on_failure(exc)
+                raise
+            finally:
+                self._last = time.monotonic()
+
+    def _heartbeat(self, interval_s: float) -> None:
+        while not self._stopped.wait(interval_s / 4):
+            with self._lock:
+                if self._stopped.is_set() or time.monotonic() - self._last < interval_s:
+                    continue
+                try:
+                    self._run("ping", {}, None, lambda: None)
+                except BaseException:  # _run already handed it to on_failure
+                    return
 
     def __getattr__(self, name: str):
         return getattr(self._engine, name)
@@ -208,16 +236,21 @@ class LeaderEngine:
                          lambda: self._engine.export_hf(out_dir, tokenizer_dir))
 
     def stop_followers(self) -> None:
-        """Tell every follower to return from ``follow``."""
-        self._run("stop", {}, None, lambda: None)
+        """Tell every follower to return from ``follow``; no ping is sent after it."""
+        with self._lock:
+            self._run("stop", {}, None, lambda: None)
+            self._stopped.set()
 
 
 def follow(engine) -> int:
     """Follower ranks: run rank 0's collective engine calls until it sends ``stop``; returns the number of
-    commands run. Raises what a failed collective raised (rank 0 gone) or ``RankProtocolError``."""
+    commands run (pings not counted). Raises what a failed collective raised (rank 0 gone) or
+    ``RankProtocolError``."""
     done = 0
     while True:
         op, args, tensors = receive_command()
+        if op == "ping":
+            continue
         if op == "stop":
             log.info("follower_stopped", rank=dist.get_rank(), commands=done)
             return done

@@ -5,10 +5,12 @@ The engines are recording test doubles: what is under test is the channel, not D
 
 from __future__ import annotations
 
+import datetime
 import json
 import multiprocessing as mp
 import os
 import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -60,13 +62,24 @@ def batch() -> TrainBatch:
 
 def rank_main(rank: int, port: int, out: str, mode: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    idle = mode.startswith("idle")  # collectives time out after 3 s; rank 0 idles 7 s between two steps
+    dist.init_process_group("gloo", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=3 if idle else 1800))
     engine = RecordingEngine()
     result: dict = {}
     try:
         if rank == 0:
             if mode == "bad":
                 ranks.broadcast_bytes(json.dumps({"op": "format_disk", "args": {}, "tensors": []}).encode())
+            elif idle:
+                leader = ranks.LeaderEngine(engine, heartbeat_s=0.5 if mode == "idle" else None)
+                leader.train_step(batch())
+                time.sleep(7)
+                try:
+                    leader.train_step(batch())
+                    leader.stop_followers()
+                except RuntimeError as exc:  # the follower timed out and left: the group is broken
+                    result["error"] = type(exc).__name__
             else:
                 leader = ranks.LeaderEngine(engine)
                 leader.train_step(batch())
@@ -80,6 +93,8 @@ def rank_main(rank: int, port: int, out: str, mode: str) -> None:
                 result["commands"] = ranks.follow(engine)
             except ranks.RankProtocolError as exc:
                 result["error"] = str(exc)
+            except RuntimeError as exc:  # a collective timed out
+                result["error"] = f"{type(exc).__name__}: {exc}"[:300]
     finally:
         result["calls"] = engine.calls
         Path(out).write_text(json.dumps(result))
@@ -122,3 +137,16 @@ def test_an_unknown_command_is_refused_by_name(tmp_path):
 def test_the_leader_refuses_to_send_an_unknown_command():
     with pytest.raises(ValueError, match="format_disk"):
         ranks.send_command("format_disk", {})
+
+
+def test_an_idle_leader_keeps_its_followers_with_pings(tmp_path):
+    leader, follower = run_pair(tmp_path, "idle")
+    # 7 s idle against a 3 s collective timeout: the pings (every 0.5 s) keep the follower in the group
+    assert "error" not in leader and "error" not in follower, (leader, follower)
+    assert follower["commands"] == 2 and [c[0] for c in follower["calls"]] == ["train_step", "train_step"]
+
+
+def test_without_pings_an_idle_leader_times_its_follower_out(tmp_path):
+    # the failure the heartbeat prevents (proves the test above can fail)
+    _, follower = run_pair(tmp_path, "idle-no-heartbeat")
+    assert "error" in follower and [c[0] for c in follower["calls"]] == ["train_step"]
