@@ -198,17 +198,23 @@ class RolloutEngine:
             StaleVersionError: ``version`` <= the current version (and not ``rewind``); nothing changes.
             WeightMismatchError: unknown, missing or duplicate name, wrong shape or non-float dtype
                 (raised before pausing), or a broadcast tensor that fails its checksum (refused
-                before loading); the old weights keep serving.
+                before loading); the old weights keep serving. With a ``VersionManifest`` every refusal
+                still receives the broadcast and drops it, so the learner and other ranks never wait on
+                this one.
             EngineFailedError: loading failed after the pause; in-flight requests are aborted and the
                 engine refuses further work (its weights are undefined).
         """
         start = time.perf_counter()
         async with self._update_lock:
             self._check_alive()
+            manifest = isinstance(named_tensors, VersionManifest)
             if version == self._version or (version < self._version and not rewind):
-                raise StaleVersionError(
+                stale = StaleVersionError(
                     f"weight version ({version}) must be newer than the current one ({self._version})")
-            if isinstance(named_tensors, VersionManifest):
+                if manifest:  # its broadcast is coming anyway: take the bytes so no rank waits on this one
+                    await self._drain(named_tensors)
+                raise stale
+            if manifest:
                 paused_s = await self._receive_broadcast(version, named_tensors)
             else:
                 tensors = self._validated(named_tensors)
@@ -276,16 +282,22 @@ class RolloutEngine:
             self._validated([(m.name, torch.empty(m.shape, dtype=DTYPES.get(m.dtype, torch.uint8), device="meta"))
                              for m in manifest.tensors], materialize=False)
         except WeightMismatchError:
-            await self._nccl_ready
-            await asyncio.wait_for(self._drain_broadcast(manifest), timeout_s)
+            await self._drain(manifest)
             raise
         await self._nccl_ready
         return await self._swap_weights(version, asyncio.wait_for(self._load_broadcast(manifest), timeout_s))
 
-    async def _drain_broadcast(self, manifest: VersionManifest) -> None:
-        await self._llm.start_weight_update()
-        await self._llm.update_weights(nccl_update_request(manifest, drain=True))
-        await self._llm.finish_weight_update()
+    async def _drain(self, manifest: VersionManifest) -> None:
+        """Receive a refused version's broadcast and drop it (no pause, nothing loaded)."""
+        if self._nccl_ready is None:
+            raise RuntimeError("a VersionManifest needs weight_transport type 'nccl'")
+        await self._nccl_ready
+
+        async def drain() -> None:
+            await self._llm.start_weight_update()
+            await self._llm.update_weights(nccl_update_request(manifest, drain=True))
+            await self._llm.finish_weight_update()
+        await asyncio.wait_for(drain(), self._config.weight_transport.broadcast_timeout_s)
 
     async def _load_broadcast(self, manifest: VersionManifest) -> None:
         await self._llm.start_weight_update()

@@ -131,3 +131,14 @@ def test_worker_side_loads_only_after_every_checksum_passed(monkeypatch):
     with pytest.raises(ChunkError, match=r"unknown dtype\(s\) \['int4'\]"):
         load_broadcast_verified(engine_with([]), SimpleNamespace(**{**vars(info), "dtype_names": ["int4", "float32"]}))
     assert events == []
+
+
+def test_a_manifest_from_the_past_is_refused_but_its_broadcast_is_drained(tiny_llama):
+    from rollout.engine import StaleVersionError
+
+    llm = RecordingLLM()
+    engine, loop = _engine(tiny_llama, llm)  # at version 3
+    with pytest.raises(StaleVersionError, match=r"weight version \(2\) must be newer than the current one \(3\)"):
+        loop.run_until_complete(engine.update_weights(2, _manifest(tiny_llama, version=2)))
+    assert [c[0] for c in llm.calls] == ["start_weight_update", "update_weights", "finish_weight_update"]
+    assert llm.calls[1][1][0].update_info["drain"] is True and engine.version == 3
