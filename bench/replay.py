@@ -4,8 +4,10 @@ Every ratio's baseline is measured in the same run, on the same machine and disk
 
 - ``ingest_ratio``: durable inserts (WAL + fsync before each ack) in MB/s of Arrow IPC payload ÷ a raw
   grpcio byte stream with the same message (``InsertRequest`` of 256 trajectories), method shape,
-  server options and client (2 pipelined bidi streams, servers in their own processes).
-  ``ingest_ratio_nofsync``: the same with ``durability="write"``.
+  server options, process memory setup (``replay.memory.tune_malloc``) and client (2 pipelined bidi
+  streams, servers in their own processes).
+  ``ingest_ratio_nofsync``: the same with ``durability="write"``. ``server_cpu_ms_per_message``: the
+  server process's CPU (user + system) per message for each (medians; steadier than MB/s on a shared box).
 - ``sample_p99_ms``: Sample RPCs of 32 groups × 8 = 256 trajectories (lease durable before the answer,
   then released) at two buffer sizes, 10k/100k trajectories with ``--quick``, 100k/1M without.
 - ``snapshot_ratio``: snapshot MB/s (stored Arrow bytes ÷ the server's capture-to-commit time, otherwise idle) ÷
@@ -43,7 +45,9 @@ def replay_config(durability: str) -> dict:
             "wal": {"durability": durability}, "snapshot": {"interval_s": None, "wal_bytes": None}}
 
 
-def ingest_mb_s(kind: str, root: Path, batches: int, seed: int) -> float:
+def ingest_mb_s(kind: str, root: Path, batches: int, seed: int) -> tuple[float, float]:
+    """MB/s of payload streamed to a fresh ``kind`` server (``raw``, or replay with WAL durability
+    ``kind``) and the server process's CPU milliseconds (user + system) per message meanwhile."""
     reqs = list(requests(seed * 10_000_000, batches, GROUPS, seed))
     directory = root / f"ingest-{kind}-{seed}"
     server = Server("raw" if kind == "raw" else "replay", free_port(), directory, replay_config(kind))
@@ -54,6 +58,7 @@ def ingest_mb_s(kind: str, root: Path, batches: int, seed: int) -> float:
     def run(i: int) -> None:
         sent[i] = stream(server.address, iter(halves[i]), method)
 
+    cpu0 = server.cpu_seconds()
     t0 = time.perf_counter()
     threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
     for t in threads:
@@ -61,9 +66,10 @@ def ingest_mb_s(kind: str, root: Path, batches: int, seed: int) -> float:
     for t in threads:
         t.join()
     seconds = time.perf_counter() - t0
+    cpu_ms = (server.cpu_seconds() - cpu0) * 1000.0 / batches
     server.stop()
     shutil.rmtree(directory, ignore_errors=True)
-    return sum(sent) / 1e6 / seconds
+    return sum(sent) / 1e6 / seconds, cpu_ms
 
 
 def sample_latencies(client: ReplayClient, n: int) -> list[float]:
@@ -126,13 +132,17 @@ def insert_p99_rounds(client: ReplayClient, next_prompt: int, rounds: int = 3,
 
 def ingest_phase(root: Path, batches: int, rounds: int) -> dict:
     speeds: dict[str, list[float]] = {"raw": [], "fsync": [], "write": []}
+    cpu: dict[str, list[float]] = {k: [] for k in speeds}
     for r in range(rounds):  # interleaved, so load changes hit all three alike
         for kind in speeds:
-            speeds[kind].append(ingest_mb_s(kind, root, batches, seed=r + 1))
+            mb_s, cpu_ms = ingest_mb_s(kind, root, batches, seed=r + 1)
+            speeds[kind].append(mb_s)
+            cpu[kind].append(cpu_ms)
     raw, fsync, nofsync = (statistics.median(speeds[k]) for k in ("raw", "fsync", "write"))
     print(f"ingest MB/s: raw {raw:.0f}, fsync {fsync:.0f}, no fsync {nofsync:.0f}", flush=True)
     return dict(raw_stream_mb_s=round(raw, 1), ingest_mb_s=round(fsync, 1), ingest_nofsync_mb_s=round(nofsync, 1),
-                ingest_ratio=round(fsync / raw, 3), ingest_ratio_nofsync=round(nofsync / raw, 3))
+                ingest_ratio=round(fsync / raw, 3), ingest_ratio_nofsync=round(nofsync / raw, 3),
+                server_cpu_ms_per_message={k: round(statistics.median(v), 2) for k, v in cpu.items()})
 
 
 def sample_phase(server: Server, client: ReplayClient, sizes: tuple[int, int]) -> tuple[dict, int]:

@@ -39,7 +39,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 SCHEMA_VERSION = 2
 """Bumped on any incompatible change of the columns below."""
@@ -154,8 +153,8 @@ def from_ipc(payload: bytes) -> pa.Table:
     return table
 
 
-def validate_table(table: pa.Table) -> None:
-    """Check schema version, columns, dtypes and per-row invariants; raise ``SchemaError`` naming the field."""
+def _check_columns(table: pa.Table) -> None:
+    """Schema version, then each column's presence, type and nulls, their order, and non-nullable fields."""
     meta = table.schema.metadata or {}
     got = meta.get(SCHEMA_VERSION_KEY)
     if got is None:
@@ -181,21 +180,41 @@ def validate_table(table: pa.Table) -> None:
     nullable = [f.name for f in table.schema if f.nullable]
     if nullable:
         raise SchemaError(f"column(s) {nullable} are declared nullable; TRAJECTORY_SCHEMA fields are not")
-    n_tok = pc.list_value_length(table.column("response_token_ids"))
-    n_lp = pc.list_value_length(table.column("behaviour_logprobs"))
-    bad = pc.not_equal(n_tok, n_lp)
-    if pc.any(bad).as_py():
-        i = pc.index(bad, True).as_py()
+
+
+def _list_lengths(table: pa.Table, name: str) -> np.ndarray:
+    """``[rows]`` int32 lengths of the list column ``name`` (differences of its offsets, no copy of values)."""
+    chunks = [np.diff(chunk.offsets.to_numpy()) for chunk in table.column(name).chunks]
+    return chunks[0] if len(chunks) == 1 else np.concatenate(chunks or [np.zeros(0, np.int32)])
+
+
+def validate_table(table: pa.Table) -> None:
+    """Check schema version, columns, dtypes and per-row invariants; raise ``SchemaError`` naming the field.
+
+    The usual case (the schema equals ``TRAJECTORY_SCHEMA``, metadata included) is one comparison;
+    only a different schema is checked field by field to name what differs. Row checks are numpy over
+    whole columns (list lengths from offsets), never a per-row Python loop.
+    """
+    if not table.schema.equals(TRAJECTORY_SCHEMA, check_metadata=True):
+        _check_columns(table)
+    for idx, name in enumerate(TRAJECTORY_SCHEMA.names):
+        nulls = table.column(idx).null_count
+        if nulls:
+            raise SchemaError(f"column {name!r} has {nulls} null values")
+    n_tok, n_lp = _list_lengths(table, "response_token_ids"), _list_lengths(table, "behaviour_logprobs")
+    bad = np.flatnonzero(n_tok != n_lp)
+    if bad.size:
+        i = int(bad[0])
         raise SchemaError(
             f"row {i} ({table.column('trajectory_id')[i].as_py()}): response_token_ids has "
-            f"{n_tok[i].as_py()} tokens but behaviour_logprobs has {n_lp[i].as_py()}"
+            f"{n_tok[i]} tokens but behaviour_logprobs has {n_lp[i]}"
         )
     rewards = table.column("reward").to_numpy()
     if not np.isfinite(rewards).all():
         i = int(np.flatnonzero(~np.isfinite(rewards))[0])
         raise SchemaError(f"row {i}: reward {rewards[i]} is not finite")
-    n_spans = pc.list_value_length(table.column("version_span_starts"))
-    if pc.any(pc.not_equal(n_spans, pc.list_value_length(table.column("version_span_versions")))).as_py():
+    n_spans = _list_lengths(table, "version_span_starts")
+    if not np.array_equal(n_spans, _list_lengths(table, "version_span_versions")):
         raise SchemaError("version_span_starts and version_span_versions differ in length")
-    if pc.any(pc.equal(n_spans, 0)).as_py():
+    if (n_spans == 0).any():
         raise SchemaError("version_span_versions is empty; every trajectory needs at least one span")

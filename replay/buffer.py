@@ -26,7 +26,7 @@ from replay.config import ReplayConfig
 from replay.durable import Durability
 from replay.groups import split_groups
 from replay.rate_limiter import RateLimitedError
-from replay.records import Record, encode
+from replay.records import Record, encode_parts
 from replay.snapshot import SnapshotData
 from replay.state import ReplayState
 from replay.stats import RateWindow
@@ -77,11 +77,12 @@ class TrajectoryBuffer:
         return self.state.counters
 
     # ---- protocol -------------------------------------------------------------------------------
-    def _commit(self, rec: Record, encoded: pa.Buffer | None = None, plan=None):
-        """Log then apply one record (caller holds the lock); returns ``(lsn, apply result)``."""
+    def _commit(self, rec: Record, encoded: list | None = None, plan=None):
+        """Log then apply one record (caller holds the lock; ``encoded``: its ``encode_parts``, else
+        encoded here); returns ``(lsn, apply result)``."""
         lsn = -1
         if self._wal is not None:
-            lsn = self._wal.append([encoded if encoded is not None else encode(rec)])
+            lsn = self._wal.append([encoded if encoded is not None else encode_parts(rec)])
         return lsn, self.state.apply(rec, plan)
 
     def _wait(self, ready, deadline: float) -> bool:
@@ -121,7 +122,7 @@ class TrajectoryBuffer:
             plan = split_groups(table, None if payload is None else len(payload))
             if self._wal is not None:
                 rec = Record("insert", {}, payload)
-                encoded = encode(rec, self.config.wal.compression, self.config.wal.zstd_level)
+                encoded = encode_parts(rec, self.config.wal.compression, self.config.wal.zstd_level)
         deadline = time.monotonic() + (self.config.insert_timeout_s if timeout_s is None else timeout_s)
         with self._lock:
             if not self._wait(lambda: self.state.can_insert(max(self._waiting, default=0)), deadline):

@@ -58,6 +58,12 @@ class SnapshotConfig(BaseModel):
     keep: int = Field(2, ge=1)
     """Snapshots kept; WAL segments older than the oldest kept one are deleted."""
 
+    busy_pause_ms: float = Field(1.0, ge=0, le=100)
+    """Milliseconds each background step of a snapshot (an Arrow batch written, a 1 MiB range hashed or
+    written back, a chunk of an old file truncated) sleeps while the server is busy with inserts, so the
+    snapshot yields the cores and the GIL to them (``replay.files.ForegroundGate``); an idle server's
+    snapshot does not pause. 0: never pause (fastest snapshots, slowest inserts meanwhile)."""
+
     compression: Literal["none", "lz4", "zstd"] = "none"
     """Buffer compression of the snapshot's Arrow files. ``none`` writes at disk speed and restores
     without decompressing; ``zstd`` takes ~5x the CPU for ~30% less disk on random token ids (more on

@@ -17,8 +17,9 @@ thread through Arrow's native writer (the GIL is released while it encodes and w
 snapshot competes as little as possible with the insert and sample threads; its writeback goes in
 1 MiB ranges, and each of its steps (a record batch, a range hashed or written back, a chunk of an old
 file deleted) first lets the foreground work in flight finish — WAL fsyncs and inserts
-(``replay.files.ForegroundGate``) — so inserts neither queue behind the snapshot on the disk nor
-share the cores and the GIL with it for long.
+(``replay.files.ForegroundGate``) — and, while inserts keep arriving, pauses ``snapshot.busy_pause_ms``,
+so inserts neither queue behind the snapshot on the disk nor share the cores and the GIL with it for
+long (an idle server's snapshot runs at full speed).
 
 Garbage collection: restore runs with the cycle collector paused and then ``gc.freeze()``s what it
 built; every snapshot freezes the survivors again. Full collections therefore never walk the whole
@@ -87,7 +88,7 @@ class Durability:
         self.root.mkdir(parents=True, exist_ok=True)
         self.report: RestoreReport = _restore_frozen(buffer.state, self.root)
         self._listeners: list = []
-        self.foreground = ForegroundGate()
+        self.foreground = ForegroundGate(pause_s=self.config.snapshot.busy_pause_ms / 1000.0)
         """Foreground first: snapshot steps wait for the WAL fsyncs and inserts in flight (``replay.files``)."""
         self.wal = Wal(self.root / "wal", self.config.wal, self.report.next_lsn, on_fail=self._wal_failed,
                        gate=self.foreground)

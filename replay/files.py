@@ -7,6 +7,7 @@ import hashlib
 import os
 import queue
 import threading
+import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -84,13 +85,31 @@ class ForegroundGate:
     finished (never later than ``max_wait_s`` seconds). It waits for those only, not for later ones,
     so a busy server cannot starve a snapshot: at worst steps and foreground work alternate. (The same
     idea as RocksDB's write-stall-free background I/O: a rate limiter favouring foreground writes.)
+
+    Waiting for the sections in flight is not enough on a small machine: a step's native work (Arrow
+    encoding, sha256, writeback) runs without the GIL, but every return from it takes the GIL back
+    from an insert thread (a forced switch after ``sys.getswitchinterval()``), and three helper threads
+    doing that per MiB stretched the insert p99 from ~4.5 ms (no snapshot) to ~10 ms during one, on
+    2 cores (``bench.replay``; 7 ms with a 1 ms pause). So while the server is busy (foreground work started within ``busy_s``), each
+    step also sleeps ``pause_s`` first: at most one step per pause per helper thread, about 1 GB/s
+    per helper at 1 ms per 1 MiB step. An idle server's snapshot runs at full speed.
+
+    Args:
+        max_wait_s: longest ``wait_turn`` waits for the sections in flight (seconds).
+        pause_s: sleep of each background step while the server is busy (seconds; 0: none).
+        busy_s: how recent foreground work must be for the server to count as busy (seconds).
     """
 
-    def __init__(self, max_wait_s: float = 0.05) -> None:
+    def __init__(self, max_wait_s: float = 0.05, pause_s: float = 0.0, busy_s: float = 0.01) -> None:
         self.max_wait_s = max_wait_s
+        self.pause_s = pause_s
+        """Seconds each background step sleeps while the server is busy (0: never)."""
+        self.busy_s = busy_s
+        """The server counts as busy while foreground work started less than this many seconds ago."""
         self._cv = threading.Condition()
         self._started = 0
         self._finished = 0
+        self._last_start = float("-inf")
         self.waits = 0
         """``wait_turn`` calls that found foreground work in flight (for tests and forensics)."""
 
@@ -101,6 +120,7 @@ class ForegroundGate:
         def __enter__(self) -> None:
             with self.gate._cv:
                 self.gate._started += 1
+                self.gate._last_start = time.monotonic()
 
         def __exit__(self, *exc) -> None:
             with self.gate._cv:
@@ -114,13 +134,17 @@ class ForegroundGate:
 
     def wait_turn(self, timeout_s: float | None = None) -> None:
         """Block until the urgent sections in flight now have finished, at most ``timeout_s`` seconds
-        (default ``max_wait_s``)."""
+        (default ``max_wait_s``); then, if foreground work started within the last ``busy_s`` seconds,
+        sleep ``pause_s`` (the GIL and the core released) before the caller's next step."""
         with self._cv:
             target = self._started
             if self._finished < target:
                 self.waits += 1
                 self._cv.wait_for(lambda: self._finished >= target,
                                   timeout=self.max_wait_s if timeout_s is None else timeout_s)
+            busy = time.monotonic() - self._last_start < self.busy_s
+        if busy and self.pause_s:
+            time.sleep(self.pause_s)
 
 
 _DELETE_CHUNK = 8 << 20

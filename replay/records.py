@@ -121,13 +121,47 @@ def _zstd(level: int) -> pa.ipc.IpcWriteOptions:
     return _ZSTD[level]
 
 
-def encode(record: Record, compression: str = "none", zstd_level: int = 1) -> pa.Buffer:
-    """The Arrow IPC message bytes of ``record`` as a one-row batch (appendable to any segment), as a
-    zero-copy slice of the serialised stream; with ``compression="zstd"`` a non-empty payload is
-    zstd-compressed at ``zstd_level``.
+class _PartsSink:
+    """A write-only file for ``pa.PythonFile`` that keeps every piece Arrow writes, in order: Arrow's IPC
+    writer hands each body buffer over as a ``pa.Buffer`` (zero-copy), so an insert's payload is not copied."""
+
+    closed = False
+
+    def __init__(self) -> None:
+        self.parts: list = []
+
+    def write(self, data) -> int:
+        self.parts.append(data)
+        return memoryview(data).nbytes
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def _drop_prefix(parts: list, nbytes: int) -> list:
+    """``parts`` without their first ``nbytes`` bytes (slicing the part the cut falls in)."""
+    out = []
+    for part in parts:
+        size = memoryview(part).nbytes
+        if nbytes >= size:
+            nbytes -= size
+            continue
+        out.append(memoryview(part)[nbytes:] if nbytes else part)
+        nbytes = 0
+    return out
+
+
+def encode_parts(record: Record, compression: str = "none", zstd_level: int = 1) -> list:
+    """The Arrow IPC message of ``record`` as a one-row batch (appendable to any segment), as the list
+    of bytes-like pieces Arrow's writer produced (their concatenation is the message; ``os.writev``
+    writes them as one record). The payload is one of the pieces, uncopied, unless ``compression="zstd"``
+    compresses a non-empty one at ``zstd_level``.
 
     Raises:
-        ValueError: unknown kind.
+        ValueError: unknown kind or compression.
     """
     if record.kind not in KINDS:
         raise ValueError(f"unknown WAL record kind {record.kind!r}")
@@ -141,12 +175,18 @@ def encode(record: Record, compression: str = "none", zstd_level: int = 1) -> pa
          pa.Array.from_buffers(pa.binary(), 1, [None, offsets, payload]),
          pa.array([_crc32c(record.kind, meta, payload)], pa.uint32())],
         schema=RECORD_SCHEMA)
-    sink = pa.BufferOutputStream()
+    sink = _PartsSink()
     options = _zstd(zstd_level) if payload.size and compression == "zstd" else _PLAIN
-    with pa.ipc.new_stream(sink, RECORD_SCHEMA, options=options) as writer:
-        writer.write_batch(batch)
-    buf = sink.getvalue()
-    return buf.slice(len(_SCHEMA_MESSAGE), buf.size - len(_SCHEMA_MESSAGE) - len(_EOS))
+    writer = pa.ipc.new_stream(pa.PythonFile(sink, mode="w"), RECORD_SCHEMA, options=options)
+    writer.write_batch(batch)
+    parts = _drop_prefix(sink.parts, len(_SCHEMA_MESSAGE))  # the batch message, before the end-of-stream
+    writer.close()
+    return parts
+
+
+def encode(record: Record, compression: str = "none", zstd_level: int = 1) -> pa.Buffer:
+    """``encode_parts`` joined into one buffer (one copy; for small records and tests)."""
+    return pa.py_buffer(b"".join(encode_parts(record, compression, zstd_level)))
 
 
 def decode(batch: pa.RecordBatch, format_version: int = WAL_FORMAT_VERSION) -> Record:

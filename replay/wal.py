@@ -4,7 +4,9 @@ Layout: ``{dir}/wal/{first_lsn:020d}.arrows``. Every record has a log sequence n
 segment holds the records ``first_lsn, first_lsn + 1, ...`` in order, so LSNs are not stored. A writer
 never appends to a segment it did not create: after a restart it starts a new segment at the next LSN.
 
-Commit protocol (``durability="fsync"``): the caller appends a record's bytes with one ``write()``
+Commit protocol (``durability="fsync"``): the caller appends a record's bytes with one ``writev()`` of
+the pieces Arrow's IPC writer produced (``records.encode_parts``: an insert's payload is written from
+the received buffer, never copied into a joined record)
 (under the buffer's lock, so log order is apply order), releases its lock and calls ``wait(lsn)``,
 which returns once every segment up to ``lsn`` is fsync'd (and the WAL directory, when a segment was
 created). Group commit is leader/follower (as in PostgreSQL's and InnoDB's logs): a waiter whose
@@ -36,6 +38,8 @@ from replay.files import fsync_dir, remove_gently
 from replay.records import end_of_stream, segment_header
 
 SEGMENT_SUFFIX = ".arrows"
+_IOV_MAX = 1024
+"""Most pieces one ``writev`` takes (Linux ``IOV_MAX``)."""
 
 
 class WalError(OSError):
@@ -95,20 +99,31 @@ class Wal:
         if self.config.durability != "fsync":
             fsync_dir(self.dir)
 
-    def _write(self, data: bytes) -> None:
+    def _write(self, data) -> None:
+        """Write bytes-like ``data``, or a list of bytes-like pieces with one ``writev`` (no join)."""
+        if isinstance(data, list):
+            views = [memoryview(p).cast("B") for p in data]
+            while views:
+                written = os.writev(self._fd, views[:_IOV_MAX])
+                while views and written >= views[0].nbytes:
+                    written -= views.pop(0).nbytes
+                if views and written:
+                    views[0] = views[0][written:]
+            return
         view = memoryview(data)
         while view:
             view = view[os.write(self._fd, view):]
 
     def append(self, records: list) -> int:
-        """Append encoded records (bytes-like; one write); returns the LSN of the last one.
+        """Append encoded records, each bytes-like or a list of bytes-like pieces (``records.encode_parts``),
+        with one write; returns the LSN of the last one.
 
         Raises:
             WalError: the log failed earlier or is closed.
         """
         with self._cv:
             self._check()
-            data = records[0] if len(records) == 1 else b"".join(records)  # no copy of one record
+            data = [p for r in records for p in (r if isinstance(r, list) else [r])]
             try:
                 if self.config.durability == "buffered":
                     self._pending.append(data)
@@ -119,8 +134,9 @@ class Wal:
                 self._fail(exc)
                 raise WalError(f"WAL append to {self.path} failed: {exc}") from exc
             self._next_lsn += len(records)
-            self._segment_bytes += len(data)
-            self.bytes_written += len(data)
+            nbytes = sum(memoryview(p).nbytes for p in data)
+            self._segment_bytes += nbytes
+            self.bytes_written += nbytes
             fault_point("replay.wal.after_append")
             if self._segment_bytes >= self.config.segment_bytes:
                 try:
@@ -144,7 +160,7 @@ class Wal:
 
     def _flush_pending(self) -> None:
         if self._pending:
-            data, self._pending = b"".join(self._pending), []
+            data, self._pending = [p for d in self._pending for p in d], []
             self._write(data)
 
     def wait(self, lsn: int) -> None:

@@ -20,6 +20,7 @@ from grpc_health.v1 import health_pb2
 from proto import replay_pb2, replay_pb2_grpc
 from proto.trajectory import SCHEMA_VERSION, SchemaError, to_ipc
 from replay.buffer import RateLimitedError, TrajectoryBuffer, UnknownLeaseError
+from replay.memory import tune_malloc
 from replay.wal import WalError
 from services import grpc_common
 from services.security import SecurityConfig
@@ -220,6 +221,7 @@ def serve(buffer: TrajectoryBuffer, host: str | None = None, port: int = 0,
     again, so every insert and every other change answers UNAVAILABLE naming the error meanwhile.
     """
     sys.setswitchinterval(_GIL_SWITCH_S)
+    tune_malloc()  # transient 0.5 MB message buffers reuse freed memory instead of faulting in fresh pages
     host = grpc_common.bind_host(host, security)
     server, health_servicer = grpc_common.make_server(security=security)
     replay_pb2_grpc.add_ReplayServiceServicer_to_server(ReplayServicer(buffer), server)
