@@ -1,4 +1,5 @@
-"""Rollout benchmark: ``python -m bench.rollout [--quick]``. The last line printed is one JSON object.
+"""Rollout benchmark: ``python -m bench.rollout [--quick] [--weight-sync-only]``. The last line printed is
+one JSON object (``--weight-sync-only``: just the ``weight_sync_*`` keys, no vLLM engine started).
 
 Baselines are measured in the same run, on the same machine:
 
@@ -7,7 +8,7 @@ Baselines are measured in the same run, on the same machine:
   bare vLLM ``AsyncLLM.generate`` of the same prompts, ``n``, lengths and sampling settings, also asking
   for the sampled tokens' logprobs, on the same engine; rounds alternate which goes first; median of the
   per-round ratios.
-- ``weight_sync_ratio``: GB/s of one version delivered to 2 ``WeightSubscriber``s (staged, CRC32
+- ``weight_sync_ratio``: GB/s of one version delivered to 2 ``WeightSubscriber``s (staged, CRC-32C
   verified, assembled into tensors), each in its own process as rollout services are, from a WeightService
   subprocess ÷ 2 client processes draining a raw grpcio byte stream of the same bytes in the same message
   size from a subprocess with the same server options (timed from a common ``go`` after every process
@@ -139,6 +140,8 @@ async def engine_part(quick: bool) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--weight-sync-only", action="store_true",
+                        help="measure only weight_sync_ratio (no vLLM engine)")
     parser.add_argument("--weights-server", nargs=3, metavar=("KIND", "PORT", "BYTES"), help=argparse.SUPPRESS)
     parser.add_argument("--fetch", nargs=2, metavar=("KIND", "ADDRESS"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -152,6 +155,9 @@ def main() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     result = {"quick": args.quick}
     result.update(weight_sync(270 << 20, rounds=7 if args.quick else 11))
+    if args.weight_sync_only:
+        print(json.dumps(result))
+        return
     print(json.dumps(result), file=sys.stderr)
     result.update(asyncio.run(engine_part(args.quick)))
     print(json.dumps(result))

@@ -79,7 +79,7 @@ class WeightServerProc:
 
 def fetch_main(kind: str, address: str) -> None:
     """Subprocess body of ``process_fetch_s``: one subscriber (a rollout service's process) or one raw client.
-    Prints ``ready``, waits for ``go`` on stdin, fetches the version (gyre: staged, CRC32-verified, assembled
+    Prints ``ready``, waits for ``go`` on stdin, fetches the version (gyre: staged, CRC-32C-verified, assembled
     into tensors) or drains the raw stream, then prints the bytes it received."""
     print("ready", flush=True)
     sys.stdin.readline()

@@ -13,7 +13,7 @@ from proto.tensor_chunks import EncodedTensor, TensorMeta, encode_tensors
 class WeightPublisher:
     """Newest-version store behind ``WeightService``: versions only increase.
 
-    Thread-safe. ``publish`` encodes the tensors to bytes + CRC32 once; every subscriber stream
+    Thread-safe. ``publish`` encodes the tensors to bytes + CRC-32C once; every subscriber stream
     reads the same ``EncodedTensor`` list. ``announce`` instead records only a version's manifest
     (names, shapes, checksums) for transports whose bytes travel over NCCL
     (``services.weight_transport.nccl``); one publisher holds one kind of version at a time.

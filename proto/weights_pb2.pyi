@@ -15,7 +15,7 @@ class SubscribeRequest(_message.Message):
     def __init__(self, have_version: _Optional[int] = ..., subscriber: _Optional[str] = ...) -> None: ...
 
 class WeightChunk(_message.Message):
-    __slots__ = ("version", "name", "dtype", "shape", "offset", "data", "nbytes", "last_of_tensor", "crc32", "last_of_version", "num_tensors", "schema_version")
+    __slots__ = ("version", "name", "dtype", "shape", "offset", "data", "nbytes", "last_of_tensor", "checksum", "last_of_version", "num_tensors", "schema_version", "checksum_kind")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -24,10 +24,11 @@ class WeightChunk(_message.Message):
     DATA_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
     LAST_OF_TENSOR_FIELD_NUMBER: _ClassVar[int]
-    CRC32_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     LAST_OF_VERSION_FIELD_NUMBER: _ClassVar[int]
     NUM_TENSORS_FIELD_NUMBER: _ClassVar[int]
     SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_KIND_FIELD_NUMBER: _ClassVar[int]
     version: int
     name: str
     dtype: str
@@ -36,11 +37,12 @@ class WeightChunk(_message.Message):
     data: bytes
     nbytes: int
     last_of_tensor: bool
-    crc32: int
+    checksum: int
     last_of_version: bool
     num_tensors: int
     schema_version: int
-    def __init__(self, version: _Optional[int] = ..., name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., nbytes: _Optional[int] = ..., last_of_tensor: _Optional[bool] = ..., crc32: _Optional[int] = ..., last_of_version: _Optional[bool] = ..., num_tensors: _Optional[int] = ..., schema_version: _Optional[int] = ...) -> None: ...
+    checksum_kind: str
+    def __init__(self, version: _Optional[int] = ..., name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., nbytes: _Optional[int] = ..., last_of_tensor: _Optional[bool] = ..., checksum: _Optional[int] = ..., last_of_version: _Optional[bool] = ..., num_tensors: _Optional[int] = ..., schema_version: _Optional[int] = ..., checksum_kind: _Optional[str] = ...) -> None: ...
 
 class TensorMeta(_message.Message):
     __slots__ = ("name", "dtype", "shape", "nbytes", "checksum")

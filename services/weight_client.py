@@ -175,7 +175,8 @@ def parse_chunk(raw: bytes) -> TensorChunk:
         raise ChunkError(f"malformed WeightChunk: {exc}") from exc
     return TensorChunk(version=msg.version, name=msg.name, dtype=msg.dtype, shape=tuple(msg.shape),
                        offset=msg.offset, data=data, nbytes=msg.nbytes, last_of_tensor=msg.last_of_tensor,
-                       crc32=msg.crc32, last_of_version=msg.last_of_version, num_tensors=msg.num_tensors)
+                       checksum=msg.checksum, last_of_version=msg.last_of_version, num_tensors=msg.num_tensors,
+                       checksum_kind=msg.checksum_kind)
 
 
 class _Watchdog:

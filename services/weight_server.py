@@ -1,13 +1,14 @@
 """WeightService servicer: streams ``learner.publisher.WeightPublisher`` versions as checksummed chunks.
 
-Each version's ``WeightChunk`` messages are serialized once, on demand, into a cache that every
-Subscribe stream shares (``_WireVersion``): N subscribers cost one protobuf encoding, not N, and the
-servicer yields the serialized bytes as they are (``_serialize`` passes bytes through).
+Each Subscribe stream serializes its own ``WeightChunk`` messages as it sends them (``serialize_chunk``:
+protobuf for the small fields, one copy of the chunk's bytes) and yields them as bytes (``_serialize``
+passes bytes through). grpc copies every message into its own buffer per stream anyway, so a per-stream
+message costs one more copy into memory that is freed and reused chunk after chunk, where a cache of
+serialized messages shared by all streams would hold a second copy of the whole version (283 MB for
+SmolLM2-135M's size, 2 bytes per parameter) in freshly faulted pages for as long as it is the newest.
 """
 
 from __future__ import annotations
-
-import threading
 
 import grpc
 import structlog
@@ -31,14 +32,6 @@ class WeightServicer(weights_pb2_grpc.WeightServiceServicer):
     def __init__(self, publisher: WeightPublisher, chunk_bytes: int = CHUNK_BYTES) -> None:
         self.publisher = publisher
         self.chunk_bytes = chunk_bytes
-        self._wire: _WireVersion | None = None
-        self._wire_lock = threading.Lock()
-
-    def _wire_for(self, version: int, tensors) -> "_WireVersion":
-        with self._wire_lock:
-            if self._wire is None or self._wire.version != version:
-                self._wire = _WireVersion(version, iter_chunks(version, tensors, self.chunk_bytes))
-            return self._wire
 
     def Subscribe(self, request, context):
         have = request.have_version
@@ -48,7 +41,7 @@ class WeightServicer(weights_pb2_grpc.WeightServiceServicer):
             if got is None:
                 continue
             version, tensors = got
-            for i, msg in enumerate(self._wire_for(version, tensors)):
+            for i, msg in enumerate(map(serialize_chunk, iter_chunks(version, tensors, self.chunk_bytes))):
                 if i == 1:  # the first chunk of a new version is out, the rest not yet
                     fault_point("learner.publish.mid_stream")
                 yield msg
@@ -72,34 +65,6 @@ class WeightServicer(weights_pb2_grpc.WeightServiceServicer):
         return weights_pb2.LatestResponse(version=self.publisher.version)
 
 
-class _WireVersion:
-    """Serialized ``WeightChunk`` messages of one version, produced once by whichever stream is ahead
-    and replayed to every other stream (bytes, in order)."""
-
-    def __init__(self, version: int, chunks) -> None:
-        self.version = version
-        self._chunks = chunks
-        self._wire: list[bytes] = []
-        self._done = False
-        self._lock = threading.Lock()
-
-    def __iter__(self):
-        i = 0
-        while True:
-            with self._lock:
-                if i == len(self._wire) and not self._done:
-                    c = next(self._chunks, None)
-                    if c is None:
-                        self._done = True
-                    else:
-                        self._wire.append(serialize_chunk(c))
-                if i == len(self._wire):
-                    return
-                msg = self._wire[i]
-            yield msg
-            i += 1
-
-
 _DATA_TAG = bytes([(6 << 3) | 2])  # WeightChunk.data: field 6, wire type 2 (length-delimited)
 
 
@@ -110,8 +75,8 @@ def serialize_chunk(c) -> bytes:
     up to field order)."""
     head = weights_pb2.WeightChunk(
         version=c.version, name=c.name, dtype=c.dtype, shape=c.shape, offset=c.offset, nbytes=c.nbytes,
-        last_of_tensor=c.last_of_tensor, crc32=c.crc32, last_of_version=c.last_of_version,
-        num_tensors=c.num_tensors, schema_version=SCHEMA_VERSION).SerializeToString()
+        last_of_tensor=c.last_of_tensor, checksum=c.checksum, last_of_version=c.last_of_version,
+        num_tensors=c.num_tensors, schema_version=SCHEMA_VERSION, checksum_kind=c.checksum_kind).SerializeToString()
     n, length = len(c.data), bytearray()
     while True:
         length.append((n & 0x7F) | (0x80 if n > 0x7F else 0))

@@ -9,7 +9,7 @@ from services.weight_transport.base import OnVersion, WeightTransport
 
 
 class GrpcTransport(WeightTransport):
-    """Wraps ``services.weight_client.WeightSubscriber`` (staging, CRC32 per tensor, chunk deadline,
+    """Wraps ``services.weight_client.WeightSubscriber`` (staging, CRC-32C per tensor, chunk deadline,
     exponential backoff, versions only forward) behind the ``WeightTransport`` ABC.
 
     Args:

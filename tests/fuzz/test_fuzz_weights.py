@@ -19,7 +19,8 @@ from hypothesis import assume, given, strategies as st
 
 from learner.publisher import WeightPublisher
 from proto import weights_pb2, weights_pb2_grpc
-from proto.tensor_chunks import DTYPES, ChunkAssembler, ChunkError, TensorChunk, encode_tensors, iter_chunks
+from proto.tensor_chunks import (CHUNK_CHECKSUMS, DTYPES, ChunkAssembler, ChunkError, TensorChunk, encode_tensors,
+                                 iter_chunks)
 from services import grpc_common, weight_server
 from services.weight_client import parse_chunk
 
@@ -27,7 +28,8 @@ def chunk_of(msg: weights_pb2.WeightChunk) -> TensorChunk:
     """The ``TensorChunk`` a parsed ``WeightChunk`` message stands for (field by field)."""
     return TensorChunk(version=msg.version, name=msg.name, dtype=msg.dtype, shape=tuple(msg.shape),
                        offset=msg.offset, data=msg.data, nbytes=msg.nbytes, last_of_tensor=msg.last_of_tensor,
-                       crc32=msg.crc32, last_of_version=msg.last_of_version, num_tensors=msg.num_tensors)
+                       checksum=msg.checksum, last_of_version=msg.last_of_version, num_tensors=msg.num_tensors,
+                       checksum_kind=msg.checksum_kind)
 
 
 SHAPES = st.lists(st.integers(1, 5), min_size=0, max_size=3).map(tuple)
@@ -65,14 +67,18 @@ def test_an_undamaged_stream_is_bit_exact(version):
 
 def _damage(data, chunks: list[TensorChunk]) -> tuple[list[TensorChunk], str]:
     """One damage of the stream, and a text the ``ChunkError`` must contain."""
-    kinds = ["crc", "offset", "nbytes", "dtype_name", "shape", "num_tensors", "truncate"]
+    kinds = ["crc", "checksum_kind", "offset", "nbytes", "dtype_name", "shape", "num_tensors", "truncate"]
     kind = data.draw(st.sampled_from(kinds + (["drop", "repeat", "version"] if len(chunks) > 1 else [])))
     i = data.draw(st.integers(0, len(chunks) - 1))
     c, out = chunks[i], list(chunks)
     if kind == "crc":
         i = data.draw(st.sampled_from([j for j, x in enumerate(chunks) if x.last_of_tensor]))
-        out[i] = dataclasses.replace(chunks[i], crc32=chunks[i].crc32 ^ data.draw(st.integers(1, 2**32 - 1)))
+        out[i] = dataclasses.replace(chunks[i], checksum=chunks[i].checksum ^ data.draw(st.integers(1, 2**32 - 1)))
         return out, "checksum"
+    if kind == "checksum_kind":
+        name = data.draw(st.text(max_size=10).filter(lambda s: s not in CHUNK_CHECKSUMS))
+        out[i] = dataclasses.replace(c, checksum_kind=name)
+        return out, f"checksum {name!r}" if c.offset else f"unknown checksum kind {name!r}"
     if kind == "offset":
         delta = data.draw(st.integers(-c.offset, 2**40).filter(lambda d: d != 0))
         out[i] = dataclasses.replace(c, offset=c.offset + delta)
@@ -90,8 +96,8 @@ def _damage(data, chunks: list[TensorChunk]) -> tuple[list[TensorChunk], str]:
         return out, f"{huge}"  # "N bytes received, {huge} expected" or "shape [...] × dtype != {huge} bytes"
     if kind == "dtype_name":
         name = data.draw(st.text(max_size=10).filter(lambda s: s not in DTYPES))
-        out[i] = dataclasses.replace(c, dtype=name)
-        return out, f"unknown dtype {name!r}"
+        out[i] = dataclasses.replace(c, dtype=name)  # a later chunk of a tensor disagrees with its first
+        return out, f"says dtype {name}, shape" if c.offset else f"unknown dtype {name!r}"
     if kind == "version":
         i = data.draw(st.integers(1, len(chunks) - 1))
         other = data.draw(st.integers(-(2**63), 2**63 - 1).filter(lambda v: v != chunks[i].version))
@@ -160,8 +166,9 @@ def test_known_bad_chunk_metadata_is_a_chunk_error(damage, names):
 def _wire(chunk: TensorChunk) -> bytes:
     return weights_pb2.WeightChunk(
         version=chunk.version, name=chunk.name, dtype=chunk.dtype, shape=chunk.shape, offset=chunk.offset,
-        data=bytes(chunk.data), nbytes=chunk.nbytes, last_of_tensor=chunk.last_of_tensor, crc32=chunk.crc32,
-        last_of_version=chunk.last_of_version, num_tensors=chunk.num_tensors, schema_version=2).SerializeToString()
+        data=bytes(chunk.data), nbytes=chunk.nbytes, last_of_tensor=chunk.last_of_tensor, checksum=chunk.checksum,
+        last_of_version=chunk.last_of_version, num_tensors=chunk.num_tensors, schema_version=2,
+        checksum_kind=chunk.checksum_kind).SerializeToString()
 
 
 @st.composite

@@ -118,7 +118,10 @@ def test_nccl_transport_manifest_over_grpc_bytes_over_the_group(learner):
     transport.stop()
 
 
-def test_nccl_corrupt_broadcast_is_refused_by_name_and_the_next_version_lands(learner):
+def test_nccl_corrupt_broadcast_is_refused_once_not_retried_and_the_next_version_lands(learner):
+    """A refused NCCL version is not asked for again: its bytes went by in the one broadcast this rank joined.
+    (A transport that re-subscribed after the refusal was handed the same manifest, joined a broadcast the
+    learner never repeats, paired the next version's bytes with the old manifest and then never delivered.)"""
     pub, address = learner
     pair, got = _GlooPair(), []
     transport = _nccl_rollout(address, pair.groups[1], got, have_version=2).start()
@@ -132,9 +135,15 @@ def test_nccl_corrupt_broadcast_is_refused_by_name_and_the_next_version_lands(le
     NcclWeightSender(pub, corrupting).send(3, named(3))
     _wait(lambda: transport.errors == 1)
     assert got == [] and transport.delivered_version == 2
+    time.sleep(1.0)  # 10x the backoff: a retrying transport would now sit in a broadcast for version 3
     NcclWeightSender(pub, clean).send(4, named(4))
     _wait(lambda: transport.delivered_version == 4)
-    assert [v for v, _ in got] == [4]
+    assert [v for v, _ in got] == [4] and transport.errors == 1
+    for (n1, t1), (n2, t2) in zip(named(4), got[0][1]):
+        assert n1 == n2 and torch.equal(t1, t2)
+    NcclWeightSender(pub, clean).send(5, named(5))
+    _wait(lambda: transport.delivered_version == 5)
+    assert transport.errors == 1
     transport.stop()
 
 
@@ -230,23 +239,24 @@ def test_hand_appended_data_field_parses_like_protobufs_own_encoding(size):
     from proto.tensor_chunks import TensorChunk
     data = bytes(range(256)) * (size // 256) + bytes(range(size % 256))
     c = TensorChunk(version=7, name="w", dtype="bfloat16", shape=(size // 2,), offset=64, data=memoryview(data),
-                    nbytes=size + 64, last_of_tensor=True, crc32=123, last_of_version=True, num_tensors=2)
+                    nbytes=size + 64, last_of_tensor=True, checksum=123, last_of_version=True, num_tensors=2)
     msg = weights_pb2.WeightChunk.FromString(weight_server.serialize_chunk(c))
-    assert (msg.version, msg.name, msg.dtype, list(msg.shape), msg.offset, msg.data, msg.nbytes, msg.crc32,
-            msg.last_of_tensor, msg.last_of_version, msg.num_tensors) == (
-        7, "w", "bfloat16", [size // 2], 64, data, size + 64, 123, True, True, 2)
+    assert (msg.version, msg.name, msg.dtype, list(msg.shape), msg.offset, msg.data, msg.nbytes, msg.checksum,
+            msg.last_of_tensor, msg.last_of_version, msg.num_tensors, msg.checksum_kind) == (
+        7, "w", "bfloat16", [size // 2], 64, data, size + 64, 123, True, True, 2, "crc32c")
 
 
 def test_parse_chunk_finds_data_wherever_protobuf_put_it_and_refuses_garbage():
     from services.weight_client import parse_chunk
     msg = weights_pb2.WeightChunk(version=3, name="b.bias", dtype="float32", shape=[2, 3], offset=8,
-                                  data=bytes(range(24)), nbytes=32, last_of_tensor=True, crc32=2**32 - 1)
+                                  data=bytes(range(24)), nbytes=32, last_of_tensor=True, checksum=2**32 - 1,
+                                  checksum_kind="crc32c")
     c = parse_chunk(msg.SerializeToString())  # protobuf's order: data (field 6) between others
-    assert (c.version, c.name, c.dtype, c.shape, c.offset, bytes(c.data), c.nbytes, c.last_of_tensor, c.crc32) == (
-        3, "b.bias", "float32", (2, 3), 8, bytes(range(24)), 32, True, 2**32 - 1)
+    assert (c.version, c.name, c.dtype, c.shape, c.offset, bytes(c.data), c.nbytes, c.last_of_tensor, c.checksum,
+            c.checksum_kind) == (3, "b.bias", "float32", (2, 3), 8, bytes(range(24)), 32, True, 2**32 - 1, "crc32c")
     assert bytes(parse_chunk(weights_pb2.WeightChunk(version=1).SerializeToString()).data) == b""
     with pytest.raises(ChunkError, match="malformed WeightChunk: truncated varint"):
-        parse_chunk(msg.SerializeToString()[:-3])
+        parse_chunk(weights_pb2.WeightChunk(version=3, checksum=2**32 - 1).SerializeToString()[:-3])
     with pytest.raises(ChunkError, match="wire type 7"):
         parse_chunk(b"\x0f\x00")
     with pytest.raises(ChunkError, match="runs past the end"):
