@@ -50,6 +50,26 @@ def task_fingerprint(recipe: Recipe) -> str:
 
 
 
+RAY_START_ATTEMPTS = 2
+"""Tries at starting a private local Ray (``address: local``) before its start error is raised."""
+
+
+def init_ray(address: str, **kwargs) -> None:
+    """``ray.init(address=address, **kwargs)``, starting a private local Ray up to ``RAY_START_ATTEMPTS``
+    times: on a loaded machine its raylet can miss the fixed 30 s window Ray gives it to register
+    ("The current node timed out during startup"); the half-started node is shut down and started again.
+    Attaching to an existing cluster (any other ``address``) is tried once. Raises what ``ray.init`` raised."""
+    for attempt in range(1, RAY_START_ATTEMPTS + 1):
+        try:
+            ray.init(address=address, **kwargs)
+            return
+        except Exception as exc:  # Ray raises a bare Exception for this one
+            if address != "local" or attempt == RAY_START_ATTEMPTS or "timed out during startup" not in str(exc):
+                raise
+            log.warning("ray_start_timed_out_retrying", attempt=attempt, error=str(exc)[:200])
+            ray.shutdown()
+
+
 def run(recipe: Recipe, console: Console | None = None) -> dict:
     """Run (or resume, per ``recipe.learner.resume``) a recipe end to end; returns the summary also
     written to ``{out_dir}/summary.json``. A finished run returns its summary with ``already_finished``."""
@@ -60,7 +80,7 @@ def run(recipe: Recipe, console: Console | None = None) -> dict:
         return finished
     (out / "recipe.json").write_text(recipe.model_dump_json(indent=2))
     t0 = time.time()
-    ray.init(address=recipe.ray.address, num_cpus=recipe.ray.num_cpus, namespace=recipe.ray.namespace,
+    init_ray(recipe.ray.address, num_cpus=recipe.ray.num_cpus, namespace=recipe.ray.namespace,
              include_dashboard=False, log_to_driver=False, object_store_memory=256 * 1024**2
              if recipe.ray.address == "local" else None)
     (out / "ray_address").write_text(ray.get_runtime_context().gcs_address)  # for `gyre status` and friends

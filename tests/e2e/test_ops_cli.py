@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import ray
 
+from services.controller import init_ray
 from services.ops import create_state
 
 pytestmark = pytest.mark.slow
@@ -37,7 +38,7 @@ def _gyre(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_ops_commands_reach_a_running_run(tmp_path):
-    ray.init(address="local", num_cpus=1, namespace=NS, include_dashboard=False, log_to_driver=False)
+    init_ray("local", num_cpus=1, namespace=NS, include_dashboard=False, log_to_driver=False)
     try:
         state = create_state("r1", NS, 1)
         ray.get(state.publish.remote(_status()))

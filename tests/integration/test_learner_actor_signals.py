@@ -31,9 +31,9 @@ def _wait(cond, timeout_s: float, what: str) -> None:
 @pytest.mark.slow
 def test_sigusr1_checkpoints_and_sigterm_checkpoints_then_exits(tiny_llama, tmp_path):
     from services.actors import LearnerActor, ReplayActor
-    from services.controller import actor_env
+    from services.controller import actor_env, init_ray
 
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+    init_ray("local", num_cpus=2, include_dashboard=False, log_to_driver=False,
              object_store_memory=128 * 1024**2)
     try:
         opts = {"num_cpus": 0, "runtime_env": {"env_vars": actor_env()}}

@@ -56,3 +56,39 @@ def test_resume_none_archives_the_old_run_dir(tmp_path):
     assert out.is_dir() and not any(out.iterdir())
     archived = [p for p in tmp_path.iterdir() if p.name.startswith("tiny-test.")]
     assert len(archived) == 1 and (archived[0] / "summary.json").is_file()
+
+
+def _fake_ray(monkeypatch, errors):
+    from services import controller
+
+    calls = []
+
+    def init(**kwargs):
+        calls.append(("init", kwargs["address"]))
+        if errors:
+            raise errors.pop(0)
+    monkeypatch.setattr(controller.ray, "init", init)
+    monkeypatch.setattr(controller.ray, "shutdown", lambda: calls.append(("shutdown", None)))
+    return controller.init_ray, calls
+
+
+def test_a_local_ray_whose_raylet_missed_its_start_window_is_started_again(monkeypatch):
+    init_ray, calls = _fake_ray(monkeypatch, [Exception("The current node timed out during startup. This could ...")])
+    init_ray("local", num_cpus=1)
+    assert calls == [("init", "local"), ("shutdown", None), ("init", "local")]
+
+
+def test_other_ray_start_errors_and_attaching_are_not_retried(monkeypatch):
+    import pytest
+
+    init_ray, calls = _fake_ray(monkeypatch, [ValueError("bad num_cpus")])
+    with pytest.raises(ValueError, match="bad num_cpus"):
+        init_ray("local")
+    init_ray, calls = _fake_ray(monkeypatch, [Exception("The current node timed out during startup.")])
+    with pytest.raises(Exception, match="timed out during startup"):
+        init_ray("auto")
+    assert calls == [("init", "auto")]
+    init_ray, calls = _fake_ray(monkeypatch, [Exception("timed out during startup")] * 2)
+    with pytest.raises(Exception, match="timed out during startup"):  # twice: the second error is raised
+        init_ray("local")
+    assert [c[0] for c in calls] == ["init", "shutdown", "init"]
