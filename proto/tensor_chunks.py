@@ -315,16 +315,13 @@ def tensor_metas(named: list[tuple[str, torch.Tensor]]) -> list[TensorMeta]:
             for (name, t), checksum in zip(named, sums)]
 
 
-def verify_tensor(meta: TensorMeta, t: torch.Tensor) -> None:
-    """Check a received tensor against its manifest entry.
+def verify_tensor(meta: TensorMeta, t: torch.Tensor, got: int) -> None:
+    """Check a received tensor against its manifest entry; ``got`` is its ``device_checksum`` (computed by
+    the caller, batched over a version with ``device_checksums``).
 
     Raises:
         ChunkError: dtype, shape or checksum differs (the message names the tensor and both values).
     """
-    _check_received(meta, t, device_checksum(t))
-
-
-def _check_received(meta: TensorMeta, t: torch.Tensor, got: int) -> None:
     if t.dtype != DTYPES.get(meta.dtype) or tuple(t.shape) != tuple(meta.shape):
         raise ChunkError(f"tensor {meta.name!r}: received {t.dtype} {list(t.shape)}, "
                          f"manifest says {meta.dtype} {list(meta.shape)}")
@@ -368,5 +365,5 @@ def receive_verified(broadcast: Broadcast, metas: list[TensorMeta] | tuple[Tenso
         received.append((m.name, buf))
     sums = device_checksums([t for _, t in received])  # queued behind the broadcasts; one sync
     for m, (_, t), got in zip(metas, received, sums):
-        _check_received(m, t, got)
+        verify_tensor(m, t, got)
     return received

@@ -211,7 +211,7 @@ class RolloutEngine:
             if version == self._version or (version < self._version and not rewind):
                 stale = StaleVersionError(
                     f"weight version ({version}) must be newer than the current one ({self._version})")
-                if manifest:  # its broadcast is coming anyway: take the bytes so no rank waits on this one
+                if manifest and self._nccl_ready is not None:  # its broadcast is coming: take the bytes
                     await self._drain(named_tensors)
                 raise stale
             if manifest:
@@ -275,8 +275,6 @@ class RolloutEngine:
         A manifest refused here (unknown tensor, wrong shape) is still received and dropped without pausing
         (``drain``): the learner and every other rank wait in the collective until each rank took its bytes.
         """
-        if self._nccl_ready is None:
-            raise RuntimeError("a VersionManifest needs weight_transport type 'nccl'")
         timeout_s = self._config.weight_transport.broadcast_timeout_s
         try:
             self._validated([(m.name, torch.empty(m.shape, dtype=DTYPES.get(m.dtype, torch.uint8), device="meta"))
@@ -284,20 +282,24 @@ class RolloutEngine:
         except WeightMismatchError:
             await self._drain(manifest)
             raise
-        await self._nccl_ready
+        await self._nccl_ready_or_raise()
         return await self._swap_weights(version, asyncio.wait_for(self._load_broadcast(manifest), timeout_s))
 
     async def _drain(self, manifest: VersionManifest) -> None:
         """Receive a refused version's broadcast and drop it (no pause, nothing loaded)."""
-        if self._nccl_ready is None:
-            raise RuntimeError("a VersionManifest needs weight_transport type 'nccl'")
-        await self._nccl_ready
+        await self._nccl_ready_or_raise()
 
         async def drain() -> None:
             await self._llm.start_weight_update()
             await self._llm.update_weights(nccl_update_request(manifest, drain=True))
             await self._llm.finish_weight_update()
         await asyncio.wait_for(drain(), self._config.weight_transport.broadcast_timeout_s)
+
+    async def _nccl_ready_or_raise(self) -> None:
+        """Wait for the workers' NCCL group; ``RuntimeError`` when this engine has no NCCL transport."""
+        if self._nccl_ready is None:
+            raise RuntimeError("a VersionManifest needs weight_transport type 'nccl'")
+        await self._nccl_ready
 
     async def _load_broadcast(self, manifest: VersionManifest) -> None:
         await self._llm.start_weight_update()
