@@ -14,6 +14,7 @@ from __future__ import annotations
 import signal
 import threading
 import time
+import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Protocol
@@ -34,8 +35,8 @@ CONSUMER = "learner"
 
 
 class ReplaySource(Protocol):
-    def sample(self, num_groups: int, learner_version: int, timeout_s: float,
-               consumer: str = "") -> tuple[str, pa.Table] | None: ...
+    def sample(self, num_groups: int, learner_version: int, timeout_s: float, consumer: str = "",
+               prompt_indices: list[int] | None = None, request_id: str = "") -> tuple[str, pa.Table] | None: ...
     def ack(self, lease_ids: list[str]) -> int: ...
     def rejoin(self, consumer: str, learner_version: int) -> int: ...
 
@@ -333,6 +334,7 @@ class LearnerLoop:
 
     def _lease_batch(self) -> tuple[str, pa.Table]:
         deadline = time.monotonic() + self.config.sample_timeout_s
+        request_id = uuid.uuid4().hex  # one key for every retry: a lease whose answer a replay crash lost comes back
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -343,7 +345,8 @@ class LearnerLoop:
                 lock = self.config.lockstep
                 exact = {"prompt_indices": lock.prompts_of_step(self.engine.step)} if lock is not None else {}
                 got = self.replay.sample(self.config.groups_per_step, self.engine.version,
-                                         timeout_s=min(remaining, 10.0), consumer=CONSUMER, **exact)
+                                         timeout_s=min(remaining, 10.0), consumer=CONSUMER, request_id=request_id,
+                                         **exact)
             except ConnectionError as exc:
                 log.warning("replay_unreachable", error=str(exc)[:200])
                 time.sleep(1.0)

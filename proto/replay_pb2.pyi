@@ -29,20 +29,22 @@ class InsertResponse(_message.Message):
     def __init__(self, batch_id: _Optional[int] = ..., accepted: _Optional[int] = ..., duplicates: _Optional[int] = ..., dropped_stale: _Optional[int] = ...) -> None: ...
 
 class SampleRequest(_message.Message):
-    __slots__ = ("schema_version", "num_groups", "learner_version", "timeout_s", "consumer", "prompt_indices")
+    __slots__ = ("schema_version", "num_groups", "learner_version", "timeout_s", "consumer", "prompt_indices", "request_id")
     SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
     NUM_GROUPS_FIELD_NUMBER: _ClassVar[int]
     LEARNER_VERSION_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     CONSUMER_FIELD_NUMBER: _ClassVar[int]
     PROMPT_INDICES_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     schema_version: int
     num_groups: int
     learner_version: int
     timeout_s: float
     consumer: str
     prompt_indices: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, schema_version: _Optional[int] = ..., num_groups: _Optional[int] = ..., learner_version: _Optional[int] = ..., timeout_s: _Optional[float] = ..., consumer: _Optional[str] = ..., prompt_indices: _Optional[_Iterable[int]] = ...) -> None: ...
+    request_id: str
+    def __init__(self, schema_version: _Optional[int] = ..., num_groups: _Optional[int] = ..., learner_version: _Optional[int] = ..., timeout_s: _Optional[float] = ..., consumer: _Optional[str] = ..., prompt_indices: _Optional[_Iterable[int]] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class SampleResponse(_message.Message):
     __slots__ = ("lease_id", "arrow_ipc", "num_groups")

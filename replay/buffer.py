@@ -34,6 +34,23 @@ from replay.types import InsertResult, UnknownLeaseError
 
 __all__ = ["TrajectoryBuffer", "InsertResult", "UnknownLeaseError", "RateLimitedError"]
 
+MAX_REQUEST_ID = 128
+"""Longest ``Sample`` idempotency key (characters); a uuid4 hex is 32."""
+
+
+def _checked_sample_args(num_groups: int, prompt_indices, request_id: str) -> list[int] | None:
+    """``prompt_indices`` as ints after checking ``sample``'s arguments; raises ``ValueError`` naming the bad one."""
+    if num_groups < 1:
+        raise ValueError(f"num_groups ({num_groups}) must be >= 1")
+    if len(request_id) > MAX_REQUEST_ID:
+        raise ValueError(f"request_id is {len(request_id)} characters; at most {MAX_REQUEST_ID} allowed")
+    if prompt_indices is None:
+        return None
+    prompt_indices = [int(i) for i in prompt_indices]
+    if len(prompt_indices) != num_groups or len(set(prompt_indices)) != num_groups or min(prompt_indices) < 0:
+        raise ValueError(f"prompt_indices {prompt_indices[:8]} must be num_groups ({num_groups}) distinct indices >= 0")
+    return prompt_indices
+
 
 class TrajectoryBuffer:
     """Stores GRPO groups as Arrow tables and leases them out whole.
@@ -152,8 +169,8 @@ class TrajectoryBuffer:
             self._wal.wait(lsn)
 
     # ---- sample / leases ------------------------------------------------------------------------
-    def sample(self, num_groups: int, learner_version: int, timeout_s: float = 0.0,
-               consumer: str = "", prompt_indices: list[int] | None = None) -> tuple[str, pa.Table] | None:
+    def sample(self, num_groups: int, learner_version: int, timeout_s: float = 0.0, consumer: str = "",
+               prompt_indices: list[int] | None = None, request_id: str = "") -> tuple[str, pa.Table] | None:
         """Lease ``num_groups`` whole groups chosen by the selector; wait up to ``timeout_s`` seconds.
 
         Raising ``learner_version`` drops (or excludes) groups whose lag exceeds ``max_staleness``.
@@ -161,18 +178,22 @@ class TrajectoryBuffer:
         prompts in that order, once every one of them is pooled; the selector is not consulted.
         Returns ``(lease_id, table)`` with the groups' rows in hand-out order, or ``None`` on timeout.
 
+        ``request_id`` (idempotency key, the same on every retry of one logical sample): when ``consumer``
+        still holds the lease an earlier attempt made (logged, but its answer lost in a crash), that
+        lease and its rows are returned again and nothing changes; otherwise a new lease remembers the key.
+
         Raises:
-            ValueError: ``num_groups < 1``; ``prompt_indices`` not ``num_groups`` distinct indices >= 0.
+            ValueError: ``num_groups < 1``; ``prompt_indices`` not ``num_groups`` distinct indices >= 0;
+                ``request_id`` longer than 128 characters, or naming a lease of another ``num_groups``.
         """
-        if num_groups < 1:
-            raise ValueError(f"num_groups ({num_groups}) must be >= 1")
-        if prompt_indices is not None:
-            prompt_indices = [int(i) for i in prompt_indices]
-            if len(prompt_indices) != num_groups or len(set(prompt_indices)) != num_groups \
-                    or min(prompt_indices) < 0:
-                raise ValueError(f"prompt_indices {prompt_indices[:8]} must be num_groups ({num_groups}) "
-                                 "distinct indices >= 0")
+        prompt_indices = _checked_sample_args(num_groups, prompt_indices, request_id)
         deadline = time.monotonic() + max(timeout_s, 0.0)
+        if request_id:
+            with self._lock:
+                held, logged = self._held_lease(consumer, request_id, num_groups)
+            if held is not None:
+                self.wait_durable(logged)  # the first attempt's lease record may still await its fsync
+                return held
         with self._lock:
             lsn = -1
             if learner_version > self.state.learner_version:
@@ -198,12 +219,27 @@ class TrajectoryBuffer:
                 lease_id = uuid.uuid4().hex
                 meta = {"lease_id": lease_id, "keys": keys, "consumer": consumer,
                         "expires_at": self._clock() + self.config.lease_ttl_s}
+                if request_id:
+                    meta["request_id"] = request_id
                 lsn, groups = self._commit(Record("lease", meta))
                 table = pa.concat_tables([g.table for g in groups])
                 self._samples.add(len(groups))
                 self._lock.notify_all()
         self.wait_durable(lsn)
         return (lease_id, table) if got else None
+
+    def _held_lease(self, consumer: str, request_id: str, num_groups: int) -> tuple[tuple | None, int]:
+        """``((lease_id, table), lsn)`` of the lease a retried ``Sample`` (same ``request_id``) already
+        made, where ``lsn`` is a log position at or after its record (wait for it before answering), or
+        ``(None, -1)``; the caller holds the lock."""
+        lease = self.state.lease_of_request(consumer, request_id)
+        if lease is None:
+            return None, -1
+        if len(lease.keys) != num_groups:
+            raise ValueError(f"request_id {request_id!r} names lease {lease.lease_id} of {len(lease.keys)} groups; "
+                             f"this retry asks for num_groups {num_groups}")
+        logged = self._wal.next_lsn - 1 if self._wal is not None else -1
+        return (lease.lease_id, pa.concat_tables([self.state.store.groups[k].table for k in lease.keys])), logged
 
     def _expire_leases(self) -> int:
         now = self._clock()

@@ -73,6 +73,14 @@ class ReplayState:
             return []
         return self.store.eviction_candidates(over, frozenset(range(self.next_key - inserted, self.next_key)))
 
+    def lease_of_request(self, consumer: str, request_id: str) -> Lease | None:
+        """The active lease that ``consumer``'s ``Sample`` with idempotency key ``request_id`` made, if any
+        (a linear scan: a consumer holds a handful of leases)."""
+        if not request_id:
+            return None
+        return next((x for x in self.leases.values() if x.request_id == request_id and x.consumer == consumer),
+                    None)
+
     def check_leases(self, lease_ids: list[str], acked_ok: bool = False) -> None:
         """Raises ``UnknownLeaseError`` naming the first id not held (with ``acked_ok``: nor acked lately)."""
         for lease_id in lease_ids:
@@ -115,7 +123,8 @@ class ReplayState:
         elif rec.kind == "rejoin":
             return self._rejoin(m["consumer"], m["version"])
         elif rec.kind == "lease":
-            return self._lease(Lease(m["lease_id"], tuple(m["keys"]), m["consumer"], m["expires_at"]))
+            return self._lease(Lease(m["lease_id"], tuple(m["keys"]), m["consumer"], m["expires_at"],
+                                     m.get("request_id", "")))
         elif rec.kind in ("ack", "release", "expire"):
             return self._end_leases(rec.kind, m["lease_ids"])
         elif rec.kind == "prompt_lease":
@@ -256,7 +265,8 @@ class ReplayState:
         counters["staleness_at_sample"] = [[k, v] for k, v in c.staleness_at_sample.items()]
         return {"learner_version": self.learner_version, "next_key": self.next_key, "counters": counters,
                 "limiter": self.limiter.state_dict(), "ledger": self.ledger.state_dict(),
-                "leases": [[x.lease_id, list(x.keys), x.consumer, x.expires_at] for x in self.leases.values()],
+                "leases": [[x.lease_id, list(x.keys), x.consumer, x.expires_at, x.request_id]
+                           for x in self.leases.values()],
                 "acked_leases": list(self.acked_leases)}
 
     def load_state_dict(self, state: dict, groups: list[Group]) -> None:
@@ -269,6 +279,8 @@ class ReplayState:
         lags = {int(k): int(v) for k, v in raw.pop("staleness_at_sample")}
         self.counters = Counters(**raw, inserted_by_newest_version=by_version, staleness_at_sample=lags)
         self.ledger.load_state_dict(state["ledger"])
-        self.leases = {i: Lease(i, tuple(keys), c, float(t)) for i, keys, c, t in state["leases"]}
+        # [id, keys, consumer, expires_at, request_id]; snapshots before idempotent Sample have no request_id
+        self.leases = {x[0]: Lease(x[0], tuple(x[1]), x[2], float(x[3]), x[4] if len(x) > 4 else "")
+                       for x in state["leases"]}
         self.acked_leases = dict.fromkeys(state.get("acked_leases", []))  # older snapshots: none remembered
         self.limiter.load_state_dict(state["limiter"])

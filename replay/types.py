@@ -86,6 +86,8 @@ class Lease:
     keys: tuple[int, ...]
     consumer: str
     expires_at: float
+    request_id: str = ""
+    """The ``Sample`` request's idempotency key ("" when it sent none): a retry of it gets this lease again."""
 
 
 @dataclass

@@ -58,14 +58,16 @@ class ReplayClient:
         return next(iter(responses))
 
     @_transient_as_connection_error
-    def sample(self, num_groups: int, learner_version: int, timeout_s: float,
-               consumer: str = "", prompt_indices: list[int] | None = None) -> tuple[str, pa.Table] | None:
+    def sample(self, num_groups: int, learner_version: int, timeout_s: float, consumer: str = "",
+               prompt_indices: list[int] | None = None, request_id: str = "") -> tuple[str, pa.Table] | None:
         """Lease ``num_groups`` whole groups, waiting up to ``timeout_s``; ``None`` if none ready.
-        ``prompt_indices``: exactly those prompts' groups, in that order (lockstep)."""
+        ``prompt_indices``: exactly those prompts' groups, in that order (lockstep). ``request_id``: the
+        idempotency key of this logical sample; pass the same one when retrying after a
+        ``ReplayUnavailableError`` and a lease whose answer was lost comes back instead of a second one."""
         resp = self._stub.Sample(
             replay_pb2.SampleRequest(schema_version=SCHEMA_VERSION, num_groups=num_groups,
                                      learner_version=learner_version, timeout_s=timeout_s, consumer=consumer,
-                                     prompt_indices=prompt_indices or []),
+                                     prompt_indices=prompt_indices or [], request_id=request_id),
             timeout=timeout_s + self.timeout_s)
         if not resp.lease_id:
             return None

@@ -157,7 +157,8 @@ class ReplayServicer(replay_pb2_grpc.ReplayServiceServicer):
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"timeout_s ({request.timeout_s}) must be in [0, 600]")
         try:
             got = self.buffer.sample(request.num_groups, request.learner_version, request.timeout_s, request.consumer,
-                                     prompt_indices=list(request.prompt_indices) or None)
+                                     prompt_indices=list(request.prompt_indices) or None,
+                                     request_id=request.request_id)
         except ValueError as exc:
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
         if got is None:

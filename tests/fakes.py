@@ -81,8 +81,8 @@ class FakeReplay:
 
         return SimpleNamespace(**self.buffer.info())
 
-    def sample(self, num_groups, learner_version, timeout_s, consumer="", prompt_indices=None):
-        return self.buffer.sample(num_groups, learner_version, timeout_s, consumer, prompt_indices)
+    def sample(self, num_groups, learner_version, timeout_s, consumer="", prompt_indices=None, request_id=""):
+        return self.buffer.sample(num_groups, learner_version, timeout_s, consumer, prompt_indices, request_id)
 
     def ack(self, lease_ids):
         return self.buffer.ack(lease_ids)

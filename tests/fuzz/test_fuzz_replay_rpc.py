@@ -88,6 +88,12 @@ def test_sample_of_zero_groups(replay, learner_version, consumer):
     assert_rejected(replay, lambda: replay.stub.Sample(request, timeout=10), "num_groups (0) must be >= 1")
 
 
+@given(request_id=st.text(min_size=129, max_size=300), num_groups=st.integers(1, 8))
+def test_sample_with_an_overlong_request_id(replay, request_id, num_groups):
+    request = replay_pb2.SampleRequest(schema_version=SCHEMA_VERSION, num_groups=num_groups, request_id=request_id)
+    assert_rejected(replay, lambda: replay.stub.Sample(request, timeout=10), f"request_id is {len(request_id)} characters")
+
+
 @given(num_groups=st.integers(1, 2**32 - 1), timeout=BAD_TIMEOUTS, learner_version=INT64)
 def test_sample_with_a_bad_timeout(replay, num_groups, timeout, learner_version):
     request = replay_pb2.SampleRequest(schema_version=SCHEMA_VERSION, num_groups=num_groups,

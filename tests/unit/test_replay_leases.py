@@ -135,3 +135,52 @@ def test_each_prompt_completes_once_across_reissue_and_restart(tmp_path):
     buf.insert(group_table(3, attempt=1))
     assert buf.info()["prompts_completed"] == 4 and buf.lease_prompts("r3", 4) == []
     buf.close()
+
+
+def test_a_retried_sample_gets_its_lease_again_instead_of_a_second_one():
+    buf, _ = make_buffer()
+    for i in range(3):
+        buf.insert(group_table(i))
+    lease, table = buf.sample(2, 0, consumer="learner", request_id="r1")
+    before = buf.info()
+    again, table_again = buf.sample(2, 0, consumer="learner", request_id="r1")  # the answer was lost; retry
+    assert again == lease and table_again.equals(table)
+    assert buf.info()["active_leases"] == 1 and buf.info()["sampled_groups_total"] == before["sampled_groups_total"]
+    other, _ = buf.sample(1, 0, consumer="evaluator", request_id="r1")  # the key is per consumer
+    assert other != lease
+    assert buf.ack([lease]) == 2
+    # once acked, the key names no lease: a new sample with it leases afresh (the last pooled group is leased)
+    assert buf.sample(1, 0, consumer="learner", request_id="r1") is None
+
+
+@pytest.mark.parametrize("kw, match", [({"request_id": "x" * 129}, "request_id is 129 characters"),
+                                       ({"request_id": "r1", "num_groups": 1}, "names lease .* of 2 groups")])
+def test_a_bad_sample_request_id_is_refused_and_changes_nothing(kw, match):
+    buf, _ = make_buffer()
+    for i in range(3):
+        buf.insert(group_table(i))
+    buf.sample(2, 0, consumer="learner", request_id="r1")
+    before = buf.info()
+    with pytest.raises(ValueError, match=match):
+        buf.sample(kw.pop("num_groups", 2), 0, consumer="learner", **kw)
+    assert buf.info()["active_leases"] == before["active_leases"] == 1
+
+
+@pytest.mark.parametrize("snapshot_first", [False, True], ids=["wal", "snapshot"])
+def test_a_sample_retried_after_a_replay_restart_gets_the_restored_lease(tmp_path, snapshot_first):
+    """The lease record was durable but the answer died with the process: the retry must not leave the
+    restored lease holding its groups until ``lease_ttl_s`` (a lockstep learner waits for exactly those)."""
+    cfg = ReplayConfig(dir=str(tmp_path), snapshot={"interval_s": None, "wal_bytes": None})
+    buf = TrajectoryBuffer(cfg)
+    for i in range(2):
+        buf.insert(group_table(i))
+    lease, table = buf.sample(2, 0, consumer="learner", request_id="step-1")
+    if snapshot_first:
+        assert buf.snapshot() is not None
+    buf.close()
+    buf = TrajectoryBuffer(cfg)  # restarted on the same directory
+    assert buf.state.leases[lease].request_id == "step-1"
+    again, table_again = buf.sample(2, 0, consumer="learner", request_id="step-1", timeout_s=0.1)
+    assert again == lease and table_again.equals(table)
+    assert buf.ack([lease]) == 2 and buf.info()["stored_groups"] == 0
+    buf.close()
