@@ -36,7 +36,8 @@ def actor_env() -> dict:
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
            "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(REPO / ".cache/torch_extensions")),
            "TOKENIZERS_PARALLELISM": "false"}
-    for key in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS", "HF_HUB_OFFLINE"):
+    for key in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS", "HF_HUB_OFFLINE",
+                "VLLM_ENABLE_V1_MULTIPROCESSING"):
         if key in os.environ:
             env[key] = os.environ[key]
     return env

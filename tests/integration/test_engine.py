@@ -40,7 +40,7 @@ def vllm_model(tiny_llama) -> Path:
 
 
 @pytest.fixture(scope="module")
-def running(vllm_model):
+def running(vllm_model, vllm_worker_process):  # weight updates cross vLLM's process boundary, as in `make run`
     loop = asyncio.new_event_loop()
     config = EngineConfig(model=str(vllm_model), kv_cache_gib=0.25, max_model_len=1024)
     engine = loop.run_until_complete(RolloutEngine.start(config, initial_version=3))

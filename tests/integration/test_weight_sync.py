@@ -77,7 +77,7 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def engine_loop(tiny_llama):
+def engine_loop(tiny_llama, vllm_worker_process):  # weights cross vLLM's process boundary, as in `make run`
     loop = asyncio.new_event_loop()
     config = EngineConfig(model=str(tiny_llama), kv_cache_gib=0.25, max_model_len=512)
     engine = loop.run_until_complete(RolloutEngine.start(config, initial_version=3))
