@@ -1,22 +1,31 @@
-"""The whole loop on a tiny random Llama: real vLLM, real DeepSpeed, real gRPC, a local Ray."""
+"""The whole loop on a tiny random Llama (real vLLM, DeepSpeed, gRPC, a local Ray), then
+`gyre run --resume auto` on its directory: it continues the run, a finished run says so.
 
+One directory, three runs: a 3-step run with held-out evaluations before and after, its resume to 5
+steps, and a third start that finds the run finished (one test: a whole run costs ~45 s to start).
+"""
+
+import io
 import json
 
 import pytest
+from rich.console import Console
 
 from services import controller
+from services.invariants import check_run
 from services.recipe import load_recipe
 from services.report import read_metrics
 
 pytestmark = pytest.mark.slow
 
 
-def test_three_learner_steps_reach_the_rollout(tiny_llama, tmp_path):
-    recipe = load_recipe("deploy/recipes/tiny-test.yaml",
-                         {"model": str(tiny_llama), "run_dir": str(tmp_path), "ray.num_cpus": 2})
-    summary = controller.run(recipe)
+def _recipe(tiny_llama, tmp_path, steps, eval_after=True):
+    return load_recipe("deploy/recipes/tiny-test.yaml", {
+        "model": str(tiny_llama), "run_dir": str(tmp_path), "ray.num_cpus": 2, "learner.num_steps": steps,
+        "learner.save_interval": 1, "learner.resume": "auto", "eval_after": eval_after})
 
-    out = tmp_path / "tiny-test"
+
+def _check_first_run(summary, recipe, out):
     rows = read_metrics(out / "metrics.jsonl")
     steps = [r for r in rows if "loss" in r]
     evals = [r for r in rows if "heldout_accuracy" in r]
@@ -38,10 +47,29 @@ def test_three_learner_steps_reach_the_rollout(tiny_llama, tmp_path):
     assert json.loads((out / "summary.json").read_text())["final_version"] == 3
 
     # gyre check: the journals and replay's state agree (every acked group trained once or still stored, ...)
-    from services.invariants import check_run
-
     report = check_run(out)
     assert report.ok, report.to_json()
     assert report.counts["trained_groups"] == 3 * recipe.learner.groups_per_step
     assert report.counts["resumes"] == 1 and report.counts["lost_groups"] == 0
     assert report.counts["rollout_version_events"] >= 3  # setup + at least two applied versions
+
+
+def test_three_learner_steps_reach_the_rollout_and_resume_auto_continues_the_run(tiny_llama, tmp_path):
+    out = tmp_path / "tiny-test"
+    recipe = _recipe(tiny_llama, tmp_path, 3)
+    _check_first_run(controller.run(recipe), recipe, out)
+
+    console = Console(file=io.StringIO(), width=300)
+    second = controller.run(_recipe(tiny_llama, tmp_path, 5, eval_after=False), console)
+    printed = console.file.getvalue()
+    assert second["final_version"] == 5
+    assert f"learner resumed from {out / 'checkpoints' / 'global_step_3'} (policy version 3)" in printed
+    assert "replay restored" in printed
+    rows = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4, 5]  # appended, nothing re-done
+    assert [r["version"] for r in rows if "heldout_accuracy" in r] == [0, 3]  # no second "before" evaluation
+    assert second["replay"]["acked_groups_total"] == 5 * 2  # replay's counters survived the restart
+
+    console = Console(file=io.StringIO(), width=300)
+    third = controller.run(_recipe(tiny_llama, tmp_path, 5), console)
+    assert third["already_finished"] and "run tiny-test already finished (policy version 5)" in console.file.getvalue()
