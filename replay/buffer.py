@@ -231,9 +231,11 @@ class TrajectoryBuffer:
     def _held_lease(self, consumer: str, request_id: str, num_groups: int) -> tuple[tuple | None, int]:
         """``((lease_id, table), lsn)`` of the lease a retried ``Sample`` (same ``request_id``) already
         made, where ``lsn`` is a log position at or after its record (wait for it before answering), or
-        ``(None, -1)``; the caller holds the lock."""
+        ``(None, -1)``: no such lease, or it is past its deadline (the normal path expires it and leases
+        afresh, never handing out a lease whose groups may already be back in the pool); the caller holds
+        the lock."""
         lease = self.state.lease_of_request(consumer, request_id)
-        if lease is None:
+        if lease is None or lease.expires_at <= self._clock():
             return None, -1
         if len(lease.keys) != num_groups:
             raise ValueError(f"request_id {request_id!r} names lease {lease.lease_id} of {len(lease.keys)} groups; "

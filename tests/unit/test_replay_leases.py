@@ -153,6 +153,17 @@ def test_a_retried_sample_gets_its_lease_again_instead_of_a_second_one():
     assert buf.sample(1, 0, consumer="learner", request_id="r1") is None
 
 
+def test_a_sample_retried_after_its_lease_expired_gets_a_new_lease():
+    buf, clock = make_buffer(lease_ttl_s=5)
+    for i in range(2):
+        buf.insert(group_table(i))
+    lease, _ = buf.sample(2, 0, consumer="learner", request_id="r1")
+    clock.advance(6)  # the retry comes after the lease's deadline: its groups are due back in the pool
+    again, _ = buf.sample(2, 0, consumer="learner", request_id="r1")
+    assert again != lease and lease not in buf.state.leases
+    assert buf.info()["expired_groups_total"] == 2 and buf.info()["active_leases"] == 1
+
+
 @pytest.mark.parametrize("kw, match", [({"request_id": "x" * 129}, "request_id is 129 characters"),
                                        ({"request_id": "r1", "num_groups": 1}, "names lease .* of 2 groups")])
 def test_a_bad_sample_request_id_is_refused_and_changes_nothing(kw, match):
