@@ -1,5 +1,8 @@
 import io
 import json
+import os
+
+import pytest
 
 from rich.console import Console
 
@@ -72,10 +75,16 @@ def _fake_ray(monkeypatch, errors):
     return controller.init_ray, calls
 
 
-def test_a_local_ray_whose_raylet_missed_its_start_window_is_started_again(monkeypatch):
-    init_ray, calls = _fake_ray(monkeypatch, [Exception("The current node timed out during startup. This could ...")])
+@pytest.mark.parametrize("error", [
+    Exception("The current node timed out during startup. This could ..."),
+    RuntimeError("Timed out waiting for file /tmp/ray/session_x/gcs_server_port_771c329d")])
+def test_a_local_ray_whose_raylet_or_gcs_missed_its_start_window_is_started_again(monkeypatch, error):
+    monkeypatch.setenv("RAY_gcs_server_port_wait_time_s", "")  # so that teardown restores the original
+    monkeypatch.delenv("RAY_gcs_server_port_wait_time_s")
+    init_ray, calls = _fake_ray(monkeypatch, [error])
     init_ray("local", num_cpus=1)
     assert calls == [("init", "local"), ("shutdown", None), ("init", "local")]
+    assert os.environ["RAY_gcs_server_port_wait_time_s"] == "120"  # Ray's own 30 s window, widened
 
 
 def test_other_ray_start_errors_and_attaching_are_not_retried(monkeypatch):
