@@ -50,7 +50,6 @@ def task_fingerprint(recipe: Recipe) -> str:
     return json.dumps({"task": recipe.task.model_dump(mode="json")}, sort_keys=True, separators=(",", ":"))
 
 
-
 RAY_START_ATTEMPTS = 2
 """Tries at starting a private local Ray (``address: local``) before its start error is raised."""
 START_WINDOW_ERRORS = ("timed out during startup", "Timed out waiting for file")

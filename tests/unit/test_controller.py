@@ -88,8 +88,7 @@ def test_a_local_ray_whose_raylet_or_gcs_missed_its_start_window_is_started_agai
 
 
 def test_other_ray_start_errors_and_attaching_are_not_retried(monkeypatch):
-    import pytest
-
+    monkeypatch.setenv("RAY_gcs_server_port_wait_time_s", "30")  # what init_ray("local") sets stays in this test
     init_ray, calls = _fake_ray(monkeypatch, [ValueError("bad num_cpus")])
     with pytest.raises(ValueError, match="bad num_cpus"):
         init_ray("local")
