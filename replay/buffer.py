@@ -24,7 +24,7 @@ import pyarrow as pa
 from proto.trajectory import to_ipc
 from replay.config import ReplayConfig
 from replay.durable import Durability
-from replay.groups import split_groups
+from replay.groups import split_batch, split_groups
 from replay.rate_limiter import RateLimitedError
 from replay.records import Record, encode_parts
 from replay.snapshot import SnapshotData
@@ -153,6 +153,43 @@ class TrajectoryBuffer:
             self._inserts.add(result.accepted)
             self._lock.notify_all()
         return result, lsn
+
+    def insert_batch(self, items: list[tuple[pa.Table, bytes]]) -> list[tuple[InsertResult, int]] | None:
+        """Several inserts, in order, as one step: one split of their concatenated rows, one WAL
+        ``writev`` of their records (one record per insert, as ``insert_nowait`` logs them), one
+        apply. The stored groups, counters, ledger and WAL equal those of the inserts made one by one;
+        only an eviction they cause runs once, after all of them. Returns ``[(result, lsn), ...]``
+        per insert (``wait_durable(lsn)`` before acknowledging it), or ``None`` (nothing stored) where
+        they must go one by one through ``insert_nowait``: a rate limiter is configured (it may
+        hold back any one of them), or ``groups.split_batch`` cannot batch them (a bad insert among
+        them, a group id in two of them, ...).
+
+        Args:
+            items: ``(table, payload)`` per insert, as for ``insert_nowait``; ``payload`` is required.
+
+        Raises:
+            WalError: the log cannot persist them (nothing is applied).
+        """
+        if self.config.rate_limiter.samples_per_insert is not None or len(items) < 2:
+            return None
+        with self._urgent(), self._prepare_lock:
+            plan = split_batch([t for t, _ in items], [len(p) for _, p in items])
+            if plan is None:
+                return None
+            encoded = ([encode_parts(Record("insert", {}, p), self.config.wal.compression, self.config.wal.zstd_level)
+                        for _, p in items] if self._wal is not None else [])
+        with self._lock:
+            with self._urgent():
+                before, lsn = self.state.next_key, -1
+                if self._wal is not None:
+                    lsn = self._wal.append(encoded)
+                results = self.state.insert_parts(plan)
+                evict = self.state.eviction_keys(self.state.next_key - before)
+                if evict:
+                    lsn, _ = self._commit(Record("evict", {"keys": evict}))
+            self._inserts.add(sum(r.accepted for r in results))
+            self._lock.notify_all()
+        return [(r, lsn) for r in results]
 
     def foreground(self):
         """Context manager marking foreground work (an RPC's store or ack wait): a snapshot's next

@@ -16,7 +16,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from proto.trajectory import SchemaError, validate_table
+from proto.trajectory import TRAJECTORY_SCHEMA, SchemaError, validate_table
 from replay.config import ReplayConfig
 from replay.selectors import make_selector
 from replay.types import EXCLUDED, LEASED, POOLED, Group, InsertPlan
@@ -92,10 +92,61 @@ def split_groups(table: pa.Table, nbytes: int | None = None) -> InsertPlan:
         SchemaError: schema problems (see ``validate_table``), a trajectory id that is not
             ``"{prompt_index}-{sample_index}-{attempt}"``, a repeated id, or a group mixing prompts.
     """
+    per_row = np.array([(table.nbytes if nbytes is None else nbytes) / max(table.num_rows, 1)])
+    plan, _ = _split(table, per_row, None)
+    return plan
+
+
+def split_batch(tables: list[pa.Table], nbytes: list[int]) -> InsertPlan | None:
+    """``split_groups`` for several inserts at once, as if they came one after another: the same
+    groups in the same order with the same byte counts, each group pointing into its own insert's
+    table (``plan.sources``), tagged with its insert's index (``plan.part``). One pass over the
+    concatenated rows, so the per-call overhead of the checks is paid once per batch, not per insert.
+
+    Args:
+        tables: the inserts in arrival order, each read from an Arrow IPC payload.
+        nbytes: each insert's payload size in bytes.
+
+    Returns ``None`` where the batch cannot stand for the inserts one by one, and the caller must
+    insert them singly (which also names the bad one): a schema other than ``TRAJECTORY_SCHEMA``
+    (metadata included), a group id in two inserts (a retry's duplicates are counted per insert), a
+    group whose rows are not contiguous, or any ``SchemaError``.
+    """
+    if len(tables) != len(nbytes) or not tables:
+        raise ValueError(f"{len(tables)} tables and {len(nbytes)} sizes; expected as many of each, >= 1")
+    if not all(t.schema.equals(TRAJECTORY_SCHEMA, check_metadata=True) for t in tables):
+        return None
+    rows = np.array([t.num_rows for t in tables], np.int64)
+    per_row = np.array(nbytes, np.float64) / np.maximum(rows, 1)
+    try:
+        plan, contiguous = _split(pa.concat_tables(tables), per_row, np.repeat(np.arange(len(tables)), rows))
+    except (SchemaError, _Straddles):
+        return None
+    if not contiguous:
+        return None
+    first_row = np.concatenate([[0], np.cumsum(rows)[:-1]])
+    part = np.asarray(plan.part)
+    return replace(plan, sources=[tables[i] for i in plan.part],
+                   offset=(np.asarray(plan.offset) - first_row[part]).tolist())
+
+
+class _Straddles(Exception):
+    """A group id in more than one insert of a batch."""
+
+
+def _split(table: pa.Table, per_row: np.ndarray, part_of_row: np.ndarray | None) -> tuple[InsertPlan, bool]:
+    """The plan of ``split_groups`` / ``split_batch`` and whether every group's rows were contiguous.
+    ``per_row``: bytes per row of each insert; ``part_of_row``: ``[rows]`` insert index, ``None`` for one."""
     validate_table(table)
     ints = {c: table.column(c).to_numpy() for c in ("prompt_index", "sample_index", "attempt")}
     _check_ids(table, ints)
     group_ids, order, starts, sizes, codes = _group_rows(table)
+    part = np.zeros(len(starts), np.int64)
+    if part_of_row is not None:
+        in_part = part_of_row[order]
+        if (np.minimum.reduceat(in_part, starts) != np.maximum.reduceat(in_part, starts)).any():
+            raise _Straddles()
+        part = in_part[starts]
     first, last = (x[order] for x in _span_ends(table))
     prompts, attempts = ints["prompt_index"][order], ints["attempt"][order]
     uniform = ((np.minimum.reduceat(prompts, starts) == np.maximum.reduceat(prompts, starts))
@@ -108,8 +159,8 @@ def split_groups(table: pa.Table, nbytes: int | None = None) -> InsertPlan:
                               table.column("attempt").to_numpy()[rows].tolist())))
         raise SchemaError(f"group {group_ids[bad[0]]!r} mixes prompt indices/attempts {seen}")
     _check_unique(table, codes, ints["sample_index"])
-    per_row = (table.nbytes if nbytes is None else nbytes) / max(table.num_rows, 1)
-    if bool((order[starts + sizes - 1] - order[starts] + 1 == sizes).all()):
+    contiguous = bool((order[starts + sizes - 1] - order[starts] + 1 == sizes).all())
+    if contiguous:
         offsets = order[starts]  # every group is one run of the insert: keep the client's table
     else:
         table, offsets = table.take(order), starts
@@ -119,9 +170,12 @@ def split_groups(table: pa.Table, nbytes: int | None = None) -> InsertPlan:
               tuple((int(v), int(c)) for v, c in zip(*np.unique(last[starts[i]: starts[i] + n_l[i]],
                                                                   return_counts=True)))
               for i, one in enumerate(one_newest)]
-    return InsertPlan(table, group_ids, p_l, np.minimum.reduceat(first, starts).tolist(), offsets.tolist(), n_l,
-                      (sizes * per_row).astype(np.int64).tolist(), newest,
-                      np.add.reduceat((first != last).astype(np.int64), starts).tolist())
+    plan = InsertPlan(table, group_ids, p_l, np.minimum.reduceat(first, starts).tolist(), offsets.tolist(), n_l,
+                      (sizes * per_row[part]).astype(np.int64).tolist(), newest,
+                      np.add.reduceat((first != last).astype(np.int64), starts).tolist(),
+                      part=None if part_of_row is None else part.tolist(),
+                      parts=1 if part_of_row is None else len(per_row))
+    return plan, contiguous
 
 
 class GroupStore:

@@ -9,6 +9,7 @@ the WAL.
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pyarrow as pa
@@ -138,11 +139,19 @@ class ReplayState:
         return None
 
     def _insert(self, plan: InsertPlan) -> InsertResult:
-        result, c, cfg = InsertResult(), self.counters, self.config
+        return self.insert_parts(plan)[0]
+
+    def insert_parts(self, plan: InsertPlan) -> list[InsertResult]:
+        """Store ``plan``'s groups (not logged here: the caller logged one WAL record per insert);
+        returns one result per insert the plan covers (``plan.parts``), in order."""
+        results, c, cfg = [InsertResult() for _ in range(plan.parts)], self.counters, self.config
         by_version, new = c.inserted_by_newest_version, []
         fresh = self.ledger.complete_many(plan.prompt_index)
-        for i, (ok, group_id, prompt, oldest, n) in enumerate(zip(fresh, plan.group_ids, plan.prompt_index,
-                                                                  plan.oldest_version, plan.num_rows)):
+        parts = plan.part or itertools.repeat(0)
+        sources = plan.sources or itertools.repeat(plan.table)
+        for i, (ok, group_id, prompt, oldest, n, part, source) in enumerate(zip(
+                fresh, plan.group_ids, plan.prompt_index, plan.oldest_version, plan.num_rows, parts, sources)):
+            result = results[part]
             if not ok:
                 result.duplicates += n
                 continue
@@ -153,7 +162,7 @@ class ReplayState:
                     c.dropped_stale_total += n
                     continue
                 c.excluded_stale_total += n
-            new.append(Group(self.next_key, group_id, prompt, oldest, plan.table, plan.offset[i], n, plan.nbytes[i],
+            new.append(Group(self.next_key, group_id, prompt, oldest, source, plan.offset[i], n, plan.nbytes[i],
                              EXCLUDED if stale else POOLED, priority=cfg.default_priority))
             self.next_key += 1
             if stale:
@@ -164,9 +173,9 @@ class ReplayState:
             c.inserted_multi_version += plan.multi_version[i]
         self.store.add_many(new)
         self.limiter.on_insert(sum(g.state == POOLED for g in new))
-        c.inserted_total += result.accepted
-        c.duplicates_total += result.duplicates
-        return result
+        c.inserted_total += sum(r.accepted for r in results)
+        c.duplicates_total += sum(r.duplicates for r in results)
+        return results
 
     def _set_learner_version(self, version: int) -> None:
         self.learner_version = max(self.learner_version, version)

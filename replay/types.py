@@ -69,6 +69,13 @@ class InsertPlan:
     """Per group: ``(version of the last span, rows)`` pairs."""
     multi_version: list[int]
     """Per group: rows whose spans name two or more versions."""
+    sources: list[pa.Table] | None = None
+    """Per group, the table its ``offset`` points into when the plan covers several inserts
+    (``split_batch``: each group keeps its own insert's table); ``None``: ``table`` for every group."""
+    part: list[int] | None = None
+    """Per group, the index of the insert it came from (``split_batch``); ``None``: one insert."""
+    parts: int = 1
+    """Inserts the plan covers."""
 
     def __len__(self) -> int:
         return len(self.group_ids)

@@ -1,73 +1,44 @@
 """ReplayService servicer: a thin gRPC adapter over ``replay.buffer.TrajectoryBuffer``.
 
 Validation at the boundary, error mapping to status codes (each message names the field and value),
-and Insert pipelining: a reader thread stores request N+1 while the response to request N waits for
-its WAL fsync, so one stream gets group commit too. Responses stay in request order.
+and Insert pipelining: a reader thread per stream hands requests to the ingest stage
+(``services.replay_ingest``), whose one thread stores what every stream queued in batches, while the
+response to request N waits for its WAL fsync. Responses stay in request order.
 """
 
 from __future__ import annotations
 
-import queue
 import sys
 import threading
+import time
 
 import grpc
-import pyarrow as pa
 import structlog
 
 from grpc_health.v1 import health_pb2
 
 from proto import replay_pb2, replay_pb2_grpc
-from proto.trajectory import SCHEMA_VERSION, SchemaError, to_ipc
-from replay.buffer import RateLimitedError, TrajectoryBuffer, UnknownLeaseError
+from proto.trajectory import SCHEMA_VERSION, to_ipc
+from replay.buffer import TrajectoryBuffer, UnknownLeaseError
 from replay.memory import tune_malloc
 from replay.wal import WalError
 from services import grpc_common
+from services.replay_ingest import END, IngestStage, Stream
+from services.replay_ingest import Abort as _Abort
 from services.security import SecurityConfig
 
 log = structlog.get_logger("replay")
 SERVICE_NAME = "gyre.replay.v1.ReplayService"
-_END = object()
 _GIL_SWITCH_S = 0.001
 """GIL switch interval of a replay process (CPython's default is 5 ms): a thread that holds the GIL in
 pure Python (a snapshot building its group table, a restore, a big Info) makes every RPC thread
 waiting for it wait up to this long, so insert and sample tail latency follow it."""
 
 
-class _Abort(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code, self.message = code, message
-
-
 def _check_schema(version: int) -> None:
     if version != SCHEMA_VERSION:
         raise _Abort(grpc.StatusCode.INVALID_ARGUMENT,
                      f"schema_version {version} is not supported; this server speaks {SCHEMA_VERSION}")
-
-
-def _read_ipc(payload) -> pa.Table:
-    """Parse Arrow IPC bytes (the table's buffers point into ``payload``, no copy); the buffer
-    validates the table (once). Raises ``SchemaError``."""
-    try:
-        table = pa.ipc.open_stream(pa.py_buffer(payload)).read_all()
-        # Offsets and lengths in range: compute kernels trust them (a bad offset reads wild memory).
-        table.validate(full=True)
-    except (pa.ArrowException, OSError) as exc:  # ArrowInvalid, ArrowNotImplementedError (unknown types), ...
-        raise SchemaError(f"payload is not an Arrow IPC stream: {exc}") from exc
-    return table
-
-
-def _aligned(payload) -> pa.Buffer:
-    """``payload`` as an Arrow buffer whose first byte is 8-byte aligned (Arrow IPC's buffer
-    alignment: Arrow reads IPC buffers in place, and C++ kernels may fault on misaligned ones): as is
-    when it already is, else one copy into Arrow's (64-byte aligned) memory, made with the GIL released."""
-    buf = pa.py_buffer(payload)
-    if buf.address % 8 == 0:
-        return buf
-    out = pa.allocate_buffer(buf.size)
-    pa.FixedSizeBufferWriter(out).write(buf)
-    return out
 
 
 def _aborting(fn):
@@ -91,51 +62,32 @@ class ReplayServicer(replay_pb2_grpc.ReplayServiceServicer):
 
     def __init__(self, buffer: TrajectoryBuffer) -> None:
         self.buffer = buffer
+        self.ingest = IngestStage(buffer)
 
-    # ---- Insert (pipelined) -----------------------------------------------------------------------
-    def _store(self, req, context) -> tuple[int, replay_pb2.InsertResponse]:
-        _check_schema(req.schema_version)
-        payload, limit = req.arrow_ipc, self.buffer.config.max_batch_bytes  # each field access copies
-        if len(payload) > limit:
-            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT,
-                         f"batch {req.batch_id}: arrow_ipc is {len(payload)} bytes; limit is {limit}")
-        remaining = context.time_remaining()
-        timeout = self.buffer.config.insert_timeout_s if remaining is None else min(
-            remaining, self.buffer.config.insert_timeout_s)
-        try:
-            with self.buffer.foreground():  # a snapshot's next step waits for it (not for the rate limiter)
-                payload = _aligned(payload)
-                table = _read_ipc(payload)
-            result, lsn = self.buffer.insert_nowait(table, payload, timeout)
-        except SchemaError as exc:
-            log.warning("insert_rejected", batch_id=req.batch_id, error=str(exc))
-            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"batch {req.batch_id}: {exc}") from exc
-        except RateLimitedError as exc:
-            raise _Abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"batch {req.batch_id}: {exc}") from exc
-        except WalError as exc:
-            raise _Abort(grpc.StatusCode.UNAVAILABLE, f"replay cannot persist: {exc}") from exc
-        return lsn, replay_pb2.InsertResponse(batch_id=req.batch_id, accepted=result.accepted,
-                                              duplicates=result.duplicates, dropped_stale=result.dropped_stale)
-
+    # ---- Insert (pipelined, stored in batches) ---------------------------------------------------------
     def Insert(self, request_iterator, context):
-        pending: queue.Queue = queue.Queue()
+        """A reader thread hands each request to the ingest stage (``services.replay_ingest``), which
+        stores requests of every stream in batches; this handler answers them in order once durable,
+        so one stream gets group commit too (request N+1 is stored while N waits for its fsync)."""
+        stream = Stream()
 
         def read() -> None:
             try:
                 for req in request_iterator:
-                    pending.put(self._store(req, context))
-            except _Abort as exc:
-                pending.put(exc)
+                    if stream.failed:
+                        break
+                    remaining = context.time_remaining()
+                    self.ingest.submit(stream, req, None if remaining is None else time.monotonic() + remaining)
             except grpc.RpcError as exc:  # the stream broke (client gone); nothing more to store
-                pending.put(_Abort(grpc.StatusCode.CANCELLED, f"insert stream ended: {exc}"))
+                self.ingest.submit(stream, _Abort(grpc.StatusCode.CANCELLED, f"insert stream ended: {exc}"))
             except Exception as exc:  # a bug: say so (INTERNAL), never CANCELLED, which clients may retry
                 log.exception("insert_failed")
-                pending.put(_Abort(grpc.StatusCode.INTERNAL, f"insert failed: {type(exc).__name__}: {exc}"))
+                self.ingest.submit(stream, _Abort(grpc.StatusCode.INTERNAL, f"insert failed: {type(exc).__name__}: {exc}"))
             finally:
-                pending.put(_END)
+                self.ingest.submit(stream, END)
 
         threading.Thread(target=read, name="replay-insert-reader", daemon=True).start()
-        while (item := pending.get()) is not _END:
+        while (item := stream.answers.get()) is not END:
             if isinstance(item, _Abort):
                 context.abort(item.code, item.message)
             lsn, response = item
