@@ -99,7 +99,9 @@ class RolloutActor:
     def _on_version(self, version, tensors) -> None:
         # Called in the subscriber thread: apply on the actor's event loop and wait for it.
         asyncio.run_coroutine_threadsafe(self.worker.apply_weights(version, tensors), self.loop).result()
-        bind_policy_version(self.engine.version)
+        # The served version, not the engine's: in lockstep the engine stays at -1 until a prompt loads its
+        # version, and binding -1 raised here, so the subscriber took the offer as refused and sent it again.
+        bind_policy_version(self._version())
         self._journal_weights()
 
     def _journal_weights(self) -> None:
