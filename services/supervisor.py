@@ -9,7 +9,9 @@ for replay and the learner the standard gRPC health service at its address answe
 name and config: replay restores from its directory (snapshot + WAL), the learner resumes from its newest
 verified checkpoint and re-publishes it, a rollout re-subscribes to the newest weights (its prompt leases
 expire in replay and are re-issued). The new address is pushed to the clients (``set_replay_address``,
-``set_weights_address``).
+``set_weights_address``). A rollout's replacement starts in the background, like one added by ``scale``
+(its engine takes tens of seconds), and joins once it holds the learner's version; the ticks meanwhile
+keep checking the other services.
 
 Services are created by ``services.service_factory.ServiceFactory`` (fault arming per incarnation there).
 """
@@ -38,6 +40,8 @@ class Starting:
     """Its ``setup`` call; ``None`` once it returned."""
     target_version: int = 0
     """Policy version it must hold before it generates (the learner's when setup returned)."""
+    restarts: int = 0
+    """Restarts of this rollout once it joins (a restart's replacement: the old count + 1)."""
 
 
 class Supervisor:
@@ -57,7 +61,8 @@ class Supervisor:
         self.fail_threshold, self.check_timeout_s = fail_threshold, check_timeout_s
         self.services: dict[str, Service] = {}
         self.starting: dict[str, Starting] = {}
-        """Rollouts being added by ``scale`` (their vLLM engine starts while the supervisor keeps ticking)."""
+        """Rollouts being added by ``scale`` or replacing a failed one (their vLLM engine starts while the
+        supervisor keeps ticking); a restarted rollout's old entry stays in ``services`` until then."""
         self.learner_generation = 0
         """Bumped on every learner restart: the training loop then re-issues ``run(remaining steps)``."""
         self.generating = False
@@ -73,6 +78,10 @@ class Supervisor:
 
     def rollouts(self) -> list[Service]:
         return sorted((s for s in self.services.values() if s.role == "rollout"), key=lambda s: int(s.name[8:]))
+
+    def running_rollouts(self) -> list[Service]:
+        """``rollouts()`` without those being restarted (their entry is the killed incarnation)."""
+        return [s for s in self.rollouts() if s.name not in self.starting]
 
     def start(self, num_rollouts: int) -> list[str]:
         """Re-attach to live actors of this run or create them: replay, learner, then rollouts.
@@ -121,9 +130,6 @@ class Supervisor:
         except (RayActorError, GetTimeoutError):
             return False
 
-    def _add_rollout(self, index: int) -> Service:
-        return self._add_rollouts([index])[0]
-
     def _add_rollouts(self, indices: list[int]) -> list[Service]:
         """New rollouts, started concurrently; each is bootstrapped to the learner's newest policy version
         before it generates."""
@@ -143,6 +149,8 @@ class Supervisor:
             if name in self.services:
                 self._restart_or_retry(self.services[name], reason="requested")
         for svc in list(self.services.values()):
+            if svc.name in self.starting:
+                continue  # its replacement is starting; the old incarnation was killed
             if not self.check(svc):
                 self._restart_or_retry(svc, reason=f"{svc.failures} failed health checks")
         self.scale(requests["rollouts"])
@@ -185,13 +193,16 @@ class Supervisor:
             ray.kill(handle, no_restart=True)
         if svc.role == "replay":
             new = self.factory.replay()
-            self._push("set_replay_address", new.address, [self.services["learner"]] + self.rollouts())
+            self._push("set_replay_address", new.address, [self.services["learner"]] + self.running_rollouts())
         elif svc.role == "learner":
             new = self.factory.learner(self.replay.address, restarted=True)
             self.learner_generation += 1
-            self._push("set_weights_address", new.address, self.rollouts())
-        else:  # the dead entry stays until the new rollout is up (a failed start is retried next tick)
-            new = self._add_rollout(int(svc.name[8:]))
+            self._push("set_weights_address", new.address, self.running_rollouts())
+        else:  # starts in the background (the tick goes on checking the others meanwhile); the dead entry
+            # stays until the new one joins in ``_adopt_started`` (a start that fails is retried next tick)
+            handle, ref = self.factory.begin_rollout(int(svc.name[8:]), self.replay.address, self.learner.address)
+            self.starting[svc.name] = Starting(handle, ref, restarts=svc.restarts + 1)
+            return svc
         new.restarts = svc.restarts  # counted once it answers: a start that dies is retried, not counted
         self.services[svc.name] = new
         new.info = ray.get(new.handle.describe.remote())
@@ -209,7 +220,7 @@ class Supervisor:
     def scale(self, desired: int | None) -> None:
         """Begin adding rollouts (they join in ``_adopt_started``), or drop starting ones and drain and
         remove the newest running ones."""
-        running = self.rollouts()
+        running = self.running_rollouts()
         if desired is None or desired == len(running) + len(self.starting):
             return
         log.info("scaling_rollouts", running=len(running), starting=len(self.starting), desired=desired)
@@ -222,6 +233,7 @@ class Supervisor:
         excess = len(running) + len(self.starting) - desired
         for name in sorted(self.starting, key=lambda n: -int(n[8:]))[:max(excess, 0)]:
             ray.kill(self.starting.pop(name).handle, no_restart=True)
+            self.services.pop(name, None)  # a restart's killed incarnation goes with its replacement
             excess -= 1
         for svc in running[::-1][:max(excess, 0)]:
             self.remove_rollout(svc)
@@ -247,10 +259,11 @@ class Supervisor:
             if info["version"] < st.target_version:
                 continue  # still fetching the newest weights
             del self.starting[name]
-            self.services[name] = Service(name, "rollout", st.handle, None, info=info)
+            self.services[name] = Service(name, "rollout", st.handle, None, restarts=st.restarts, info=info)
             if self.generating:
                 ray.get(st.handle.start.remote())
-            log.info("rollout_added", service=name, version=info["version"], pid=info["pid"])
+            log.info("service_restarted" if st.restarts else "rollout_added", service=name, version=info["version"],
+                     pid=info["pid"], restarts=st.restarts)
 
     def remove_rollout(self, svc: Service, drain_s: float = 120.0) -> None:
         """Drain (no new prompt leases; the groups it holds leases for are finished and delivered, for up to
@@ -268,16 +281,16 @@ class Supervisor:
     def status(self) -> dict:
         """Plain status of the run (what ``gyre status`` prints)."""
         learner, replay = self.learner.info, self.replay.info
-        rollouts = [s.info for s in self.rollouts() if s.info]
+        rollouts = [s.info for s in self.running_rollouts() if s.info]
         version = learner.get("version")
         return {
             "services": [{"name": s.name, "role": s.role, "pid": s.info.get("pid"), "node": s.info.get("node"),
                           "address": s.address, "metrics_port": s.info.get("metrics_port"),
                           "version": s.info.get("version"), "restarts": s.restarts,
-                          "failures": s.failures} for s in self.services.values()]
+                          "failures": s.failures} for s in self.services.values() if s.name not in self.starting]
             + [{"name": n, "role": "rollout", "pid": None, "node": None, "address": None, "metrics_port": None,
-                "version": None,
-                "restarts": 0, "failures": 0, "starting": True} for n in self.starting],
+                "version": None, "restarts": st.restarts, "failures": 0, "starting": True}
+               for n, st in self.starting.items()],
             "learner_version": version,
             "learner_ranks": 1 + len(self.learner.followers),
             "rollout_versions": [r.get("version") for r in rollouts],

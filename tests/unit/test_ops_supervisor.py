@@ -174,3 +174,28 @@ def test_a_restart_whose_new_incarnation_dies_while_starting_is_retried_next_tic
     assert [s.name for s in sup.rollouts()] == ["rollout-0"] and sup.rollouts()[0].restarts == 0
     sup.tick()
     assert len(attempts) == 2 and sup.rollouts()[0].handle is attempts[1] and sup.rollouts()[0].restarts == 1
+
+
+def test_a_rollout_restart_does_not_hold_up_the_tick(sup, monkeypatch):
+    """A rollout's replacement starts its engine in the background (tens of seconds with vLLM): the
+    ticks meanwhile still check and restart the other services, and scaling does not count the
+    restarting rollout twice; the replacement joins, counted as a restart, once it is up."""
+    sup.generating = True
+    ready = {"setup": False}
+    monkeypatch.setattr(sup_mod.ray, "wait", lambda refs, timeout=0: (refs, []) if ready["setup"] else ([], refs))
+    old = sup.rollouts()[0].handle
+    old.killed = True
+    sup.tick()
+    assert "rollout-0" in sup.starting and sup.factory.made["rollout"] == 2
+    rows = {r["name"]: r for r in sup.state_body.status()["services"]}
+    assert rows["rollout-0"]["starting"] and rows["rollout-0"]["restarts"] == 1
+    sup.replay.handle.killed = True  # replay dies while the rollout is still starting
+    sup.state_body.request_scale("rollout", 1)  # the fleet already has one (being restarted)
+    sup.tick()
+    assert sup.replay.restarts == 1 and sup.factory.made["replay"] == 2
+    assert sup.factory.made["rollout"] == 2 and list(sup.starting) == ["rollout-0"]  # no second start, no extra
+    ready["setup"] = True
+    sup.tick()
+    new = sup.rollouts()[0]
+    assert not sup.starting and new.handle is not old and new.restarts == 1
+    assert ("set_replay_address", ("replay:2",)) in new.handle.calls and ("start", ()) in new.handle.calls
