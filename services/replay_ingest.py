@@ -85,45 +85,56 @@ class IngestStage:
         buffer: where inserts go.
         max_batch: most requests stored as one batch.
         max_batch_bytes: most payload bytes in one batch (a request larger than it goes alone).
-        queue_depth: requests queued from all streams before readers wait (gRPC flow control then
-            holds clients back); bounds the memory of received, not yet stored payloads.
+        max_queued_bytes: payload bytes queued from all streams, not yet stored, before readers wait
+            (gRPC flow control then holds clients back); a request larger than it is queued alone.
     """
 
     def __init__(self, buffer: TrajectoryBuffer, max_batch: int = 8, max_batch_bytes: int = 64 << 20,
-                 queue_depth: int = 64) -> None:
+                 max_queued_bytes: int = 128 << 20) -> None:
         self.buffer, self.max_batch, self.max_batch_bytes = buffer, max_batch, max_batch_bytes
-        self._queue: queue.Queue = queue.Queue(maxsize=queue_depth)
+        self.max_queued_bytes = max_queued_bytes
+        self._queue: queue.Queue = queue.Queue()
+        self._queued_bytes = 0
+        self._room = threading.Condition()
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
 
     def submit(self, stream: Stream, item, deadline: float | None = None) -> None:
         """Queue a request of ``stream`` (an ``InsertRequest``; ``deadline``: ``time.monotonic()`` by
         which its rate-limiter wait ends), an ``Abort`` to answer once the stream's earlier requests
-        are answered, or ``END``. Blocks while the queue is full."""
+        are answered, or ``END``. Blocks while ``max_queued_bytes`` are queued."""
         if self._thread is None:
             with self._start_lock:
                 if self._thread is None:
                     self._thread = threading.Thread(target=self._run, name="replay-ingest", daemon=True)
                     self._thread.start()
-        self._queue.put((stream, item, deadline))
+        size = len(item.arrow_ipc) if isinstance(item, replay_pb2.InsertRequest) else 0  # (a transient copy)
+        with self._room:
+            self._room.wait_for(lambda: self._queued_bytes == 0 or self._queued_bytes + size <= self.max_queued_bytes)
+            self._queued_bytes += size
+        self._queue.put((stream, item, deadline, size))
 
     def _run(self) -> None:
         while True:
-            batch, nbytes = [self._queue.get()], 0
+            batch = [self._queue.get()]
+            nbytes = batch[0][3]
             while len(batch) < self.max_batch and nbytes < self.max_batch_bytes:
                 try:
                     batch.append(self._queue.get_nowait())
                 except queue.Empty:
                     break
-                item = batch[-1][1]
-                nbytes += len(item.arrow_ipc) if isinstance(item, replay_pb2.InsertRequest) else 0
+                nbytes += batch[-1][3]
             try:
-                self.store(batch)
+                self.store([(stream, item, deadline) for stream, item, deadline, _ in batch])
             except Exception as exc:  # a bug: say so (INTERNAL) to every stream in the batch, never CANCELLED
                 log.exception("insert_failed")
-                for stream, _, _ in batch:
+                for stream, *_ in batch:
                     stream.fail(Abort(grpc.StatusCode.INTERNAL, f"insert failed: {type(exc).__name__}: {exc}"))
                     stream.answers.put(END)
+            finally:
+                with self._room:
+                    self._queued_bytes -= nbytes
+                    self._room.notify_all()
 
     def store(self, batch: list) -> None:
         """Check each request, store the good ones (as one batch where possible), answer each stream

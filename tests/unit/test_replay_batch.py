@@ -168,3 +168,27 @@ def test_the_stage_thread_batches_what_streams_queued(tmp_path, monkeypatch):
     assert [r.batch_id for _, r in answers[:6]] == list(range(6)) and answers[6] is END
     assert sizes[0] == 1 and max(sizes) == 4  # the first waited alone; the queue behind it went in batches of <= 4
     buf.close()
+
+
+def test_readers_wait_while_the_stage_holds_its_byte_budget(tmp_path):
+    """Received, not yet stored payloads are bounded in bytes: a reader waits (gRPC flow control then
+    holds its client back) until the stage has stored what is queued; a lone request always fits."""
+    import threading
+
+    buf = TrajectoryBuffer(config(tmp_path), clock=FakeClock(1000.0))
+    first, second = request(group_table(90), 0), request(group_table(91), 1)
+    stage, a = IngestStage(buf, max_queued_bytes=len(first.arrow_ipc) + 10), Stream()
+    with buf._prepare_lock:  # the stage holds the first request (stored only once the lock is free)
+        stage.submit(a, first)
+        waiting = threading.Thread(target=stage.submit, args=(a, second))
+        waiting.start()
+        waiting.join(timeout=0.5)
+        assert waiting.is_alive() and stage._queue.empty()  # the second waits for room, not in the queue
+    waiting.join(timeout=30)
+    stage.submit(a, END)
+    answers = [a.answers.get(timeout=30) for _ in range(3)]
+    assert [r.batch_id for _, r in answers[:2]] == [0, 1] and answers[2] is END
+    oversized = IngestStage(buf, max_queued_bytes=1)
+    oversized.submit(a, request(group_table(92), 2))  # larger than the budget, alone: admitted at once
+    assert a.answers.get(timeout=30)[1].accepted == 4
+    buf.close()
