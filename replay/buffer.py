@@ -132,27 +132,17 @@ class TrajectoryBuffer:
                       timeout_s: float | None = None) -> tuple[InsertResult, int]:
         """``insert`` without the durability wait: returns ``(result, lsn)``; the caller must
         ``wait_durable(lsn)`` before acknowledging (lets a stream store the next batch meanwhile)."""
-        rec, encoded = Record("insert"), None
         with self._urgent(), self._prepare_lock:
             if self._wal is not None and payload is None:
                 payload = to_ipc(table)
             plan = split_groups(table, None if payload is None else len(payload))
-            if self._wal is not None:
-                rec = Record("insert", {}, payload)
-                encoded = encode_parts(rec, self.config.wal.compression, self.config.wal.zstd_level)
+            encoded = [self._encode_insert(payload)] if self._wal is not None else []
         deadline = time.monotonic() + (self.config.insert_timeout_s if timeout_s is None else timeout_s)
         with self._lock:
             if not self._wait(lambda: self.state.can_insert(max(self._waiting, default=0)), deadline):
                 raise RateLimitedError(self.state.limiter.why_not_insert())
-            with self._urgent():  # not the rate limiter's wait above: that is no work
-                before = self.state.next_key
-                lsn, result = self._commit(rec, encoded, plan)
-                evict = self.state.eviction_keys(self.state.next_key - before)
-                if evict:
-                    lsn, _ = self._commit(Record("evict", {"keys": evict}))
-            self._inserts.add(result.accepted)
-            self._lock.notify_all()
-        return result, lsn
+            results, lsn = self._store(encoded, plan)
+        return results[0], lsn
 
     def insert_batch(self, items: list[tuple[pa.Table, bytes]]) -> list[tuple[InsertResult, int]] | None:
         """Several inserts, in order, as one step: one split of their concatenated rows, one WAL
@@ -176,20 +166,29 @@ class TrajectoryBuffer:
             plan = split_batch([t for t, _ in items], [len(p) for _, p in items])
             if plan is None:
                 return None
-            encoded = ([encode_parts(Record("insert", {}, p), self.config.wal.compression, self.config.wal.zstd_level)
-                        for _, p in items] if self._wal is not None else [])
+            encoded = [self._encode_insert(p) for _, p in items] if self._wal is not None else []
         with self._lock:
-            with self._urgent():
-                before, lsn = self.state.next_key, -1
-                if self._wal is not None:
-                    lsn = self._wal.append(encoded)
-                results = self.state.insert_parts(plan)
-                evict = self.state.eviction_keys(self.state.next_key - before)
-                if evict:
-                    lsn, _ = self._commit(Record("evict", {"keys": evict}))
-            self._inserts.add(sum(r.accepted for r in results))
-            self._lock.notify_all()
+            results, lsn = self._store(encoded, plan)
         return [(r, lsn) for r in results]
+
+    def _encode_insert(self, payload) -> list:
+        """The WAL record of one insert (``records.encode_parts`` pieces)."""
+        return encode_parts(Record("insert", {}, payload), self.config.wal.compression, self.config.wal.zstd_level)
+
+    def _store(self, encoded: list, plan) -> tuple[list, int]:
+        """Log the inserts' records (``encoded``, one per insert ``plan`` covers; none in memory), apply
+        ``plan``, evict down to capacity (caller holds the lock); returns ``(results, lsn)``."""
+        with self._urgent():  # not the rate limiter's wait before it: that is no work
+            before, lsn = self.state.next_key, -1
+            if self._wal is not None:
+                lsn = self._wal.append(encoded)
+            results = self.state.insert_parts(plan)
+            evict = self.state.eviction_keys(self.state.next_key - before)
+            if evict:
+                lsn, _ = self._commit(Record("evict", {"keys": evict}))
+        self._inserts.add(sum(r.accepted for r in results))
+        self._lock.notify_all()
+        return results, lsn
 
     def foreground(self):
         """Context manager marking foreground work (an RPC's store or ack wait): a snapshot's next

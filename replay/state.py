@@ -114,7 +114,7 @@ class ReplayState:
         if rec.kind == "insert":
             if plan is None:
                 plan = split_groups(pa.ipc.open_stream(rec.payload).read_all(), len(rec.payload))
-            return self._insert(plan)
+            return self.insert_parts(plan)[0]
         if rec.kind == "evict":
             for key in m["keys"]:
                 self.store.delete(key)
@@ -137,9 +137,6 @@ class ReplayState:
                 if key in self.store.groups:
                     self.store.set_priority(key, p)
         return None
-
-    def _insert(self, plan: InsertPlan) -> InsertResult:
-        return self.insert_parts(plan)[0]
 
     def insert_parts(self, plan: InsertPlan) -> list[InsertResult]:
         """Store ``plan``'s groups (not logged here: the caller logged one WAL record per insert);

@@ -55,6 +55,18 @@ class Stream:
             self.answers.put(exc)
 
 
+def check_schema(version: int) -> None:
+    """A request's ``schema_version`` is this server's, else an INVALID_ARGUMENT ``Abort`` naming both."""
+    if version != SCHEMA_VERSION:
+        raise Abort(grpc.StatusCode.INVALID_ARGUMENT,
+                    f"schema_version {version} is not supported; this server speaks {SCHEMA_VERSION}")
+
+
+def _rejected(req, exc: SchemaError) -> Abort:
+    log.warning("insert_rejected", batch_id=req.batch_id, error=str(exc))
+    return Abort(grpc.StatusCode.INVALID_ARGUMENT, f"batch {req.batch_id}: {exc}")
+
+
 def read_ipc(payload) -> pa.Table:
     """Parse Arrow IPC bytes (the table's buffers point into ``payload``, no copy) and check offsets and
     lengths are in range (compute kernels trust them). Raises ``SchemaError``."""
@@ -154,8 +166,7 @@ class IngestStage:
                 except Abort as exc:
                     error = exc
                 except SchemaError as exc:
-                    log.warning("insert_rejected", batch_id=item.batch_id, error=str(exc))
-                    error = Abort(grpc.StatusCode.INVALID_ARGUMENT, f"batch {item.batch_id}: {exc}")
+                    error = _rejected(item, exc)
                 failing.add(id(stream))
                 ready.append((stream, error, None, None, None))
         inserts = [(table, payload) for _, _, table, payload, _ in ready if table is not None]
@@ -177,9 +188,7 @@ class IngestStage:
                 self._answer(stream, item, self._insert_one(item, table, payload, deadline))
 
     def _checked_payload(self, req) -> pa.Buffer:
-        if req.schema_version != SCHEMA_VERSION:
-            raise Abort(grpc.StatusCode.INVALID_ARGUMENT,
-                        f"schema_version {req.schema_version} is not supported; this server speaks {SCHEMA_VERSION}")
+        check_schema(req.schema_version)
         payload, limit = req.arrow_ipc, self.buffer.config.max_batch_bytes  # each field access copies
         if len(payload) > limit:
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT,
@@ -194,8 +203,7 @@ class IngestStage:
             with self.buffer.foreground():
                 return self.buffer.insert_nowait(table, payload, timeout)
         except SchemaError as exc:
-            log.warning("insert_rejected", batch_id=req.batch_id, error=str(exc))
-            return Abort(grpc.StatusCode.INVALID_ARGUMENT, f"batch {req.batch_id}: {exc}")
+            return _rejected(req, exc)
         except RateLimitedError as exc:
             return Abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"batch {req.batch_id}: {exc}")
         except WalError as exc:

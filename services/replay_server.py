@@ -23,7 +23,7 @@ from replay.buffer import TrajectoryBuffer, UnknownLeaseError
 from replay.memory import tune_malloc
 from replay.wal import WalError
 from services import grpc_common
-from services.replay_ingest import END, IngestStage, Stream
+from services.replay_ingest import END, IngestStage, Stream, check_schema
 from services.replay_ingest import Abort as _Abort
 from services.security import SecurityConfig
 
@@ -33,12 +33,6 @@ _GIL_SWITCH_S = 0.001
 """GIL switch interval of a replay process (CPython's default is 5 ms): a thread that holds the GIL in
 pure Python (a snapshot building its group table, a restore, a big Info) makes every RPC thread
 waiting for it wait up to this long, so insert and sample tail latency follow it."""
-
-
-def _check_schema(version: int) -> None:
-    if version != SCHEMA_VERSION:
-        raise _Abort(grpc.StatusCode.INVALID_ARGUMENT,
-                     f"schema_version {version} is not supported; this server speaks {SCHEMA_VERSION}")
 
 
 def _aborting(fn):
@@ -102,7 +96,7 @@ class ReplayServicer(replay_pb2_grpc.ReplayServiceServicer):
     # ---- unary RPCs ---------------------------------------------------------------------------------
     @_aborting
     def Sample(self, request, context):
-        _check_schema(request.schema_version)
+        check_schema(request.schema_version)
         if request.num_groups < 1:
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"num_groups ({request.num_groups}) must be >= 1")
         if not 0 <= request.timeout_s <= 600:
