@@ -200,6 +200,9 @@ class Supervisor:
             self._push("set_weights_address", new.address, self.running_rollouts())
         else:  # starts in the background (the tick goes on checking the others meanwhile); the dead entry
             # stays until the new one joins in ``_adopt_started`` (a start that fails is retried next tick)
+            pending = self.starting.pop(svc.name, None)  # restarted again while its replacement starts
+            if pending is not None:
+                ray.kill(pending.handle, no_restart=True)
             handle, ref = self.factory.begin_rollout(int(svc.name[8:]), self.replay.address, self.learner.address)
             self.starting[svc.name] = Starting(handle, ref, restarts=svc.restarts + 1)
             return svc

@@ -199,3 +199,12 @@ def test_a_rollout_restart_does_not_hold_up_the_tick(sup, monkeypatch):
     new = sup.rollouts()[0]
     assert not sup.starting and new.handle is not old and new.restarts == 1
     assert ("set_replay_address", ("replay:2",)) in new.handle.calls and ("start", ()) in new.handle.calls
+
+
+def test_restarting_a_rollout_again_while_it_starts_replaces_the_pending_start(sup, monkeypatch):
+    monkeypatch.setattr(sup_mod.ray, "wait", lambda refs, timeout=0: ([], refs))  # setups never return here
+    sup.rollouts()[0].handle.killed = True
+    sup.tick()
+    first = sup.starting["rollout-0"].handle
+    sup.restart(sup.rollouts()[0], reason="requested")
+    assert first.killed and sup.starting["rollout-0"].handle is not first and len(sup.starting) == 1
