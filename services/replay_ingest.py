@@ -41,6 +41,17 @@ class Abort(Exception):
         self.code, self.message = code, message
 
 
+@dataclass(frozen=True)
+class Received:
+    """An ``InsertRequest``'s fields, read once by the stream's reader thread: reading ``arrow_ipc``
+    from the protobuf copies the payload (into the memory the stored groups then keep), so it is
+    done there, beside the ingest thread, and never twice."""
+
+    schema_version: int
+    batch_id: int
+    arrow_ipc: bytes
+
+
 @dataclass
 class Stream:
     """One Insert stream: its answers (``(lsn, InsertResponse)``, an ``Abort`` or ``END``), in request order."""
@@ -112,15 +123,19 @@ class IngestStage:
         self._start_lock = threading.Lock()
 
     def submit(self, stream: Stream, item, deadline: float | None = None) -> None:
-        """Queue a request of ``stream`` (an ``InsertRequest``; ``deadline``: ``time.monotonic()`` by
-        which its rate-limiter wait ends), an ``Abort`` to answer once the stream's earlier requests
-        are answered, or ``END``. Blocks while ``max_queued_bytes`` are queued."""
+        """Queue a request of ``stream`` (an ``InsertRequest``, queued as its ``Received`` fields;
+        ``deadline``: ``time.monotonic()`` by which its rate-limiter wait ends), an ``Abort`` to answer
+        once the stream's earlier requests are answered, or ``END``. Blocks while ``max_queued_bytes``
+        are queued."""
         if self._thread is None:
             with self._start_lock:
                 if self._thread is None:
                     self._thread = threading.Thread(target=self._run, name="replay-ingest", daemon=True)
                     self._thread.start()
-        size = len(item.arrow_ipc) if isinstance(item, replay_pb2.InsertRequest) else 0  # (a transient copy)
+        size = 0
+        if isinstance(item, replay_pb2.InsertRequest):
+            item = Received(item.schema_version, item.batch_id, item.arrow_ipc)
+            size = len(item.arrow_ipc)
         with self._room:
             self._room.wait_for(lambda: self._queued_bytes == 0 or self._queued_bytes + size <= self.max_queued_bytes)
             self._queued_bytes += size
@@ -189,7 +204,7 @@ class IngestStage:
 
     def _checked_payload(self, req) -> pa.Buffer:
         check_schema(req.schema_version)
-        payload, limit = req.arrow_ipc, self.buffer.config.max_batch_bytes  # each field access copies
+        payload, limit = req.arrow_ipc, self.buffer.config.max_batch_bytes  # (an InsertRequest copies here)
         if len(payload) > limit:
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT,
                         f"batch {req.batch_id}: arrow_ipc is {len(payload)} bytes; limit is {limit}")

@@ -16,7 +16,7 @@ from replay.buffer import TrajectoryBuffer
 from replay.config import ReplayConfig
 from replay.groups import split_batch, split_groups
 from replay.wal_read import list_segments, read_segment
-from services.replay_ingest import END, Abort, IngestStage, Stream
+from services.replay_ingest import END, Abort, IngestStage, Received, Stream
 from tests.fakes import FakeClock, group_table
 from tests.unit.test_replay_durability import contents
 
@@ -191,4 +191,24 @@ def test_readers_wait_while_the_stage_holds_its_byte_budget(tmp_path):
     oversized = IngestStage(buf, max_queued_bytes=1)
     oversized.submit(a, request(group_table(92), 2))  # larger than the budget, alone: admitted at once
     assert a.answers.get(timeout=30)[1].accepted == 4
+    buf.close()
+
+
+def test_the_payload_is_read_from_the_request_once_and_stored_without_another_copy(tmp_path, monkeypatch):
+    """Reading ``arrow_ipc`` from a protobuf copies 0.5 MB per message: the reader thread does it once
+    (``Received``) and the stored groups keep exactly those bytes."""
+    buf = TrajectoryBuffer(config(tmp_path), clock=FakeClock(1000.0))
+    stage, a = IngestStage(buf), Stream()
+    queued = []
+    real = stage.store
+    monkeypatch.setattr(stage, "store", lambda batch: (queued.extend(batch), real(batch)))
+    req = request(group_table(95), 0)
+    stage.submit(a, req)
+    assert a.answers.get(timeout=30)[1].accepted == 4
+    (_, item, _), = queued
+    assert isinstance(item, Received) and item.batch_id == 0 and item.arrow_ipc == req.arrow_ipc
+    received = pa.py_buffer(item.arrow_ipc).address
+    table = next(iter(buf.state.store.groups.values())).table
+    addresses = [b.address for col in table.columns for chunk in col.chunks for b in chunk.buffers() if b is not None]
+    assert any(received <= addr < received + len(item.arrow_ipc) for addr in addresses)  # a view, not a copy
     buf.close()
