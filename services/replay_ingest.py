@@ -1,7 +1,8 @@
 """The replay server's insert stage: one thread stores what every Insert stream received, in batches.
 
-Each Insert stream has a reader thread that only receives requests and queues them here, and a
-handler that answers them in order once durable. The stage's one thread takes everything queued
+Each Insert stream has a reader thread that only receives requests and queues their fields here
+(``Received``: the payload is read out of the protobuf once, there), and a handler that answers them
+in order once durable. The stage's one thread takes everything queued
 (up to ``max_batch`` requests and ``max_batch_bytes``), checks each request, and stores the good ones
 with one ``TrajectoryBuffer.insert_batch``: the validation, split, WAL write and apply run once per
 batch instead of once per request, which is what a replay process's CPU goes on under load (the
