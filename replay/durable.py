@@ -143,7 +143,7 @@ class Durability:
             self.wal.wait(data.lsn - 1)
             root = self.root / "snapshots"
             path = run_in_background(write_snapshot, root, data, self.config.snapshot.compression, self._config_hash,
-                                     self.foreground)
+                                     self.foreground, self.config.snapshot.drop_page_cache)
             self.last_snapshot_seconds = time.monotonic() - t0
             for old in list_snapshots(root)[self.config.snapshot.keep:]:
                 remove_snapshot(old, self.foreground)

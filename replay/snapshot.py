@@ -68,8 +68,8 @@ class SnapshotData:
 
 
 def _write_arrow(path: Path, schema: pa.Schema, batches, compression: str | None,
-                 gate: ForegroundGate | None = None) -> dict:
-    sink = HashingFile(path, gate)
+                 gate: ForegroundGate | None = None, drop_cache: bool = False) -> dict:
+    sink = HashingFile(path, gate, drop_cache)
     try:
         with pa.ipc.new_file(sink.sink, schema, options=pa.ipc.IpcWriteOptions(compression=compression)) as writer:
             for batch in batches:
@@ -137,9 +137,10 @@ def _groups_batches(groups: list[Group]):
 
 
 def write_snapshot(root: Path, data: SnapshotData, compression: str = "none", config_hash: str = "",
-                   gate: ForegroundGate | None = None) -> Path:
+                   gate: ForegroundGate | None = None, drop_cache: bool = False) -> Path:
     """Commit ``data`` as ``root/snap-{lsn}`` (see the module protocol); returns its path. With ``gate``
-    (the WAL's) the files' writeback lets the WAL's fsyncs go first.
+    (the WAL's) the files' writeback lets the WAL's fsyncs go first; with ``drop_cache`` the Arrow
+    files leave the page cache as they are written back (``HashingFile``).
 
     Raises:
         OSError: the disk refused a write; the temp dir is left for the next start to remove.
@@ -153,8 +154,9 @@ def write_snapshot(root: Path, data: SnapshotData, compression: str = "none", co
     codec = None if compression == "none" else compression
     files = {
         "trajectories.arrow": _write_arrow(tmp / "trajectories.arrow", TRAJECTORY_SCHEMA,
-                                           _trajectory_batches(data.groups), codec, gate),
-        "groups.arrow": _write_arrow(tmp / "groups.arrow", GROUPS_SCHEMA, _groups_batches(data.groups), codec, gate),
+                                           _trajectory_batches(data.groups), codec, gate, drop_cache),
+        "groups.arrow": _write_arrow(tmp / "groups.arrow", GROUPS_SCHEMA, _groups_batches(data.groups), codec, gate,
+                                     drop_cache),
         "state.json": _write_json(tmp / "state.json", data.state),
     }
     fault_point("replay.snapshot.files_written")

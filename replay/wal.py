@@ -19,9 +19,13 @@ A write or fsync error is not retried (after a failed fsync the page cache state
 ``append``/``wait`` raises ``WalError`` naming the first error. The service reports NOT_SERVING and must
 be restarted, which restores from what is on disk (every acknowledged record was fsync'd before).
 
-Segments roll once they exceed ``segment_bytes``; the sealed segment is fsync'd and closed by the
-next fsync leader before any record of the new segment is reported durable. ``durability="buffered"``
+Segments roll once they exceed ``segment_bytes``; the sealed segment is fsync'd by the next fsync
+leader before any record of the new segment is reported durable (and closed after). ``durability="buffered"``
 keeps a background thread that writes the queued records every ``group_commit_ms``.
+
+With ``wal.drop_page_cache`` (the default) the log leaves the OS page cache once durable: after each
+group-commit fsync the leader drops the durable pages (``replay.files.drop_cached``), after telling the
+waiters; in the other modes a segment is dropped as it is sealed. Only a restore reads the log again.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from pathlib import Path
 
 from replay.config import WalConfig
 from faults import fault_point
-from replay.files import fsync_dir, remove_gently
+from replay.files import drop_cached, fsync_dir, remove_gently
 from replay.records import end_of_stream, segment_header
 
 SEGMENT_SUFFIX = ".arrows"
@@ -93,6 +97,7 @@ class Wal:
     def _open_segment(self) -> None:
         self.path = segment_path(self.dir, self._next_lsn)
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self._file_bytes = 0  # bytes written to this segment file (header included)
         self._write(segment_header())
         self._segment_bytes = 0
         self._dir_dirty = True
@@ -103,6 +108,7 @@ class Wal:
         """Write bytes-like ``data``, or a list of bytes-like pieces with one ``writev`` (no join)."""
         if isinstance(data, list):
             views = [memoryview(p).cast("B") for p in data]
+            self._file_bytes += sum(v.nbytes for v in views)
             while views:
                 written = os.writev(self._fd, views[:_IOV_MAX])
                 while views and written >= views[0].nbytes:
@@ -111,6 +117,7 @@ class Wal:
                     views[0] = views[0][written:]
             return
         view = memoryview(data)
+        self._file_bytes += view.nbytes
         while view:
             view = view[os.write(self._fd, view):]
 
@@ -154,6 +161,8 @@ class Wal:
         if self.config.durability == "fsync":
             self._sealed.append((self._fd, self.path))
         else:
+            if self.config.drop_page_cache:
+                drop_cached(self._fd)  # starts the sealed segment's writeback; its clean pages go
             os.close(self._fd)
         self._open_segment()
         fault_point("replay.wal.after_roll")
@@ -243,6 +252,7 @@ class Wal:
         with self._cv:
             target, sealed, self._sealed = self._next_lsn - 1, self._sealed, []
             fd, dir_dirty, self._dir_dirty = self._fd, self._dir_dirty, False
+            end = self._file_bytes
             if self.config.durability == "buffered":
                 self._flush_pending()
                 self._durable_lsn = target
@@ -251,7 +261,6 @@ class Wal:
         with self.gate.urgent() if self.gate is not None else contextlib.nullcontext():
             for old_fd, _ in sealed:
                 os.fsync(old_fd)
-                os.close(old_fd)
             os.fsync(fd)  # the current fd is only closed by close(), which waits for the leader first
             if dir_dirty:
                 fsync_dir(self.dir)
@@ -259,6 +268,16 @@ class Wal:
             self.fsyncs += 1 + len(sealed)
             self._durable_lsn = max(self._durable_lsn, target)
             self._cv.notify_all()
+        for old_fd, _ in sealed:  # after the waiters are told: dropping pages is no part of an ack
+            self._drop(old_fd)
+            os.close(old_fd)
+        self._drop(fd, end)
+
+    def _drop(self, fd: int, end: int = 0) -> None:
+        """With ``drop_page_cache``, drop ``fd``'s first ``end`` bytes (0: all), fsync'd, from the page
+        cache (``replay.files.drop_cached``: the page still being appended to is kept)."""
+        if self.config.drop_page_cache:
+            drop_cached(fd, 0, end)
 
     def close(self) -> None:
         """Write what is pending, end the segment, fsync and close (after a leader's fsync in flight
@@ -278,8 +297,10 @@ class Wal:
                 self._write(end_of_stream())
                 for old_fd, _ in self._sealed:
                     os.fsync(old_fd)
+                    self._drop(old_fd)
                     os.close(old_fd)
                 os.fsync(self._fd)
+                self._drop(self._fd)
                 fsync_dir(self.dir)
                 self._durable_lsn = self._next_lsn - 1
             os.close(self._fd)
