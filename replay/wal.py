@@ -23,9 +23,11 @@ Segments roll once they exceed ``segment_bytes``; the sealed segment is fsync'd 
 leader before any record of the new segment is reported durable (and closed after). ``durability="buffered"``
 keeps a background thread that writes the queued records every ``group_commit_ms``.
 
-With ``wal.drop_page_cache`` (the default) the log leaves the OS page cache once durable: after each
+With ``wal.drop_page_cache`` (the default) the log leaves the OS page cache once fsync'd: after each
 group-commit fsync the leader drops the durable pages (``replay.files.drop_cached``), after telling the
-waiters; in the other modes a segment is dropped as it is sealed. Only a restore reads the log again.
+waiters, and ``close()`` drops the last segment. Only a restore reads the log again. The other modes
+never fsync before ``close()``, and dropping dirty pages would only start their writeback on the
+appending thread, so their log stays cached until the kernel writes it back and reclaims it.
 """
 
 from __future__ import annotations
@@ -161,8 +163,6 @@ class Wal:
         if self.config.durability == "fsync":
             self._sealed.append((self._fd, self.path))
         else:
-            if self.config.drop_page_cache:
-                drop_cached(self._fd)  # starts the sealed segment's writeback; its clean pages go
             os.close(self._fd)
         self._open_segment()
         fault_point("replay.wal.after_roll")
