@@ -99,7 +99,6 @@ class Wal:
     def _open_segment(self) -> None:
         self.path = segment_path(self.dir, self._next_lsn)
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        self._file_bytes = 0  # bytes written to this segment file (header included)
         self._write(segment_header())
         self._segment_bytes = 0
         self._dir_dirty = True
@@ -110,7 +109,6 @@ class Wal:
         """Write bytes-like ``data``, or a list of bytes-like pieces with one ``writev`` (no join)."""
         if isinstance(data, list):
             views = [memoryview(p).cast("B") for p in data]
-            self._file_bytes += sum(v.nbytes for v in views)
             while views:
                 written = os.writev(self._fd, views[:_IOV_MAX])
                 while views and written >= views[0].nbytes:
@@ -119,7 +117,6 @@ class Wal:
                     views[0] = views[0][written:]
             return
         view = memoryview(data)
-        self._file_bytes += view.nbytes
         while view:
             view = view[os.write(self._fd, view):]
 
@@ -252,7 +249,7 @@ class Wal:
         with self._cv:
             target, sealed, self._sealed = self._next_lsn - 1, self._sealed, []
             fd, dir_dirty, self._dir_dirty = self._fd, self._dir_dirty, False
-            end = self._file_bytes
+            end = len(segment_header()) + self._segment_bytes  # the file's bytes (fsync mode writes at once)
             if self.config.durability == "buffered":
                 self._flush_pending()
                 self._durable_lsn = target
