@@ -8,6 +8,9 @@ Every ratio's baseline is measured in the same run, on the same machine and disk
   streams, servers in their own processes).
   ``ingest_ratio_nofsync``: the same with ``durability="write"``. ``server_cpu_ms_per_message``: the
   server process's CPU (user + system) per message for each (medians; steadier than MB/s on a shared box).
+  The ceilings on this machine, same run: ``keep_ratio`` (a server that only keeps each payload ÷ raw)
+  and ``durable_floor_ratio`` (one that keeps it, appends it to a file and fsyncs before the answer,
+  group-committed, and does nothing else ÷ raw); see ``bench.replay_baselines``.
 - ``sample_p99_ms``: Sample RPCs of 32 groups × 8 = 256 trajectories (lease durable before the answer,
   then released) at two buffer sizes, 10k/100k trajectories with ``--quick``, 100k/1M without.
 - ``snapshot_ratio``: snapshot MB/s (stored Arrow bytes ÷ the server's capture-to-commit time, otherwise idle) ÷
@@ -33,8 +36,9 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.replay_parts import (GROUP_SIZE, RAW_METHOD, Server, free_port, fsync_ms, p99_ms, requests,
-                                sequential_write_mb_s, serve_raw, stream, trajectory_batch)
+from bench.replay_baselines import KINDS, RAW_METHOD, serve
+from bench.replay_parts import (GROUP_SIZE, Server, free_port, fsync_ms, p99_ms, requests, sequential_write_mb_s,
+                                stream, trajectory_batch)
 from services.replay_client import ReplayClient
 
 GROUPS = 32
@@ -47,14 +51,16 @@ def replay_config(durability: str) -> dict:
 
 
 def ingest_mb_s(kind: str, root: Path, batches: int, seed: int) -> tuple[float, float]:
-    """MB/s of payload streamed to a fresh ``kind`` server (``raw``, or replay with WAL durability
-    ``kind``) and the server process's CPU milliseconds (user + system) per message meanwhile."""
+    """MB/s of payload streamed to a fresh ``kind`` server (a baseline of ``bench.replay_baselines``,
+    or replay with WAL durability ``kind``) and the server process's CPU milliseconds (user + system)
+    per message meanwhile."""
     reqs = list(requests(seed * 10_000_000, batches, GROUPS, seed))
     directory = root / f"ingest-{kind}-{seed}"
-    server = Server("raw" if kind == "raw" else "replay", free_port(), directory, replay_config(kind))
+    baseline = kind in KINDS
+    server = Server(kind if baseline else "replay", free_port(), directory, None if baseline else replay_config(kind))
     halves = [reqs[0::2], reqs[1::2]]
     sent = [0, 0]
-    method = RAW_METHOD if kind == "raw" else "/gyre.replay.v1.ReplayService/Insert"
+    method = RAW_METHOD if baseline else "/gyre.replay.v1.ReplayService/Insert"
 
     def run(i: int) -> None:
         sent[i] = stream(server.address, iter(halves[i]), method)
@@ -136,17 +142,21 @@ def insert_p99_rounds(client: ReplayClient, next_prompt: int, rounds: int = 3, p
 
 
 def ingest_phase(root: Path, batches: int, rounds: int) -> dict:
-    speeds: dict[str, list[float]] = {"raw": [], "fsync": [], "write": []}
+    speeds: dict[str, list[float]] = {k: [] for k in (*KINDS, "fsync", "write")}
     cpu: dict[str, list[float]] = {k: [] for k in speeds}
-    for r in range(rounds):  # interleaved, so load changes hit all three alike
+    for r in range(rounds):  # interleaved, so load changes hit all alike
         for kind in speeds:
             mb_s, cpu_ms = ingest_mb_s(kind, root, batches, seed=r + 1)
             speeds[kind].append(mb_s)
             cpu[kind].append(cpu_ms)
-    raw, fsync, nofsync = (statistics.median(speeds[k]) for k in ("raw", "fsync", "write"))
-    print(f"ingest MB/s: raw {raw:.0f}, fsync {fsync:.0f}, no fsync {nofsync:.0f}", flush=True)
+    raw, keep, floor, fsync, nofsync = (statistics.median(speeds[k]) for k in speeds)
+    print(f"ingest MB/s: raw {raw:.0f}, fsync {fsync:.0f}, no fsync {nofsync:.0f}; ceilings: keep {keep:.0f}, "
+          f"keep + append + fsync {floor:.0f}", flush=True)
     return dict(raw_stream_mb_s=round(raw, 1), ingest_mb_s=round(fsync, 1), ingest_nofsync_mb_s=round(nofsync, 1),
                 ingest_ratio=round(fsync / raw, 3), ingest_ratio_nofsync=round(nofsync / raw, 3),
+                keep_mb_s=round(keep, 1), durable_floor_mb_s=round(floor, 1),
+                keep_ratio=round(keep / raw, 3), durable_floor_ratio=round(floor / raw, 3),
+                ingest_of_durable_floor=round(fsync / floor, 3), ingest_nofsync_of_keep=round(nofsync / keep, 3),
                 server_cpu_ms_per_message={k: round(statistics.median(v), 2) for k, v in cpu.items()})
 
 
@@ -209,10 +219,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m bench.replay", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="100k trajectories instead of 1M; fewer messages")
     parser.add_argument("--dir", help="where the WAL/snapshots go (default: a temp dir)")
-    parser.add_argument("--raw-server", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--baseline", choices=KINDS, help=argparse.SUPPRESS)
+    parser.add_argument("--baseline-port", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.raw_server is not None:
-        serve_raw(args.raw_server)
+    if args.baseline is not None:  # a baseline server process of ingest_mb_s
+        serve(args.baseline, args.baseline_port, Path(args.dir) if args.dir else None)
         return {}
     sizes = (10_000, 100_000) if args.quick else (100_000, 1_000_000)
     root = Path(args.dir or tempfile.mkdtemp(prefix="gyre-bench-replay-"))

@@ -1,5 +1,5 @@
-"""Parts of ``bench.replay``: realistic trajectory payloads, a raw gRPC byte-stream server (the
-baseline), a replay server subprocess, and the streaming/timing helpers."""
+"""Parts of ``bench.replay``: realistic trajectory payloads, server subprocesses (the replay service
+or a baseline of ``bench.replay_baselines``), and the streaming/timing helpers."""
 
 from __future__ import annotations
 
@@ -11,19 +11,17 @@ import sys
 import time
 from pathlib import Path
 
-import grpc
 import numpy as np
 import psutil
 import pyarrow as pa
 import yaml
 
+from bench.replay_baselines import KINDS
 from proto import replay_pb2
 from proto.trajectory import SCHEMA_VERSION, TRAJECTORY_SCHEMA, to_ipc
-from replay.memory import tune_malloc
 from services import grpc_common
 
 REPO = Path(__file__).resolve().parents[1]
-RAW_METHOD = "/gyre.bench.v1.RawBytes/Insert"
 GROUP_SIZE, PROMPT_LEN, RESPONSE_LEN = 8, 64, 192
 
 
@@ -91,33 +89,16 @@ def stream(address: str, reqs, method: str = "/gyre.replay.v1.ReplayService/Inse
     return total
 
 
-def serve_raw(port: int) -> None:
-    """The baseline: the same bidi method shape and server options, answering each message at once,
-    in a process set up like the replay server's (``tune_malloc``: the transient buffers of each 0.5 MB
-    message reuse freed memory; with glibc's defaults this server streams ~1.7x slower here), so the
-    ratio measures the store path, not allocator settings."""
-    tune_malloc()
-
-    def insert(request_iterator, context):
-        for req in request_iterator:
-            yield replay_pb2.InsertResponse(batch_id=req.batch_id, accepted=1)
-
-    server, health = grpc_common.make_server()
-    handler = grpc.stream_stream_rpc_method_handler(
-        insert, request_deserializer=replay_pb2.InsertRequest.FromString,
-        response_serializer=replay_pb2.InsertResponse.SerializeToString)
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("gyre.bench.v1.RawBytes",
-                                                                          {"Insert": handler}),))
-    grpc_common.start(server, health, "gyre.bench.v1.RawBytes", "127.0.0.1", port)
-    signal.sigwait({signal.SIGTERM, signal.SIGINT})
-
-
 class Server:
-    """A server subprocess: ``raw`` (the baseline) or the replay service on ``directory``."""
+    """A server subprocess: a baseline (``bench.replay_baselines.KINDS``; ``durable`` logs to
+    ``directory``) or ``replay``, the replay service on ``directory`` with ``config``."""
 
     def __init__(self, kind: str, port: int, directory: Path | None = None, config: dict | None = None) -> None:
-        if kind == "raw":
-            cmd = [sys.executable, "-m", "bench.replay", "--raw-server", str(port)]
+        if kind in KINDS:
+            cmd = [sys.executable, "-m", "bench.replay", "--baseline", kind, "--baseline-port", str(port)]
+            if directory is not None:
+                directory.mkdir(parents=True, exist_ok=True)
+                cmd += ["--dir", str(directory)]
         else:
             cfg = directory.with_suffix(".yaml")
             cfg.write_text(yaml.safe_dump(config))
