@@ -10,9 +10,12 @@ server, and answer each message once it is handled:
   then new memory, which on a VM that hands freed memory back to its host costs page faults per MiB
   that the raw stream never pays (README, *This machine's memory*). This is the ceiling of any server
   that keeps what it stores, measured in the same run.
-- ``durable``: ``keep`` plus appending each payload to one file and fsyncing before the answer, with
-  group commit (``GroupCommitLog``). It does not validate, index, checksum or frame anything, so it is
-  the least a durable buffer does per message: the ceiling of ``ingest_ratio`` on this machine.
+- ``append``: ``keep`` plus appending each payload to one file before the answer (no fsync): the least
+  a buffer with ``durability: write`` does per message, the ceiling of ``ingest_ratio_nofsync``.
+- ``durable``: ``append`` and fsync before the answer, with group commit (``GroupCommitLog``): the
+  least a durable buffer does per message, the ceiling of ``ingest_ratio``.
+
+``append`` and ``durable`` do not validate, index, checksum or frame anything.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from proto import replay_pb2
 from replay.memory import tune_malloc
 from services import grpc_common
 
-KINDS = ("raw", "keep", "durable")
+KINDS = ("raw", "keep", "append", "durable")
 SERVICE = "gyre.bench.v1.RawBytes"
 RAW_METHOD = f"/{SERVICE}/Insert"
 GIL_SWITCH_S = 0.001
@@ -80,20 +83,20 @@ class GroupCommitLog:
 
 def baseline_server(kind: str, port: int = 0, directory: Path | None = None) -> tuple[grpc.Server, int, list]:
     """Start a ``kind`` baseline server (see the module doc) on 127.0.0.1; returns ``(server, port,
-    kept)`` where ``kept`` is the list the ``keep``/``durable`` servers append each payload to.
-    ``durable`` writes ``directory / "log"``.
+    kept)`` where ``kept`` is the list every server but ``raw`` appends each payload to.
+    ``append`` and ``durable`` write ``directory / "log"``.
 
     Raises:
         ValueError: ``kind`` is not one of ``KINDS``, or ``durable`` without ``directory``.
     """
     if kind not in KINDS:
         raise ValueError(f"baseline kind {kind!r} is not one of {KINDS}")
-    if kind == "durable" and directory is None:
-        raise ValueError("the durable baseline needs a directory for its log")
+    if kind in ("append", "durable") and directory is None:
+        raise ValueError(f"the {kind} baseline needs a directory for its log")
     sys.setswitchinterval(GIL_SWITCH_S)
     tune_malloc()
     kept: list[bytes] = []
-    log = GroupCommitLog(directory / "log") if kind == "durable" else None
+    log = GroupCommitLog(directory / "log", fsync=kind == "durable") if kind in ("append", "durable") else None
 
     def insert(request_iterator, context):
         for req in request_iterator:

@@ -51,7 +51,9 @@ def test_group_commit_log_without_fsync_never_fsyncs(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_each_baseline_answers_every_message_and_keeps_and_logs_as_named(kind, tmp_path):
+def test_each_baseline_answers_every_message_and_keeps_logs_and_fsyncs_as_named(kind, tmp_path, monkeypatch):
+    fsyncs, real_fsync = [], os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (fsyncs.append(fd), real_fsync(fd)))
     server, port, kept = baseline_server(kind, 0, tmp_path)
     try:
         reqs = list(requests(0, 3, 1, seed=0))
@@ -61,13 +63,15 @@ def test_each_baseline_answers_every_message_and_keeps_and_logs_as_named(kind, t
     payloads = [r.arrow_ipc for r in reqs]
     assert sent == sum(map(len, payloads))
     assert kept == ([] if kind == "raw" else payloads)
-    assert (tmp_path / "log").exists() == (kind == "durable")
-    if kind == "durable":
+    assert (tmp_path / "log").exists() == (kind in ("append", "durable"))
+    if kind in ("append", "durable"):
         assert (tmp_path / "log").read_bytes() == b"".join(payloads)
+    assert bool(fsyncs) == (kind == "durable")
 
 
-def test_an_unknown_baseline_or_a_durable_one_without_a_directory_is_refused():
+def test_an_unknown_baseline_or_a_logging_one_without_a_directory_is_refused():
     with pytest.raises(ValueError, match="'fast' is not one of"):
         baseline_server("fast")
-    with pytest.raises(ValueError, match="needs a directory"):
-        baseline_server("durable")
+    for kind in ("append", "durable"):
+        with pytest.raises(ValueError, match=f"the {kind} baseline needs a directory"):
+            baseline_server(kind)
