@@ -1,6 +1,6 @@
 """Baseline servers of ``bench.replay``'s ingest ratios, each in its own process like the replay server.
 
-All three take the same ``InsertRequest`` stream on the same bidi method shape, with the same gRPC
+All four take the same ``InsertRequest`` stream on the same bidi method shape, with the same gRPC
 server options, GIL switch interval and malloc tuning (``replay.memory.tune_malloc``) as the replay
 server, and answer each message once it is handled:
 
@@ -33,6 +33,8 @@ from replay.memory import tune_malloc
 from services import grpc_common
 
 KINDS = ("raw", "keep", "append", "durable")
+LOGGING = ("append", "durable")
+"""The baselines that append each payload to ``directory / "log"``."""
 SERVICE = "gyre.bench.v1.RawBytes"
 RAW_METHOD = f"/{SERVICE}/Insert"
 GIL_SWITCH_S = 0.001
@@ -87,16 +89,16 @@ def baseline_server(kind: str, port: int = 0, directory: Path | None = None) -> 
     ``append`` and ``durable`` write ``directory / "log"``.
 
     Raises:
-        ValueError: ``kind`` is not one of ``KINDS``, or ``durable`` without ``directory``.
+        ValueError: ``kind`` is not one of ``KINDS``, or one of ``LOGGING`` without ``directory``.
     """
     if kind not in KINDS:
         raise ValueError(f"baseline kind {kind!r} is not one of {KINDS}")
-    if kind in ("append", "durable") and directory is None:
+    if kind in LOGGING and directory is None:
         raise ValueError(f"the {kind} baseline needs a directory for its log")
     sys.setswitchinterval(GIL_SWITCH_S)
     tune_malloc()
     kept: list[bytes] = []
-    log = GroupCommitLog(directory / "log", fsync=kind == "durable") if kind in ("append", "durable") else None
+    log = GroupCommitLog(directory / "log", fsync=kind == "durable") if kind in LOGGING else None
 
     def insert(request_iterator, context):
         for req in request_iterator:

@@ -90,8 +90,8 @@ def stream(address: str, reqs, method: str = "/gyre.replay.v1.ReplayService/Inse
 
 
 class Server:
-    """A server subprocess: a baseline (``bench.replay_baselines.KINDS``; ``durable`` logs to
-    ``directory``) or ``replay``, the replay service on ``directory`` with ``config``."""
+    """A server subprocess: a baseline (``bench.replay_baselines.KINDS``; ``append`` and ``durable``
+    log to ``directory``) or ``replay``, the replay service on ``directory`` with ``config``."""
 
     def __init__(self, kind: str, port: int, directory: Path | None = None, config: dict | None = None) -> None:
         if kind in KINDS:

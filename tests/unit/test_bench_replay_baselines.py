@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from bench.replay_baselines import KINDS, RAW_METHOD, GroupCommitLog, baseline_server
+from bench.replay_baselines import KINDS, LOGGING, RAW_METHOD, GroupCommitLog, baseline_server
 from bench.replay_parts import requests, stream
 
 
@@ -63,8 +63,8 @@ def test_each_baseline_answers_every_message_and_keeps_logs_and_fsyncs_as_named(
     payloads = [r.arrow_ipc for r in reqs]
     assert sent == sum(map(len, payloads))
     assert kept == ([] if kind == "raw" else payloads)
-    assert (tmp_path / "log").exists() == (kind in ("append", "durable"))
-    if kind in ("append", "durable"):
+    assert (tmp_path / "log").exists() == (kind in LOGGING)
+    if kind in LOGGING:
         assert (tmp_path / "log").read_bytes() == b"".join(payloads)
     assert bool(fsyncs) == (kind == "durable")
 
@@ -72,6 +72,6 @@ def test_each_baseline_answers_every_message_and_keeps_logs_and_fsyncs_as_named(
 def test_an_unknown_baseline_or_a_logging_one_without_a_directory_is_refused():
     with pytest.raises(ValueError, match="'fast' is not one of"):
         baseline_server("fast")
-    for kind in ("append", "durable"):
+    for kind in LOGGING:
         with pytest.raises(ValueError, match=f"the {kind} baseline needs a directory"):
             baseline_server(kind)
