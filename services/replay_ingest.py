@@ -205,7 +205,7 @@ class IngestStage:
 
     def _checked_payload(self, req) -> pa.Buffer:
         check_schema(req.schema_version)
-        payload, limit = req.arrow_ipc, self.buffer.config.max_batch_bytes  # (an InsertRequest copies here)
+        payload, limit = req.arrow_ipc, self.buffer.config.max_batch_bytes  # a Received's bytes, no copy
         if len(payload) > limit:
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT,
                         f"batch {req.batch_id}: arrow_ipc is {len(payload)} bytes; limit is {limit}")
