@@ -46,7 +46,6 @@ def main(argv: list[str] | None = None) -> int:
         recipe = str(Path(recipe).expanduser().resolve() if Path(recipe).expanduser().exists()
                      else checkout / recipe)
         os.chdir(checkout)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     return gyre_main(["run", recipe, *overrides, "--set", "ray.address=auto"])
 

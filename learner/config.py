@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+from proto.model_source import localize_model_data
 
 
 class AlgorithmConfig(BaseModel):
@@ -122,7 +124,15 @@ class LearnerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     model: str
-    """Path of a Hugging Face model folder (config + safetensors) to start from."""
+    """Path of a Hugging Face model folder (config + safetensors) to start from. A recipe's
+    ``model: org/name`` arrives here already resolved to a folder of the HF cache (``proto.model_source``)."""
+
+    model_id: str | None = None
+    """The Hub id ``model`` was resolved from (set by the recipe loader); a node without the folder fetches
+    ``model_revision`` of it into its own HF cache."""
+
+    model_revision: str | None = None
+    """The commit of ``model_id`` the driver resolved."""
 
     lr: float = Field(1e-6, gt=0.0)
     """AdamW learning rate (constant; no schedule yet). With ``bf16`` the published weights are the
@@ -172,6 +182,11 @@ class LearnerConfig(BaseModel):
     log_comm_time: bool = True
     """Time every DeepSpeed collective (its comms logger) and report ``comm_s`` per step. On GPUs this
     synchronises after each collective, which costs a little overlap."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _localize_model(cls, data: Any, info: ValidationInfo) -> Any:
+        return localize_model_data(data, info)
 
     @model_validator(mode="after")
     def _offload_needs_zero(self) -> "LearnerConfig":

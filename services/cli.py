@@ -15,7 +15,7 @@ from pathlib import Path
 import yaml
 from rich.console import Console
 
-from services.recipe import RecipeError, load_recipe
+from services.recipe import RecipeError, check_machine, load_recipe
 
 
 def _parse_sets(items: list[str]) -> dict:
@@ -89,9 +89,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.resume not in ("auto", "none") and not Path(args.resume).is_dir():
             raise RecipeError(f"--resume {args.resume!r}: expected auto, none or an existing checkpoint directory")
         resume = {"learner.resume": args.resume, "learner.force_resume": args.force_resume}
-        recipe = load_recipe(args.recipe, _parse_sets(args.set) | resume)
+        overrides = _parse_sets(args.set) | resume
+        recipe = load_recipe(args.recipe, overrides, dry_run=True)  # downloads nothing
+        if not args.dry_run:
+            check_machine(recipe)  # before a model download, not after
+            recipe = load_recipe(args.recipe, overrides)
     except RecipeError as exc:
-        console.print(f"[red]error:[/red] {exc}", highlight=False)
+        console.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
         return 2
     if args.dry_run:
         from services.plan import describe

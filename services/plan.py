@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from proto.model_source import is_hub_id
 from services.recipe import Recipe
 
 
@@ -11,17 +12,18 @@ def describe(recipe: Recipe) -> str:
     batch = l.groups_per_step * r.group_size
     lines = [
         f"run {recipe.name}  →  {recipe.out_dir}",
-        f"model      {recipe.model}",
+        f"model      {_model_line(recipe)}",
         f"task       {recipe.task.name} {recipe.task.params}  (held-out {recipe.task.heldout_size}, seed {recipe.task.heldout_seed})",
         f"ray        address={recipe.ray.address} namespace={recipe.ray.namespace}",
         "services",
         f"  replay    max_staleness={rp.max_staleness} capacity_groups={rp.capacity_groups} lease_ttl_s={rp.lease_ttl_s}",
         f"  learner   DeepSpeed ZeRO-{l.engine.zero_stage} {l.engine.dtype} lr={l.engine.lr} "
-        f"micro_batch={l.engine.micro_batch_size}  steps={l.num_steps}",
+        f"micro_batch={l.engine.micro_batch_size}{' grad-checkpointing' if l.engine.gradient_checkpointing else ''}"
+        f"  steps={l.num_steps}",
         f"            batch = {l.groups_per_step} groups × {r.group_size} samples = {batch} trajectories/step",
         f"            loss: decoupled PPO-clip (ε={l.algorithm.clip_eps_low}/{l.algorithm.clip_eps_high}) × TIS (C={l.algorithm.tis_cap})",
         f"  rollout×{r.num_workers} vLLM {r.engine.dtype} max_model_len={r.engine.max_model_len} "
-        f"kv_cache={r.engine.kv_cache_gib} GiB; n={r.group_size}, {r.groups_in_flight} groups in flight, "
+        f"{_kv_line(r.engine)}; n={r.group_size}, {r.groups_in_flight} groups in flight, "
         f"T={r.sampling.temperature} max_new_tokens={r.sampling.max_new_tokens}",
         f"evaluation greedy on held-out set: before={recipe.eval_before} after={recipe.eval_after}",
         f"outputs    metrics.jsonl, reward_accuracy.png, checkpoints/global_step_{l.num_steps}/, final_policy/",
@@ -33,6 +35,23 @@ def describe(recipe: Recipe) -> str:
         *placement_lines(recipe),
     ]
     return "\n".join(lines)
+
+
+def _model_line(recipe: Recipe) -> str:
+    if recipe.model_id is not None:  # resolved: the HF-cache folder and the pinned commit
+        return f"{recipe.model_id}@{recipe.model_revision}  ({recipe.model})"
+    if is_hub_id(recipe.model):  # dry run: nothing downloaded
+        at = f"@{recipe.model_revision}" if recipe.model_revision else " (default branch)"
+        return f"{recipe.model}{at}  (Hugging Face Hub id; downloaded into the HF cache when the run starts)"
+    return recipe.model
+
+
+def _kv_line(e) -> str:
+    """vLLM memory settings as each device resolves them (``EngineConfig.on_cuda_settings``)."""
+    eager = lambda cuda: e.on_cuda_settings(cuda)["enforce_eager"]  # noqa: E731
+    kv = f"kv_cache={e.kv_cache_gib:g} GiB" if e.kv_cache_gib is not None else \
+        f"kv_cache=1 GiB on CPU, gpu_memory_utilization={e.gpu_memory_utilization:g} on CUDA"
+    return f"{kv} tensor_parallel={e.tensor_parallel_size} enforce_eager={eager(False)} on CPU/{eager(True)} on CUDA"
 
 
 def _resources(p) -> str:

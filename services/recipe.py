@@ -10,6 +10,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 import faults
+from proto.model_source import DRY_RUN, ModelSourceError, is_hub_id, resolve
 from learner.loop import LearnerLoopConfig
 from replay.config import ReplayConfig
 from rollout.tasks import TaskConfig
@@ -98,7 +99,14 @@ class Recipe(BaseModel):
     name: str = Field(pattern=r"^[A-Za-z0-9._-]+$")
     """Run name; outputs go to ``{run_dir}/{name}/``."""
     model: str
-    """HF model folder (safetensors + tokenizer), shared by rollout and learner as policy version 0."""
+    """The policy at version 0, shared by rollout and learner: a local HF folder (safetensors + tokenizer) or a
+    Hugging Face Hub id ``org/name``, which the loader resolves once into the HF cache (``proto.model_source``)
+    and replaces by that folder (``model_id`` keeps the id)."""
+    model_revision: str | None = None
+    """Branch, tag or commit of a Hub id (``None``: its default branch); after loading, the commit it resolved
+    to, which every service uses."""
+    model_id: str | None = None
+    """Set by the loader: the Hub id ``model`` was resolved from (``None`` for a local folder)."""
     run_dir: str = "runs"
     seed: int = 0
     task: TaskConfig = TaskConfig()
@@ -142,9 +150,11 @@ class Recipe(BaseModel):
                 if isinstance(part, dict):
                     sub = part.get(key, {})
                     if isinstance(sub, dict):
-                        if "model" in sub:
-                            raise ValueError(f"set the model once at top level, not in {section}.{key}.model")
-                        data[section] = {**part, key: {**sub, "model": data["model"]}}
+                        shared = {k: data[k] for k in MODEL_KEYS if data.get(k) is not None}
+                        if set(MODEL_KEYS) & set(sub):
+                            raise ValueError(f"set the model once at top level, not in {section}.{key}."
+                                             f"{sorted(set(MODEL_KEYS) & set(sub))[0]}")
+                        data[section] = {**part, key: {**sub, **shared}}
         return data
 
     @model_validator(mode="before")
@@ -186,6 +196,14 @@ class Recipe(BaseModel):
         if self.determinism == "lockstep" and self.replay.max_staleness < self.lockstep_lag:
             raise ValueError(f"replay.max_staleness ({self.replay.max_staleness}) must be >= lockstep_lag "
                              f"({self.lockstep_lag}): lockstep trains every group at exactly that lag")
+        tp, gpus = self.rollout.engine.tensor_parallel_size, self.placement.rollout.num_gpus
+        if tp > 1 and tp > gpus:
+            raise ValueError(f"rollout.engine.tensor_parallel_size ({tp}) is larger than the GPUs each rollout is "
+                             f"given (placement.rollout.num_gpus: {gpus:g}): set placement.rollout.num_gpus: {tp} "
+                             f"or tensor_parallel_size: {max(1, int(gpus))}")
+        if self.model_revision is not None and self.model_id is None and not is_hub_id(self.model):
+            raise ValueError(f"model_revision ({self.model_revision!r}) applies to a Hub id, but model "
+                             f"({self.model!r}) is a local folder: remove model_revision")
         world, rows = self.placement.learner.world_size, self.learner.groups_per_step * self.rollout.group_size
         if world > 1 and self.learner.engine.batch_split == "shard" and rows % world:
             raise ValueError(f"learner.groups_per_step * rollout.group_size ({rows} rows) must be a multiple of "
@@ -196,6 +214,19 @@ class Recipe(BaseModel):
     @property
     def out_dir(self) -> Path:
         return Path(self.run_dir) / self.name
+
+    @property
+    def gpus_needed(self) -> dict[str, float]:
+        """GPUs each role asks for in all (``placement``; the learner's times its world size); roles asking
+        none are left out."""
+        pl = self.placement
+        need = {"replay": pl.replay.num_gpus, "learner": pl.learner.num_gpus * pl.learner.world_size,
+                "rollout": pl.rollout.num_gpus * self.rollout.num_workers}
+        return {role: n for role, n in need.items() if n > 0}
+
+
+MODEL_KEYS = ("model", "model_id", "model_revision")
+"""Top-level recipe keys copied into ``rollout.engine`` and ``learner.engine``."""
 
 
 FAULT_SERVICE = re.compile(r"^(replay|learner|rollout-(0|[1-9][0-9]*))$")
@@ -232,11 +263,15 @@ def validate_fault_specs(service: Any, specs: Any) -> list[str]:
     return list(specs)
 
 
-def load_recipe(path: str | Path, overrides: dict[str, Any] | None = None) -> Recipe:
-    """Read, validate and resolve a recipe; relative model/run paths become absolute (from the CWD).
+def load_recipe(path: str | Path, overrides: dict[str, Any] | None = None, dry_run: bool = False) -> Recipe:
+    """Read, validate and resolve a recipe; relative model/run paths become absolute (from the CWD), and a
+    ``model: org/name`` Hub id is downloaded once into the HF cache (``proto.model_source.resolve``) and
+    pinned to the commit it resolved to. ``dry_run``: a Hub id is checked for its form only, nothing is
+    downloaded and no model folder is read.
 
     Raises:
-        RecipeError: missing file, bad YAML, unknown key, wrong type, missing model folder, unknown task.
+        RecipeError: missing file, bad YAML, unknown key, wrong type, missing model folder, a Hub id that cannot
+            be had (unknown, gated, offline and not cached), unknown task.
     """
     path = Path(path)
     if not path.is_file():
@@ -253,19 +288,76 @@ def load_recipe(path: str | Path, overrides: dict[str, Any] | None = None) -> Re
         raise RecipeError(f"recipe {path} must be a mapping at top level, got {type(data).__name__}")
     for dotted, value in (overrides or {}).items():
         _set_dotted(data, dotted, value)
-    for key in ("model", "run_dir"):
-        if isinstance(data.get(key), str):
-            data[key] = str(Path(data[key]).expanduser().resolve())
-    model = data.get("model")
-    if isinstance(model, str) and not (Path(model) / "config.json").is_file():
-        raise RecipeError(f"recipe {path}: model: folder {model} does not exist or has no config.json "
-                          "(`make model` prepares SmolLM2-135M-Instruct in .cache/models/)")
+    if "model_id" in data:
+        raise RecipeError(f"recipe {path}: model_id is set by the loader; put the Hub id in model: instead")
+    _resolve_model(data, path, dry_run)
+    if isinstance(data.get("run_dir"), str):
+        data["run_dir"] = str(Path(data["run_dir"]).expanduser().resolve())
     try:
-        recipe = Recipe.model_validate(data)
+        recipe = Recipe.model_validate(data, context={DRY_RUN: dry_run})
     except ValidationError as exc:
         raise RecipeError(f"recipe {path}:\n{format_validation_error(exc)}") from None
     _check_resources(recipe, path)
     return recipe
+
+
+def _resolve_model(data: dict, path: Path, dry_run: bool) -> None:
+    """``data["model"]`` → an absolute local folder; a Hub id → its HF-cache folder, with ``model_id`` and the
+    commit in ``model_revision`` (a dry run keeps the id)."""
+    model = data.get("model")
+    if not isinstance(model, str):
+        return
+    if is_hub_id(model):
+        if dry_run:
+            return
+        try:
+            folder, commit = resolve(model, data.get("model_revision"))
+        except ModelSourceError as exc:
+            raise RecipeError(f"recipe {path}: {exc}") from None
+        data.update(model=folder, model_id=model, model_revision=commit)
+        return
+    data["model"] = str(Path(model).expanduser().resolve())
+    if not dry_run and not (Path(data["model"]) / "config.json").is_file():
+        raise RecipeError(f"recipe {path}: model: folder {data['model']} does not exist or has no config.json; "
+                          "expected a local HF folder or a Hub id org/name (`make model` prepares "
+                          "SmolLM2-135M-Instruct in .cache/models/)")
+
+
+def check_machine(recipe: Recipe, cuda_devices: int | None = None) -> None:
+    """Refuse, before anything starts, a recipe this install or machine cannot run: GPUs asked for
+    (``placement``) or the NCCL weight transport with the cpu target installed, or, for a private local Ray
+    (``ray.address: local``), more GPUs than this machine has. On a cluster the GPUs are the nodes', not
+    this driver's, and are left to Ray's placement.
+
+    Args:
+        cuda_devices: GPUs on this machine (``None``: ``torch.cuda.device_count()``).
+
+    Raises:
+        RecipeError: naming the setting that asks for GPUs, what this machine or install has, and the fix.
+    """
+    from rollout.install_check import installed_target
+
+    need = recipe.gpus_needed
+    nccl = recipe.rollout.engine.weight_transport.type == "nccl"
+    if not need and not nccl:
+        return
+    what = ", ".join(f"{role} {n:g}" for role, n in need.items()) or "none"
+    asks = f"recipe {recipe.name} asks for GPUs (placement: {what}; weight transport {recipe.rollout.engine.weight_transport.type})"
+    target = installed_target()
+    if target != "cuda":
+        raise RecipeError(f"{asks}, but this environment has the {target or 'base (no engine)'} target: install "
+                          "the cuda target (`make setup GYRE_TARGET=cuda` or `pip install --no-deps -r "
+                          "requirements/cuda.lock`) on a CUDA machine, or run a CPU recipe")
+    if recipe.ray.address == "local":
+        if cuda_devices is None:
+            import torch
+
+            cuda_devices = torch.cuda.device_count()
+        total = sum(need.values())
+        if total > cuda_devices:
+            raise RecipeError(f"{asks}: {total:g} in all, but this machine has {cuda_devices} CUDA device(s): "
+                              "lower placement.*.num_gpus / rollout.num_workers / placement.learner.world_size, "
+                              "or run on a cluster (ray.address: auto)")
 
 
 def _set_dotted(data: dict, dotted: str, value: Any) -> None:
@@ -287,6 +379,8 @@ def format_validation_error(exc: ValidationError) -> str:
             lines.append(f"  {loc}: unknown key")
         elif err["type"] == "missing":
             lines.append(f"  {loc}: required key is missing")
+        elif not err["loc"]:  # a whole-recipe check: its message names the values, the input is the recipe
+            lines.append(f"  {err['msg']}")
         else:
             lines.append(f"  {loc}: {err['msg']} (got {err.get('input')!r})")
     return "\n".join(lines)

@@ -23,7 +23,10 @@ def test_cloud_cluster_has_separate_rollout_and_learner_gpu_types():
     for name in ("rollout_gpu", "learner_gpu"):  # GPU instance families only
         assert types[name]["node_config"]["InstanceType"].split(".")[0] in {"g5", "g6", "g6e", "p4d", "p5"}
     setup = " ".join(config["setup_commands"])
-    assert "pip install -q -e '.[cuda]'" in setup and "deploy.prepare_model" in setup
+    # the cuda lock, whole and without resolving (no second vLLM, no CPU torch), then gyre without deps
+    assert "pip install -q --no-deps -r requirements/cuda.lock" in setup and "deploy.prepare_model" in setup
+    assert "pip install -q --no-deps -e ." in setup and "[cuda]" not in setup and "cpu.lock" not in setup
+    assert "HF_HUB_OFFLINE" not in setup  # offline mode is the user's choice
     assert config["file_mounts"] == {"~/gyre": "."}
     assert {".venv", ".cache", "runs"} <= set(config["rsync_exclude"])
 

@@ -51,7 +51,7 @@ def test_sbatch_runs_a_recipe_and_stops_its_ray(slurm, tiny_llama, tmp_path):
     gcs, agent, client = free_ports(3)
     env = {**slurm.env, "GYRE_HOME": str(REPO), "GYRE_RAY_PORT": str(gcs), "GYRE_RAY_AGENT_PORT": str(agent),
            "GYRE_RAY_CLIENT_PORT": str(client), "GYRE_RAY_MIN_WORKER_PORT": str(free_port_range(200)),
-           "GYRE_RAY_TEMP_DIR": str(temp_dir), "RAY_AUTH_MODE": "disabled", "PATH": f"{VENV_BIN}:/usr/bin:/bin"}
+           "GYRE_RAY_TEMP_DIR": str(temp_dir), "RAY_AUTH_MODE": "disabled", "GYRE_ALLOW_CPU": "1", "PATH": f"{VENV_BIN}:/usr/bin:/bin"}
     job_log, run_dir = tmp_path / "job.out", tmp_path / "runs"
     try:
         proc = subprocess.run(["sbatch", "--wait", f"--output={job_log}", f"--chdir={REPO}", "deploy/slurm.sbatch",

@@ -1,0 +1,121 @@
+"""Where a policy's initial weights come from: a local Hugging Face folder, or a Hub id ``org/name``.
+
+A Hub id is resolved once, on the driver, by ``huggingface_hub.snapshot_download`` into the HF cache
+(``HF_HOME`` / ``HF_HUB_CACHE``), and pinned to the commit it resolved to. The rollout and learner configs
+then carry the local folder plus ``model_id`` and ``model_revision`` (that commit): a service on another
+node whose filesystem lacks the folder fetches exactly that commit into its own HF cache
+(:func:`localize`), so every service starts from the same bytes. Offline mode is the user's choice:
+``HF_HUB_OFFLINE=1`` is respected (the cache must then hold the model) and never forced here.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
+"""``org/name`` as the Hub spells repository ids (one slash, no leading dot or dash)."""
+MODEL_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
+"""What a policy needs from a model repository: config, weights (safetensors only), tokenizer, chat template."""
+
+
+class ModelSourceError(ValueError):
+    """A model that cannot be had; the message names it and says what to do, in one line."""
+
+
+def is_hub_id(model: str) -> bool:
+    """True when ``model`` names a Hub repository (``org/name``) rather than an existing local path."""
+    return bool(HUB_ID.match(model)) and not Path(model).expanduser().exists()
+
+
+def _offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def resolve(model_id: str, revision: str | None = None) -> tuple[str, str]:
+    """Download (or find in the HF cache) the policy files of ``model_id`` at ``revision``.
+
+    Args:
+        model_id: a Hub id, ``org/name``.
+        revision: a branch, tag or commit; ``None`` is the repository's default branch.
+
+    Returns:
+        ``(folder, commit)``: the snapshot folder in the HF cache and the commit hash it holds.
+
+    Raises:
+        ModelSourceError: the id does not exist (or is private without a token), the repository is gated
+            and no token with access is set, the revision does not exist, or there is no network (or
+            ``HF_HUB_OFFLINE`` is set) and the HF cache holds no copy — each naming the model and the fix.
+    """
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
+                                        RepositoryNotFoundError, RevisionNotFoundError)
+
+    at = f"{model_id}@{revision}" if revision else model_id
+    try:
+        folder = snapshot_download(model_id, revision=revision, allow_patterns=MODEL_FILES)
+    except GatedRepoError:
+        raise ModelSourceError(
+            f"model {at!r} is gated: accept its licence on https://huggingface.co/{model_id} and set HF_TOKEN "
+            "(or run `hf auth login`) with an account that has access") from None
+    except RepositoryNotFoundError:
+        raise ModelSourceError(
+            f"model {at!r} was not found on the Hugging Face Hub: check the id (org/name), or set HF_TOKEN if "
+            "it is private; a local folder must exist and hold config.json") from None
+    except RevisionNotFoundError:
+        raise ModelSourceError(f"model {model_id!r} has no revision {revision!r} (branch, tag or commit)") from None
+    except LocalEntryNotFoundError:
+        why = "HF_HUB_OFFLINE is set" if _offline() else "the Hugging Face Hub cannot be reached"
+        raise ModelSourceError(
+            f"model {at!r} is not in the HF cache ({_cache_dir()}) and {why}: download it once where the "
+            f"Hub is reachable (`hf download {model_id}`) into that cache, or give a local folder") from None
+    except (HfHubHTTPError, OSError) as exc:
+        raise ModelSourceError(f"model {at!r} could not be downloaded: {str(exc).splitlines()[0][:300]}") from None
+    if not any(Path(folder).glob("*.safetensors")):
+        raise ModelSourceError(f"model {at!r} has no *.safetensors weights (gyre loads safetensors only)")
+    return folder, Path(folder).name
+
+
+def localize(model: str, model_id: str | None, revision: str | None) -> str:
+    """The local folder of a policy on this node: ``model`` if it is a folder here, else ``model_id`` at
+    ``revision`` fetched into this node's HF cache (:func:`resolve`). With no ``model_id``, ``model`` as is.
+
+    Raises:
+        ModelSourceError: as :func:`resolve`.
+    """
+    if model_id is None or (Path(model) / "config.json").is_file():
+        return model
+    return resolve(model_id, revision)[0]
+
+
+def _cache_dir() -> str:
+    from huggingface_hub import constants
+
+    return str(constants.HF_HUB_CACHE)
+
+
+DRY_RUN = "gyre_dry_run"
+"""Validation-context key (``Model.model_validate(data, context={DRY_RUN: True})``): leave Hub ids unresolved
+and skip the local-folder checks (``gyre run --dry-run`` downloads nothing)."""
+
+
+def resolving_models(info) -> bool:
+    """False inside a dry-run validation (``info``: pydantic's ``ValidationInfo``), where ids stay ids."""
+    return not (info.context or {}).get(DRY_RUN, False)
+
+
+def localize_model_data(data, info):
+    """``mode="before"`` validator body shared by the engine configs: replace ``data["model"]`` with this
+    node's folder of ``model_id`` at ``model_revision`` (:func:`localize`) when the given folder is not here.
+
+    Raises:
+        ValueError: as :func:`resolve` (``ModelSourceError`` is a ``ValueError``, so pydantic reports it under
+            the config's key).
+    """
+    if not isinstance(data, dict) or not resolving_models(info) or not isinstance(data.get("model"), str):
+        return data
+    model_id, revision = data.get("model_id"), data.get("model_revision")
+    if model_id is None:
+        return data
+    return {**data, "model": localize(data["model"], model_id, revision)}
