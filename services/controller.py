@@ -21,7 +21,7 @@ import structlog
 from ray.exceptions import GetTimeoutError, RayActorError
 from rich.console import Console
 
-from services.ops import create_state
+from services.ops import CONNECTION_FILE, create_state, record_connection
 from services.progress import RunProgress
 from services.recipe import Recipe
 from services.report import MetricsWriter, plot_run, read_metrics
@@ -36,11 +36,17 @@ def actor_env() -> dict:
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
            "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(REPO / ".cache/torch_extensions")),
            "TOKENIZERS_PARALLELISM": "false"}
-    for key in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS", "HF_HUB_OFFLINE",
-                "VLLM_ENABLE_V1_MULTIPROCESSING"):
+    for key in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS", "VLLM_ENABLE_V1_MULTIPROCESSING",
+                *HF_ENV):
         if key in os.environ:
             env[key] = os.environ[key]
     return env
+
+
+HF_ENV = ("HF_HUB_OFFLINE", "HF_HOME", "HF_HUB_CACHE", "HF_ENDPOINT")
+"""Hugging Face settings a service inherits from the driver, so that a node fetching a Hub id's pinned commit
+(``proto.model_source.localize``) uses the same cache layout, endpoint and offline choice. Tokens are not
+passed through Ray: a node that fetches a gated model needs its own ``HF_TOKEN`` / ``hf auth login``."""
 
 
 def task_fingerprint(recipe: Recipe) -> str:
@@ -94,7 +100,9 @@ def run(recipe: Recipe, console: Console | None = None) -> dict:
     init_ray(recipe.ray.address, num_cpus=recipe.ray.num_cpus, namespace=recipe.ray.namespace,
              include_dashboard=False, log_to_driver=False, object_store_memory=256 * 1024**2
              if recipe.ray.address == "local" else None)
-    (out / "ray_address").write_text(ray.get_runtime_context().gcs_address)  # for `gyre status` and friends
+    # for `gyre status` and friends: the address (kept for scripts) and how to join (address, auth mode, token file)
+    (out / "ray_address").write_text(ray.get_runtime_context().gcs_address)
+    record_connection(out)
     metrics = MetricsWriter(out / "metrics.jsonl")
     state = sup = None
     try:
@@ -118,6 +126,7 @@ def run(recipe: Recipe, console: Console | None = None) -> dict:
     finally:
         metrics.close()
         (out / "ray_address").unlink(missing_ok=True)
+        (out / CONNECTION_FILE).unlink(missing_ok=True)
         ray.shutdown()
     summary["plot"] = str(plot_run(out / "metrics.jsonl", out / "reward_accuracy.png"))
     summary["wall_time_s"] = round(time.time() - t0, 1)

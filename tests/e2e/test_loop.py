@@ -1,4 +1,5 @@
-"""The whole loop on a tiny random Llama (real vLLM, DeepSpeed, gRPC, a local Ray), then
+"""The whole loop on a tiny random Llama named by Hub id (``model: gyre-test/tiny-llama``, from a pre-populated
+offline HF cache; real vLLM, DeepSpeed, gRPC, a local Ray), then
 `gyre run --resume auto` on its directory: it continues the run, a finished run says so.
 
 One directory, three runs: a 3-step run with held-out evaluations before and after, its resume to 5
@@ -15,14 +16,24 @@ from services import controller
 from services.invariants import check_run
 from services.recipe import load_recipe
 from services.report import read_metrics
+from tests.hf_cache import TINY_ID, populate_hf_cache, use_hf_cache
 
 pytestmark = pytest.mark.slow
 
 
-def _recipe(tiny_llama, tmp_path, steps, eval_after=True):
+def _recipe(tmp_path, steps, eval_after=True):
+    """The tiny Llama by Hub id (``model: gyre-test/tiny-llama``), resolved from the pre-populated HF cache."""
     return load_recipe("deploy/recipes/tiny-test.yaml", {
-        "model": str(tiny_llama), "run_dir": str(tmp_path), "ray.num_cpus": 2, "learner.num_steps": steps,
+        "model": TINY_ID, "run_dir": str(tmp_path), "ray.num_cpus": 2, "learner.num_steps": steps,
         "learner.save_interval": 1, "learner.resume": "auto", "eval_after": eval_after})
+
+
+@pytest.fixture
+def hub_cache(tiny_llama, tmp_path, monkeypatch):
+    """An offline HF cache holding the tiny Llama as ``gyre-test/tiny-llama``; yields its commit."""
+    commit = populate_hf_cache(tmp_path / "hf-cache", TINY_ID, tiny_llama)
+    use_hf_cache(monkeypatch, tmp_path / "hf-cache")
+    return commit
 
 
 def _check_first_run(summary, recipe, out):
@@ -54,13 +65,16 @@ def _check_first_run(summary, recipe, out):
     assert report.counts["rollout_version_events"] >= 3  # setup + at least two applied versions
 
 
-def test_three_learner_steps_reach_the_rollout_and_resume_auto_continues_the_run(tiny_llama, tmp_path):
+def test_three_learner_steps_reach_the_rollout_and_resume_auto_continues_the_run(hub_cache, tmp_path):
     out = tmp_path / "tiny-test"
-    recipe = _recipe(tiny_llama, tmp_path, 3)
+    recipe = _recipe(tmp_path, 3)
+    assert (recipe.model_id, recipe.model_revision) == (TINY_ID, hub_cache)  # the id, pinned to its commit
     _check_first_run(controller.run(recipe), recipe, out)
+    resolved = json.loads((out / "recipe.json").read_text())
+    assert (resolved["model_id"], resolved["model_revision"]) == (TINY_ID, hub_cache)
 
     console = Console(file=io.StringIO(), width=300)
-    second = controller.run(_recipe(tiny_llama, tmp_path, 5, eval_after=False), console)
+    second = controller.run(_recipe(tmp_path, 5, eval_after=False), console)
     printed = console.file.getvalue()
     assert second["final_version"] == 5
     assert f"learner resumed from {out / 'checkpoints' / 'global_step_3'} (policy version 3)" in printed
@@ -71,5 +85,5 @@ def test_three_learner_steps_reach_the_rollout_and_resume_auto_continues_the_run
     assert second["replay"]["acked_groups_total"] == 5 * 2  # replay's counters survived the restart
 
     console = Console(file=io.StringIO(), width=300)
-    third = controller.run(_recipe(tiny_llama, tmp_path, 5), console)
+    third = controller.run(_recipe(tmp_path, 5), console)
     assert third["already_finished"] and "run tiny-test already finished (policy version 5)" in console.file.getvalue()
