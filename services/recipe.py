@@ -296,7 +296,9 @@ def load_recipe(path: str | Path, overrides: dict[str, Any] | None = None, dry_r
     try:
         recipe = Recipe.model_validate(data, context={DRY_RUN: dry_run})
     except ValidationError as exc:
-        raise RecipeError(f"recipe {path}:\n{format_validation_error(exc)}") from None
+        problems = format_validation_error(exc)
+        sep = " " if "\n" not in problems else "\n"  # one problem: one line
+        raise RecipeError(f"recipe {path}:{sep}{problems.strip() if sep == ' ' else problems}") from None
     _check_resources(recipe, path)
     return recipe
 
@@ -380,7 +382,7 @@ def format_validation_error(exc: ValidationError) -> str:
         elif err["type"] == "missing":
             lines.append(f"  {loc}: required key is missing")
         elif not err["loc"]:  # a whole-recipe check: its message names the values, the input is the recipe
-            lines.append(f"  {err['msg']}")
+            lines.append(f"  {err['msg'].removeprefix('Value error, ')}")
         else:
             lines.append(f"  {loc}: {err['msg']} (got {err.get('input')!r})")
     return "\n".join(lines)
