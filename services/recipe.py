@@ -326,7 +326,8 @@ def _resolve_model(data: dict, path: Path, dry_run: bool) -> None:
 
 
 def check_machine(recipe: Recipe, cuda_devices: int | None = None) -> None:
-    """Refuse, before anything starts, a recipe this install or machine cannot run: GPUs asked for
+    """Refuse, before anything starts, a recipe this install or machine cannot run: vLLM rollouts with no
+    engine installed (a base install), GPUs asked for
     (``placement``) or the NCCL weight transport with the cpu target installed, or, for a private local Ray
     (``ray.address: local``), more GPUs than this machine has. On a cluster the GPUs are the nodes', not
     this driver's, and are left to Ray's placement.
@@ -341,11 +342,15 @@ def check_machine(recipe: Recipe, cuda_devices: int | None = None) -> None:
 
     need = recipe.gpus_needed
     nccl = recipe.rollout.engine.weight_transport.type == "nccl"
+    target = installed_target()
+    if target is None and recipe.rollout.engine.kind == "vllm":
+        raise RecipeError(f"recipe {recipe.name} runs vLLM rollouts, but no inference engine is installed (a base "
+                          "install): add a target, `pip install --no-deps -r requirements/cpu.lock` or "
+                          "requirements/cuda.lock (or `make setup`)")
     if not need and not nccl:
         return
     what = ", ".join(f"{role} {n:g}" for role, n in need.items()) or "none"
     asks = f"recipe {recipe.name} asks for GPUs (placement: {what}; weight transport {recipe.rollout.engine.weight_transport.type})"
-    target = installed_target()
     if target != "cuda":
         raise RecipeError(f"{asks}, but this environment has the {target or 'base (no engine)'} target: install "
                           "the cuda target (`make setup GYRE_TARGET=cuda` or `pip install --no-deps -r "

@@ -78,6 +78,13 @@ def test_gpu_recipe_on_the_cpu_target_is_refused_before_anything_starts():
     assert "this environment has the cpu target" in str(err.value) and "GYRE_TARGET=cuda" in str(err.value)
 
 
+def test_a_vllm_recipe_on_a_base_install_is_refused(monkeypatch, tiny_llama):
+    monkeypatch.setattr(install_check, "installed_target", lambda: None)
+    recipe = load_recipe(REPO / "deploy/recipes/tiny-test.yaml", {"model": str(tiny_llama)})
+    with pytest.raises(RecipeError, match="runs vLLM rollouts, but no inference engine is installed"):
+        check_machine(recipe)
+
+
 def test_gpu_recipe_asking_more_gpus_than_this_machine_has_is_refused(monkeypatch):
     monkeypatch.setattr(install_check, "installed_target", lambda: "cuda")
     recipe = load_recipe(REPO / "deploy/recipes/qwen2.5-1.5b-gsm8k-1node.yaml", dry_run=True)
