@@ -114,8 +114,8 @@ def _ops(args: argparse.Namespace, console: Console) -> int:
     from services import ops
 
     try:
-        name, address = ops.resolve_run(args.run, args.namespace, args.run_dir, args.address)
-        state = ops.connect(name, args.namespace, address)
+        name, conn = ops.resolve_run(args.run, args.namespace, args.run_dir, args.address)
+        state = ops.connect(name, args.namespace, conn)
         if args.command == "status":
             st = ops.status(state)
             text = json.dumps(st, indent=2) if args.json else ops.format_status(st)

@@ -70,21 +70,22 @@ def test_status_text_shows_services_versions_lag_and_restarts():
 
 
 def test_recorded_ray_address_is_used_unless_one_is_given(tmp_path):
-    assert ops.ray_address_for("r", tmp_path) == "auto"
+    assert ops.connection_for("r", tmp_path) == ops.RayConnection("auto")
     (tmp_path / "r").mkdir()
-    (tmp_path / "r" / "ray_address").write_text("10.0.0.1:6379\n")
-    assert ops.ray_address_for("r", tmp_path) == "10.0.0.1:6379"
-    assert ops.ray_address_for("r", tmp_path, "10.9.9.9:6379") == "10.9.9.9:6379"
+    (tmp_path / "r" / "ray_address").write_text("10.0.0.1:6379\n")  # a run from before ray_connection.json
+    assert ops.connection_for("r", tmp_path) == ops.RayConnection("10.0.0.1:6379")
+    assert ops.connection_for("r", tmp_path, "10.9.9.9:6379") == ops.RayConnection("10.9.9.9:6379")
 
 
 def test_ops_command_without_a_cluster_says_no_run_is_running(capsys, monkeypatch):
     def no_cluster(**kwargs):
         raise ConnectionError("Could not find any running Ray instance.")
 
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")  # set: the ops commands leave Ray's auth settings alone
     monkeypatch.setattr(ops.ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ops.ray, "init", no_cluster)
     with pytest.raises(OpsError, match="no running gyre run named r in namespace ns: no Ray cluster at auto"):
-        ops.connect("r", "ns", "auto")
+        ops.connect("r", "ns", ops.RayConnection("auto"))
     code = cli.main(["status", "ghost", "--namespace", "ns", "--run-dir", "/nonexistent"])
     out = " ".join(capsys.readouterr().out.split())
     assert code == 2 and "no running gyre run named ghost in namespace ns" in out
