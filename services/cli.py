@@ -34,7 +34,8 @@ def _ops_options(p: argparse.ArgumentParser, run_positional: bool) -> None:
     else:
         p.add_argument("--run", help="run name (default: the only run running in the namespace)")
     p.add_argument("--namespace", default="gyre", help="Ray namespace of the run (recipe ray.namespace)")
-    p.add_argument("--address", help="Ray address (default: {run_dir}/{run}/ray_address, else auto)")
+    p.add_argument("--address", help="Ray address (default: the one in {run_dir}/{run}/ray_connection.json, "
+                                      "with its auth settings; else auto)")
     p.add_argument("--run-dir", default="runs", help="where run directories are (recipe run_dir)")
 
 

@@ -21,7 +21,8 @@ import structlog
 from ray.exceptions import GetTimeoutError, RayActorError
 from rich.console import Console
 
-from services.ops import CONNECTION_FILE, create_state, record_connection
+from services.ops import create_state
+from services.ray_connection import CONNECTION_FILE, record_connection
 from services.progress import RunProgress
 from services.recipe import Recipe
 from services.report import MetricsWriter, plot_run, read_metrics

@@ -1,6 +1,9 @@
 from __future__ import annotations
 
 import os
+import secrets
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -13,6 +16,15 @@ from tests.tiny_model import build_tiny_llama
 # cross a process boundary as in `make run`, stays tested: tests/integration/test_engine.py and
 # test_weight_sync.py switch it back on (`vllm_worker_process`).
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+# Ray 2.60 turns token auth on for every private local Ray and, when it finds no token, writes one to
+# ~/.ray/auth_token. The tests keep token auth on (the stock behaviour users get) but read their token from a
+# file of their own, inherited by every Ray and gyre process they start: they never write the user's ~/.ray.
+if not (os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH")):
+    _token = Path(tempfile.mkdtemp(prefix="gyre-test-ray-")) / "auth_token"
+    _token.write_text(secrets.token_hex(32))
+    _token.chmod(0o600)
+    os.environ["RAY_AUTH_TOKEN_PATH"] = str(_token)
 
 
 @pytest.fixture(scope="module")

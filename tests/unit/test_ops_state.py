@@ -7,6 +7,7 @@ import time
 import pytest
 
 from services import cli, ops
+from services import ray_connection
 from services.ops import FleetRequests, OpsError
 from services.report import REPORT_PANELS, plot_report
 
@@ -70,11 +71,11 @@ def test_status_text_shows_services_versions_lag_and_restarts():
 
 
 def test_recorded_ray_address_is_used_unless_one_is_given(tmp_path):
-    assert ops.connection_for("r", tmp_path) == ops.RayConnection("auto")
+    assert ray_connection.connection_for("r", tmp_path) == ops.RayConnection("auto")
     (tmp_path / "r").mkdir()
     (tmp_path / "r" / "ray_address").write_text("10.0.0.1:6379\n")  # a run from before ray_connection.json
-    assert ops.connection_for("r", tmp_path) == ops.RayConnection("10.0.0.1:6379")
-    assert ops.connection_for("r", tmp_path, "10.9.9.9:6379") == ops.RayConnection("10.9.9.9:6379")
+    assert ray_connection.connection_for("r", tmp_path) == ops.RayConnection("10.0.0.1:6379")
+    assert ray_connection.connection_for("r", tmp_path, "10.9.9.9:6379") == ops.RayConnection("10.9.9.9:6379")
 
 
 def test_ops_command_without_a_cluster_says_no_run_is_running(capsys, monkeypatch):
