@@ -15,7 +15,8 @@ from pathlib import Path
 import yaml
 from rich.console import Console
 
-from services.recipe import RecipeError, check_machine, load_recipe
+from services.machine_check import check_machine
+from services.recipe import RecipeError, load_recipe
 
 
 def _parse_sets(items: list[str]) -> dict:

@@ -14,7 +14,8 @@ from rich.console import Console
 from rollout import install_check
 from rollout.config import EngineConfig
 from services import cli
-from services.recipe import RecipeError, check_machine, load_recipe
+from services.machine_check import check_machine
+from services.recipe import RecipeError, load_recipe
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPES = sorted((REPO / "deploy" / "recipes").glob("*.yaml"))
