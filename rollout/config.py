@@ -154,7 +154,7 @@ class EngineConfig(BaseModel):
             raise ValueError(f"model ({value!r}) contains no *.safetensors file")
         return value
 
-    def on_cuda_settings(self, cuda: bool) -> dict:
+    def device_settings(self, cuda: bool) -> dict:
         """The device-dependent vLLM engine arguments: ``enforce_eager``, ``kv_cache_memory_bytes`` and, on
         CUDA, ``gpu_memory_utilization`` and ``tensor_parallel_size`` (``None`` fields resolved per device)."""
         kv = self.kv_cache_gib if self.kv_cache_gib is not None else (None if cuda else 1.0)

@@ -126,7 +126,7 @@ class RolloutEngine:
                              "(vllm on GPUs); this is the cpu target: set rollout.engine.tensor_parallel_size: 1")
         args = AsyncEngineArgs(
             model=config.model, dtype=config.dtype, max_model_len=config.max_model_len,
-            max_num_seqs=config.max_num_seqs, **config.on_cuda_settings(cuda),
+            max_num_seqs=config.max_num_seqs, **config.device_settings(cuda),
             seed=config.seed, logprobs_mode="processed_logprobs", disable_log_stats=True,
             worker_extension_cls=f"{__name__}.{GyreWorkerExtension.__qualname__}",
             weight_transfer_config={"backend": NCCL_BACKEND} if nccl else None,

@@ -47,8 +47,8 @@ def _model_line(recipe: Recipe) -> str:
 
 
 def _kv_line(e) -> str:
-    """vLLM memory settings as each device resolves them (``EngineConfig.on_cuda_settings``)."""
-    eager = lambda cuda: e.on_cuda_settings(cuda)["enforce_eager"]  # noqa: E731
+    """vLLM memory settings as each device resolves them (``EngineConfig.device_settings``)."""
+    eager = lambda cuda: e.device_settings(cuda)["enforce_eager"]  # noqa: E731
     kv = f"kv_cache={e.kv_cache_gib:g} GiB" if e.kv_cache_gib is not None else \
         f"kv_cache=1 GiB on CPU, gpu_memory_utilization={e.gpu_memory_utilization:g} on CUDA"
     return f"{kv} tensor_parallel={e.tensor_parallel_size} enforce_eager={eager(False)} on CPU/{eager(True)} on CUDA"

@@ -118,12 +118,12 @@ def test_tensor_parallel_larger_than_a_rollouts_gpus_is_refused():
 
 def test_engine_arguments_per_device(tiny_llama):
     cfg = EngineConfig(model=str(tiny_llama))
-    assert cfg.on_cuda_settings(False) == {"enforce_eager": True, "kv_cache_memory_bytes": 1 << 30}
-    assert cfg.on_cuda_settings(True) == {"enforce_eager": False, "kv_cache_memory_bytes": None,
+    assert cfg.device_settings(False) == {"enforce_eager": True, "kv_cache_memory_bytes": 1 << 30}
+    assert cfg.device_settings(True) == {"enforce_eager": False, "kv_cache_memory_bytes": None,
                                           "gpu_memory_utilization": 0.9, "tensor_parallel_size": 1}
     pinned = EngineConfig(model=str(tiny_llama), enforce_eager=True, kv_cache_gib=0.5, tensor_parallel_size=2,
                           gpu_memory_utilization=0.5, dtype="float16")
-    assert pinned.on_cuda_settings(True) == {"enforce_eager": True, "kv_cache_memory_bytes": 1 << 29,
+    assert pinned.device_settings(True) == {"enforce_eager": True, "kv_cache_memory_bytes": 1 << 29,
                                              "gpu_memory_utilization": 0.5, "tensor_parallel_size": 2}
 
 
