@@ -16,6 +16,8 @@ from pathlib import Path
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 """``org/name`` as the Hub spells repository ids (one slash, no leading dot or dash)."""
+COMMIT = re.compile(r"^[0-9a-f]{40}$")
+"""A full git commit hash, the form a resolved ``model_revision`` takes."""
 MODEL_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
 """What a policy needs from a model repository: config, weights (safetensors only), tokenizer, chat template."""
 
@@ -53,6 +55,9 @@ def resolve(model_id: str, revision: str | None = None) -> tuple[str, str]:
                                         RepositoryNotFoundError, RevisionNotFoundError)
 
     at = f"{model_id}@{revision}" if revision else model_id
+    cached = _cached_commit(model_id, revision)
+    if cached is not None:  # a commit is immutable: its snapshot, once cached, needs no Hub call
+        return cached, revision  # type: ignore[return-value]
     try:
         folder = snapshot_download(model_id, revision=revision, allow_patterns=MODEL_FILES)
     except GatedRepoError:
@@ -75,6 +80,20 @@ def resolve(model_id: str, revision: str | None = None) -> tuple[str, str]:
     if not any(Path(folder).glob("*.safetensors")):
         raise ModelSourceError(f"model {at!r} has no *.safetensors weights (gyre loads safetensors only)")
     return folder, Path(folder).name
+
+
+def _cached_commit(model_id: str, revision: str | None) -> str | None:
+    """The HF-cache snapshot folder of ``model_id`` at ``revision`` when ``revision`` is a commit hash whose
+    ``config.json`` and safetensors are cached (``huggingface_hub.try_to_load_from_cache``); else ``None``."""
+    from huggingface_hub import try_to_load_from_cache
+
+    if revision is None or not COMMIT.fullmatch(revision):
+        return None
+    config = try_to_load_from_cache(model_id, "config.json", revision=revision)
+    if not isinstance(config, str):
+        return None
+    folder = Path(config).parent
+    return str(folder) if any(folder.glob("*.safetensors")) else None
 
 
 def localize(model: str, model_id: str | None, revision: str | None) -> str:
