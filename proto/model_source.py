@@ -10,7 +10,6 @@ node whose filesystem lacks the folder fetches exactly that commit into its own 
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 
@@ -29,10 +28,6 @@ class ModelSourceError(ValueError):
 def is_hub_id(model: str) -> bool:
     """True when ``model`` names a Hub repository (``org/name``) rather than an existing local path."""
     return bool(HUB_ID.match(model)) and not Path(model).expanduser().exists()
-
-
-def _offline() -> bool:
-    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def resolve(model_id: str, revision: str | None = None) -> tuple[str, str]:
@@ -71,7 +66,9 @@ def resolve(model_id: str, revision: str | None = None) -> tuple[str, str]:
     except RevisionNotFoundError:
         raise ModelSourceError(f"model {model_id!r} has no revision {revision!r} (branch, tag or commit)") from None
     except LocalEntryNotFoundError:
-        why = "HF_HUB_OFFLINE is set" if _offline() else "the Hugging Face Hub cannot be reached"
+        from huggingface_hub import constants
+
+        why = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else "the Hugging Face Hub cannot be reached"
         raise ModelSourceError(
             f"model {at!r} is not in the HF cache ({_cache_dir()}) and {why}: download it once where the "
             f"Hub is reachable (`hf download {model_id}`) into that cache, or give a local folder") from None
@@ -134,7 +131,4 @@ def localize_model_data(data, info):
     """
     if not isinstance(data, dict) or not resolving_models(info) or not isinstance(data.get("model"), str):
         return data
-    model_id, revision = data.get("model_id"), data.get("model_revision")
-    if model_id is None:
-        return data
-    return {**data, "model": localize(data["model"], model_id, revision)}
+    return {**data, "model": localize(data["model"], data.get("model_id"), data.get("model_revision"))}
