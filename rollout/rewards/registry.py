@@ -9,6 +9,10 @@ Names:
 - ``math_exact``: exact match after normalisation against ``entry["answer"]`` (``math_exact.py``).
 - ``humaneval``: the completion plus the problem's tests run in the sandbox (``sandbox.py``);
   1.0 iff every test passes.
+- ``char_fraction``: a dense shaping score, the fraction of the response's characters that are in
+  ``params.chars``. Every response earns a graded score, so GRPO's group-normalised advantages are non-zero
+  even for a randomly initialised model; gyre's smoke-test recipes (``deploy/recipes/tiny-*.yaml``) use it so
+  that every learner step moves the weights.
 
 A scorer never kills its caller: ``RewardFn.score`` turns an exception into reward 0.0 with a
 ``reward_error`` (``raised: <Type>: <message>``); the sandbox's timeout/memory/forbidden/error
@@ -17,6 +21,7 @@ outcomes of a code reward are reported the same way (``sandbox-<status>: <detail
 
 from __future__ import annotations
 
+import hashlib
 import math
 import re
 from abc import ABC, abstractmethod
@@ -43,7 +48,7 @@ class RewardConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     name: str
-    """A registered name: ``reasoning_gym:<dataset>``, ``math_exact`` or ``humaneval``."""
+    """A registered name: ``reasoning_gym:<dataset>``, ``math_exact``, ``humaneval`` or ``char_fraction``."""
     params: dict[str, Any] = Field(default_factory=dict)
     """Parameters of that reward (validated by its own model, unknown keys refused)."""
     timeout_s: float = Field(30.0, gt=0)
@@ -165,6 +170,36 @@ class HumanEvalReward(RewardFn):
         return 0.0, f"sandbox-{result.status}: {result.detail}"[:500]
 
 
+class _CharFractionParams(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    chars: str = Field(min_length=1)
+    """The characters that score (each counted once, order irrelevant), e.g. ``"0123456789 "``."""
+
+
+class CharFractionReward(RewardFn):
+    """``char_fraction``: ``|{i : response[i] in chars}| / len(response)`` (0.0 for an empty response).
+
+    A dense, graded reward: two different responses almost never tie, so a group's rewards have non-zero
+    variance and its GRPO advantages are non-zero from the first step, for any model. Reads nothing of the
+    problem entry. Version ``char-fraction-v1:<sha256 of the sorted character set, 12 hex>``.
+    """
+
+    name = "char_fraction"
+
+    def __init__(self, params: _CharFractionParams) -> None:
+        self.chars = frozenset(params.chars)
+        digest = hashlib.sha256("".join(sorted(self.chars)).encode()).hexdigest()[:12]
+        self.version = f"char-fraction-v1:{digest}"
+
+    def check_entry(self, entry: dict) -> None:
+        """Any entry: the score depends on the response only."""
+
+    def _score(self, response: str, entry: dict) -> tuple[float, str]:
+        if not response:
+            return 0.0, ""
+        return sum(ch in self.chars for ch in response) / len(response), ""
+
+
 def _params(model: type[BaseModel], name: str, params: dict) -> BaseModel:
     try:
         return model.model_validate(params)
@@ -181,7 +216,12 @@ def _humaneval(cfg: RewardConfig, dataset) -> RewardFn:
     return HumanEvalReward(_params(_HumanEvalParams, cfg.name, cfg.params))
 
 
-_FACTORIES: dict[str, Callable[[RewardConfig, Any], RewardFn]] = {"math_exact": _math_exact, "humaneval": _humaneval}
+def _char_fraction(cfg: RewardConfig, dataset) -> RewardFn:
+    return CharFractionReward(_params(_CharFractionParams, cfg.name, cfg.params))
+
+
+_FACTORIES: dict[str, Callable[[RewardConfig, Any], RewardFn]] = {
+    "math_exact": _math_exact, "humaneval": _humaneval, "char_fraction": _char_fraction}
 
 
 def register_reward(name: str, factory: Callable[[RewardConfig, Any], RewardFn]) -> None:

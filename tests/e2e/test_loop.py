@@ -17,6 +17,7 @@ from services.invariants import check_run
 from services.recipe import load_recipe
 from services.report import read_metrics
 from tests.hf_cache import TINY_ID, populate_hf_cache, use_hf_cache
+from tests.training import assert_trained
 
 pytestmark = pytest.mark.slow
 
@@ -36,8 +37,9 @@ def hub_cache(tiny_llama, tmp_path, monkeypatch):
     return commit
 
 
-def _check_first_run(summary, recipe, out):
+def _check_first_run(summary, recipe, out, initial_model):
     rows = read_metrics(out / "metrics.jsonl")
+    assert_trained(out, initial_model, min_fraction=1.0)  # the dense reward gives every step a gradient
     steps = [r for r in rows if "loss" in r]
     evals = [r for r in rows if "heldout_accuracy" in r]
     assert [r["step"] for r in steps] == [1, 2, 3]
@@ -65,11 +67,11 @@ def _check_first_run(summary, recipe, out):
     assert report.counts["rollout_version_events"] >= 3  # setup + at least two applied versions
 
 
-def test_three_learner_steps_reach_the_rollout_and_resume_auto_continues_the_run(hub_cache, tmp_path):
+def test_three_learner_steps_reach_the_rollout_and_resume_auto_continues_the_run(hub_cache, tiny_llama, tmp_path):
     out = tmp_path / "tiny-test"
     recipe = _recipe(tmp_path, 3)
     assert (recipe.model_id, recipe.model_revision) == (TINY_ID, hub_cache)  # the id, pinned to its commit
-    _check_first_run(controller.run(recipe), recipe, out)
+    _check_first_run(controller.run(recipe), recipe, out, tiny_llama)
     resolved = json.loads((out / "recipe.json").read_text())
     assert (resolved["model_id"], resolved["model_revision"]) == (TINY_ID, hub_cache)
 

@@ -43,7 +43,7 @@ def test_unknown_names_list_the_known_ones():
     with pytest.raises(UnknownRewardError) as err:
         make_reward("exact_math")
     message = str(err.value)  # other test modules may have registered more names
-    assert message.startswith("unknown reward 'exact_math'; known: humaneval, math_exact, ")
+    assert message.startswith("unknown reward 'exact_math'; known: char_fraction, humaneval, math_exact, ")
     assert message.endswith(", reasoning_gym:<dataset>")
     with pytest.raises(UnknownRewardError, match="'arithmetic_typo' is not a reasoning-gym dataset.*basic_arithmetic"):
         make_reward("reasoning_gym:arithmetic_typo")
@@ -52,6 +52,21 @@ def test_unknown_names_list_the_known_ones():
     with pytest.raises(ValueError, match="bad params"):
         make_reward({"name": "math_exact", "params": {"tolerance": 0.1}})
     assert "math_exact" in known_rewards()
+
+
+def test_char_fraction_is_a_dense_graded_score_of_the_response_alone():
+    reward = make_reward({"name": "char_fraction", "params": {"chars": "0123456789 "}})
+    assert reward.score("12 ab", {}).reward == pytest.approx(3 / 5)  # '1', '2', ' ' of 5 characters
+    assert reward.score("", {}).reward == 0.0 and reward.score("xyz", {}).reward == 0.0
+    assert reward.score("4 2", {}).reward == 1.0
+    reward.check_entry({})  # reads nothing of the problem
+    # the version names the character set, whatever its order or repeats
+    assert reward.version == make_reward({"name": "char_fraction", "params": {"chars": " 9876543210 "}}).version
+    assert reward.version != make_reward({"name": "char_fraction", "params": {"chars": "0123456789"}}).version
+    with pytest.raises(ValueError, match="bad params"):
+        make_reward({"name": "char_fraction", "params": {"chars": ""}})
+    with pytest.raises(ValueError, match="bad params"):
+        make_reward("char_fraction")  # chars is required
 
 
 @pytest.mark.parametrize("response, reference, expected", [
