@@ -16,16 +16,30 @@ Arming (read at every hit, so a test may set the variable in-process; unarmed a 
 
 Every point is listed in ``POINTS``; ``parse_spec`` refuses a name that is not (a typo would otherwise arm
 nothing and the crash test would pass without a crash).
+
+Fire log (proof that a point fired, not only that the process died): with ``GYRE_FAULT_LOG=path`` set, a point
+that fires first appends one JSON line ``{point, service, incarnation, pid, hit, action, time}`` to that file and
+fsyncs it, then kills (or raises). ``service`` and ``incarnation`` come from ``GYRE_FAULT_SERVICE`` and
+``GYRE_FAULT_INCARNATION``; the supervisor sets all three for every armed incarnation (``armed_env``), into
+``{run_dir}/faults_fired.jsonl``. A crash test compares ``read_fire_log`` with what it armed: a health-check
+restart of a hung service, or a kill from elsewhere, leaves no line.
 """
 
 from __future__ import annotations
 
 import errno as _errno
+import json
 import os
 import signal
+import time
 from dataclasses import dataclass
+from pathlib import Path
 
 ENV = "GYRE_FAULT_POINT"
+LOG_ENV = "GYRE_FAULT_LOG"
+"""Path of the fire log (JSON lines); unset: fired points are not logged."""
+SERVICE_ENV = "GYRE_FAULT_SERVICE"
+INCARNATION_ENV = "GYRE_FAULT_INCARNATION"
 
 POINTS: dict[str, str] = {
     # replay (replay/wal.py, replay/snapshot.py, replay/durable.py)
@@ -121,8 +135,65 @@ def _raise(name: str, code: int) -> None:
     raise OSError(code, f"{os.strerror(code)} (injected at fault point {name!r})")
 
 
+def armed_env(spec: str, log: str | os.PathLike, service: str, incarnation: int) -> dict[str, str]:
+    """Environment variables that arm ``spec`` in a service process and log its fires to ``log``.
+
+    Args:
+        spec: a ``GYRE_FAULT_POINT`` value (``parse_spec``); ``""`` gives ``{}`` (a clean incarnation).
+        log: the fire log's path (JSON lines, appended by every armed process of a run).
+        service: the service name recorded with each fire (``replay``, ``learner``, ``rollout-<i>``).
+        incarnation: 0-based index of the process among that service's processes.
+    """
+    if not spec:
+        return {}
+    return {ENV: spec, LOG_ENV: str(log), SERVICE_ENV: service, INCARNATION_ENV: str(incarnation)}
+
+
+def read_fire_log(path: str | os.PathLike) -> list[dict]:
+    """The fire log's records in the order written (``[]`` if the file does not exist).
+
+    Each record: ``point`` (str), ``service`` (str, ``""`` if unset), ``incarnation`` (int, -1 if unset),
+    ``pid`` (int), ``hit`` (int, the hit that fired), ``action`` (``"SIGKILL"`` or an errno name) and
+    ``time`` (float, Unix seconds).
+
+    Raises:
+        ValueError: a line that is not a JSON object (the log is fsync'd line by line, so a torn last line
+            means something other than a fault point wrote the file).
+    """
+    path = Path(path)
+    if not path.exists():
+        return []
+    out = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"fire log {path}: line {n} is not JSON ({exc}): {line[:200]!r}") from exc
+        if not isinstance(row, dict):
+            raise ValueError(f"fire log {path}: line {n} is not a JSON object: {line[:200]!r}")
+        out.append(row)
+    return out
+
+
+def _log_fire(name: str, hit: int, action: str) -> None:
+    """Append this fire to ``GYRE_FAULT_LOG`` (one ``write`` of one line, O_APPEND) and fsync it."""
+    path = os.environ.get(LOG_ENV)
+    if not path:
+        return
+    row = {"point": name, "service": os.environ.get(SERVICE_ENV, ""),
+           "incarnation": int(os.environ.get(INCARNATION_ENV) or -1), "pid": os.getpid(), "hit": hit,
+           "action": action, "time": time.time()}
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, (json.dumps(row) + "\n").encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def fault_point(name: str) -> None:
-    """SIGKILL this process, or raise ``OSError``, if ``name`` is armed and its hit count is reached.
+    """SIGKILL this process, or raise ``OSError``, if ``name`` is armed and its hit count is reached; the
+    first fire is appended to the fire log (``GYRE_FAULT_LOG``) and fsync'd before the kill or the error.
 
     Raises:
         OSError: an error is armed for ``name`` (``inject_error`` or ``GYRE_FAULT_POINT=name:ERRNO``).
@@ -135,6 +206,8 @@ def fault_point(name: str) -> None:
         return
     _hits[name] = _hits.get(name, 0) + 1
     if _hits[name] >= armed.nth:
+        if _hits[name] == armed.nth:
+            _log_fire(name, _hits[name], _errno.errorcode[armed.errno] if armed.errno is not None else "SIGKILL")
         if armed.errno is not None:
             _raise(name, armed.errno)
         os.kill(os.getpid(), signal.SIGKILL)

@@ -19,6 +19,8 @@ from services.recipe import Recipe
 
 
 ROLES = ("replay", "learner", "rollout")
+FIRE_LOG = "faults_fired.jsonl"
+"""File name, under the run directory, of the fault points' fire log (``faults``)."""
 
 
 def actor_name(run: str, service: str) -> str:
@@ -56,15 +58,18 @@ class ServiceFactory:
         self.checkpoint_dir = out / "checkpoints"
         self.rollout_journal_dir = out / "rollouts"
         """Each rollout's run journal goes to ``{rollout_journal_dir}/rollout-{i}.jsonl`` (``gyre check``)."""
+        self.fire_log = out / FIRE_LOG
+        """Where armed incarnations log the fault points that fired (``faults.read_fire_log``)."""
         self.incarnations: dict[str, int] = {}
         """Service name → actors created for it by this factory (re-attached ones do not count)."""
 
     def fault_env(self, service: str, incarnation: int) -> dict:
-        """``env_vars`` of incarnation ``incarnation`` (0-based) of ``service``: ``self.env`` plus
-        ``GYRE_FAULT_POINT`` when the recipe's ``faults[service]`` arms that incarnation (``faults``)."""
+        """``env_vars`` of incarnation ``incarnation`` (0-based) of ``service``: ``self.env`` plus, when the
+        recipe's ``faults[service]`` arms that incarnation, ``GYRE_FAULT_POINT`` and the fire log's variables
+        (``faults.armed_env``; the log is ``{run_dir}/faults_fired.jsonl``)."""
         specs = self.recipe.faults.get(service, [])
         spec = specs[incarnation] if incarnation < len(specs) else ""
-        return {**self.env, faults.ENV: spec} if spec else dict(self.env)
+        return {**self.env, **faults.armed_env(spec, self.fire_log, service, incarnation)}
 
     def _options(self, role: str, service: str, env: dict | None = None, **extra) -> dict:
         return {"name": actor_name(self.recipe.name, service), "namespace": self.recipe.ray.namespace,

@@ -84,14 +84,19 @@ def test_each_incarnation_gets_its_own_fault_spec():
                           "rollout-1": ["", "rollout.apply_weights"]})
     factory = ServiceFactory(recipe, dict(BASE_ENV), "fp")
     cls = FakeActorClass()
+    log = str(recipe.out_dir.resolve() / "faults_fired.jsonl")
     learners = [factory._create(cls, "learner", "learner") for _ in range(3)]
     assert [env_of(h) for h in learners] == [
-        {**BASE_ENV, faults.ENV: "learner.ckpt.mid_write#2"},
-        {**BASE_ENV, faults.ENV: "learner.publish.mid_stream"},
+        {**BASE_ENV, faults.ENV: "learner.ckpt.mid_write#2", faults.LOG_ENV: log, faults.SERVICE_ENV: "learner",
+         faults.INCARNATION_ENV: "0"},
+        {**BASE_ENV, faults.ENV: "learner.publish.mid_stream", faults.LOG_ENV: log, faults.SERVICE_ENV: "learner",
+         faults.INCARNATION_ENV: "1"},
         BASE_ENV,  # the third learner runs clean
     ]
     rollouts = [factory._create(cls, "rollout", "rollout-1") for _ in range(3)]
-    assert [env_of(h) for h in rollouts] == [BASE_ENV, {**BASE_ENV, faults.ENV: "rollout.apply_weights"}, BASE_ENV]
+    assert [env_of(h) for h in rollouts] == [BASE_ENV, {
+        **BASE_ENV, faults.ENV: "rollout.apply_weights", faults.LOG_ENV: log, faults.SERVICE_ENV: "rollout-1",
+        faults.INCARNATION_ENV: "1"}, BASE_ENV]
     # services without a faults entry, and the factory's own env, are never armed
     assert env_of(factory._create(cls, "replay", "replay")) == BASE_ENV
     assert env_of(factory._create(cls, "rollout", "rollout-0")) == BASE_ENV
@@ -107,7 +112,8 @@ def test_a_reattached_actor_is_not_an_incarnation(monkeypatch):
     assert factory.attach("replay") is live  # an earlier driver's replay: it keeps whatever env it had
     assert factory.incarnations == {}
     first = factory._create(FakeActorClass(), "replay", "replay")
-    assert env_of(first) == {**BASE_ENV, faults.ENV: "replay.wal.after_roll#3"}
+    assert env_of(first)[faults.ENV] == "replay.wal.after_roll#3"
+    assert env_of(first)[faults.INCARNATION_ENV] == "0"
 
 
 def test_a_name_still_held_by_a_killed_actor_is_retried_as_the_same_incarnation(monkeypatch):
@@ -124,5 +130,6 @@ def test_a_name_still_held_by_a_killed_actor_is_retried_as_the_same_incarnation(
             return super().options(**opts)
 
     handle = factory._create(NameTakenOnce(), "replay", "replay")
-    assert len(calls) == 2 and env_of(handle) == {**BASE_ENV, faults.ENV: "replay.wal.after_roll#3"}
+    assert len(calls) == 2 and env_of(handle)[faults.ENV] == "replay.wal.after_roll#3"
+    assert env_of(handle)[faults.INCARNATION_ENV] == "0"
     assert factory.incarnations == {"replay": 1}

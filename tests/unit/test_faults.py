@@ -65,3 +65,41 @@ def test_an_errno_spec_raises_from_the_nth_hit_on(monkeypatch):
         with pytest.raises(OSError) as info:
             faults.fault_point("rollout.spool.flush")
         assert info.value.errno == errno.EIO
+
+
+def test_a_fired_point_is_logged_and_fsynced_before_the_kill(tmp_path):
+    log = tmp_path / "fired.jsonl"
+    code = ("import faults\n"
+            "for i in range(5):\n"
+            "    faults.fault_point('rollout.apply_weights')\n")
+    env = {**os.environ, **faults.armed_env("rollout.apply_weights#3", log, "rollout-2", 1), "PYTHONPATH": REPO}
+    procs = [subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, timeout=60) for _ in range(2)]
+    assert [p.returncode for p in procs] == [-9, -9]
+    rows = faults.read_fire_log(log)  # appended by both processes, one line each
+    assert [(r["point"], r["service"], r["incarnation"], r["hit"], r["action"]) for r in rows] == [
+        ("rollout.apply_weights", "rollout-2", 1, 3, "SIGKILL")] * 2
+    assert len({r["pid"] for r in rows}) == 2
+
+
+def test_unfired_and_unlogged_points_leave_no_line(tmp_path, monkeypatch):
+    log = tmp_path / "fired.jsonl"
+    monkeypatch.setattr(faults, "_hits", {})  # hit counts are per process: other tests' hits do not count
+    for key, value in faults.armed_env("rollout.spool.flush#3:EIO", log, "rollout-0", 0).items():
+        monkeypatch.setenv(key, value)
+    faults.fault_point("rollout.spool.flush")
+    faults.fault_point("rollout.apply_weights")  # not armed
+    assert faults.read_fire_log(log) == []
+    faults.fault_point("rollout.spool.flush")
+    for _ in range(2):  # an errno point fires from its 3rd hit on; the log records the first fire only
+        with pytest.raises(OSError):
+            faults.fault_point("rollout.spool.flush")
+    [row] = faults.read_fire_log(log)
+    assert (row["point"], row["hit"], row["action"], row["pid"]) == ("rollout.spool.flush", 3, "EIO", os.getpid())
+    assert faults.armed_env("", log, "replay", 0) == {}
+
+
+def test_a_torn_fire_log_is_named(tmp_path):
+    log = tmp_path / "fired.jsonl"
+    log.write_text('{"point": "x"}\n{"point": ')
+    with pytest.raises(ValueError, match="line 2 is not JSON"):
+        faults.read_fire_log(log)
