@@ -318,7 +318,11 @@ def measure(root: Path, quick: bool) -> dict:
     _, async_rows = run_phase(asyn, chaos)
     log(f"async run done ({time.monotonic() - t0:.0f} s); chaos error: {chaos.error!r}")
     result = build_result(sync_rows, async_rows, warmup, steps, chaos.kills, sim_gen_s)
-    return result | {"sync_weight_updates": sync_summary["rollout_stats"][0]["weight_updates"], "quick": quick,
+    from tests.training import training_summary
+
+    trained = {name: {k: t[k] for k in ("steps", "steps_with_grad", "tensors", "tensors_moved")}
+               for name, r in (("sync", sync), ("async", asyn)) if (t := training_summary(r.out_dir, model))}
+    return result | {"training": trained,"sync_weight_updates": sync_summary["rollout_stats"][0]["weight_updates"], "quick": quick,
                      "wall_s": round(time.monotonic() - t0, 1),
                      "chaos_error": None if chaos.error is None else repr(chaos.error)[:300]}
 

@@ -249,8 +249,18 @@ def soak(args: argparse.Namespace) -> dict:
             "fleet_sizes_seen": seen.get("fleet_sizes"), "stalls": n_stalls, "stall_threshold_s": args.stall_s,
             "longest_gap_s": longest, "recovery_s": recovery(kills), "steps": summary["final_version"],
             "num_steps": steps, "wall_s": round(time.monotonic() - t0, 1), "chaos_s": seen.get("chaos_s"),
-            "invariants": invariants(recipe.out_dir), "chaos_error": seen.get("error", "no chaos.json written"),
+            "invariants": invariants(recipe.out_dir), "training": trained(recipe.out_dir, model),
+            "chaos_error": seen.get("error", "no chaos.json written"),
             "run_dir": str(recipe.out_dir)}
+
+
+def trained(out: Path, model: Path) -> dict:
+    """Whether the run trained: learner steps with ``grad_norm > 0`` and final-policy tensors that moved from
+    the initial model (``tests.training.training_summary``, without its name lists)."""
+    from tests.training import training_summary
+
+    summary = training_summary(out, model)
+    return {k: summary[k] for k in ("steps", "steps_with_grad", "tensors", "tensors_moved")}
 
 
 def invariants(out: Path) -> dict:

@@ -3,9 +3,12 @@
 
 One run arms a list of fault specs per service (the recipe's ``faults`` section, one spec per incarnation), so a
 service is SIGKILLed at a named phase, restarted by the supervisor, killed again at the next phase, and so on;
-the last incarnation runs clean. After the run: every step was trained; each service was restarted exactly as
-many times as faults were armed for it (each armed incarnation died; nothing else did); and the invariant
-checker (``services.invariants.check_run``) finds no violation, no lost group and no group trained twice.
+the last incarnation runs clean. After the run: every step was trained, with gradients, and the final policy is
+not the initial model; the fire log (``faults.read_fire_log``: each point appends a line and fsyncs it before it
+kills) lists exactly the armed (service, incarnation, point) triples — a restart for any other reason (a hung
+service the health check gave up on) leaves no line —, each service was restarted exactly that many times; and
+the invariant checker (``services.invariants.check_run``) finds no violation, no lost group, no group trained
+twice, and ``steps × groups_per_step`` groups trained.
 
 Knobs that make every point reachable in a short run: replay WAL segments of 4 KiB (``after_roll``) and a
 snapshot every 2 s (``replay.snapshot.*``); the learner checkpoints every step in the background
@@ -30,8 +33,10 @@ import pytest
 
 import faults
 from services import controller
+from services.invariants import check_run
 from services.recipe import load_recipe
-from services.report import read_metrics
+from services.service_factory import FIRE_LOG
+from tests.training import assert_trained
 
 pytestmark = pytest.mark.slow
 
@@ -68,6 +73,17 @@ def armed_points(section: dict[str, list[str]]) -> set[str]:
     return {p for specs in section.values() for spec in specs for p in faults.parse_spec(spec)}
 
 
+def armed_fires(section: dict[str, list[str]]) -> list[tuple[str, int, str]]:
+    """(service, incarnation, point) of every armed incarnation, sorted (each spec arms one point)."""
+    return sorted((svc, i, p) for svc, specs in section.items() for i, spec in enumerate(specs)
+                  for p in faults.parse_spec(spec))
+
+
+def fires(run_dir) -> list[tuple[str, int, str]]:
+    """(service, incarnation, point) of every line of the run's fire log, sorted."""
+    return sorted((r["service"], r["incarnation"], r["point"]) for r in faults.read_fire_log(run_dir / FIRE_LOG))
+
+
 def test_the_matrix_covers_every_fault_point():
     covered = set().union(*(armed_points(run["faults"]) for run in RUNS.values()))
     assert covered == set(faults.POINTS), sorted(set(faults.POINTS) ^ covered)
@@ -96,37 +112,26 @@ def test_crash_matrix_run(name, tiny_llama, tmp_path):
     seconds = time.monotonic() - t0
 
     out = recipe.out_dir
-    expected_restarts = {svc: len([s for s in specs if s]) for svc, specs in run["faults"].items()}
+    fired, report = fires(out), check_run(out)
     info = summary["replay"]
-    row = {"run": name, "points_fired": sorted(armed_points(run["faults"])), "restarts": summary["restarts"],
+    row = {"run": name, "points_fired": sorted({p for _, _, p in fired}), "restarts": summary["restarts"],
            "steps": summary["final_version"], "groups_acked": info["acked_groups_total"],
            "trajectories_acked": info["acked_groups_total"] * recipe.rollout.group_size,
-           "wall_s": round(seconds, 1)}
-    report = _check(out)
-    if report is not None:
-        row.update(lost_groups=report.counts.get("lost_groups"),
-                   duplicates_trained=report.counts.get("duplicates_trained"), invariants_ok=report.ok)
+           "wall_s": round(seconds, 1), "lost_groups": report.counts.get("lost_groups"),
+           "duplicates_trained": report.counts.get("duplicates_trained"),
+           "trained_groups": report.counts.get("trained_groups"), "invariants_ok": report.ok}
     (out / "crash_matrix.json").write_text(json.dumps(row, indent=2))
     print(json.dumps(row))
 
     assert summary["final_version"] == run["steps"]
-    steps = [r["step"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
-    assert steps and steps[-1] == run["steps"]
-    # each armed incarnation died at its fault and was restarted once; the services without faults never were
-    assert summary["restarts"] == {"replay": 0, "learner": 0, "rollout-0": 0, **expected_restarts}
+    rows = assert_trained(out, tiny_llama)
+    assert rows[-1]["step"] == run["steps"]
+    # every armed incarnation died at its own point (the fire log proves it), and nothing else restarted
+    assert fired == armed_fires(run["faults"])
+    restarts = {svc: sum(1 for s in specs if s) for svc, specs in run["faults"].items()}
+    assert summary["restarts"] == {"replay": 0, "learner": 0, "rollout-0": 0, **restarts}
     assert info["acked_groups_total"] == run["steps"] * recipe.learner.groups_per_step
-    assert report is not None, "services.invariants is not there yet: the checker did not run"
     assert report.ok, report.to_json()
     assert report.counts["lost_groups"] == 0
     assert report.counts["duplicates_trained"] == 0
-
-
-def _check(run_dir):
-    """The invariant checker's report, or ``None`` while ``services.invariants`` does not exist yet."""
-    try:
-        from services.invariants import check_run
-    except ModuleNotFoundError as exc:
-        if exc.name != "services.invariants":
-            raise
-        return None
-    return check_run(run_dir)
+    assert report.counts["trained_groups"] == run["steps"] * recipe.learner.groups_per_step
