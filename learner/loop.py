@@ -27,7 +27,7 @@ from learner.async_save import BackgroundSaver
 from learner.publisher import WeightPublisher
 from learner.loop_config import LearnerLoopConfig
 from proto.lockstep import VersionStore
-from learner.run_journal import LearnerJournal, accepts_group_ids, group_ids_of
+from learner.run_journal import LearnerJournal, group_ids_of
 
 log = structlog.get_logger("learner")
 CONSUMER = "learner"
@@ -56,8 +56,8 @@ class LearnerLoop:
     """Runs optimizer steps; each one publishes policy version ``step`` (the initial weights are 0).
 
     Args:
-        engine: ``learner.engine.LearnerEngine`` (or a test double with ``train_step``,
-            ``named_weights``, ``version``).
+        engine: ``learner.engine.LearnerEngine``, or ``learner.ranks.LeaderEngine`` with several ranks (a
+            test double takes the same ``save_checkpoint`` parameters: every call passes ``pending_group_ids``).
         replay: where batches come from and are acknowledged.
         publisher: receives every new version's named tensors.
         pad_token_id: tokenizer pad id for right-padding.
@@ -182,13 +182,12 @@ class LearnerLoop:
             if self.config.mirror_dir is not None:
                 kwargs["after_commit"] = self._mirror
             groups = [g for lease in leases for g in self._lease_groups.get(lease, [])]
-            if accepts_group_ids(self.engine):
-                kwargs["pending_group_ids"] = groups
             if self.journal is not None:
                 self.journal.save_begin(self.engine.step, self.engine.version, groups)
             result = self.engine.save_checkpoint(
                 self.checkpoint_dir, pending_lease_ids=leases, acked_lease_count=self.acked_lease_count,
-                fingerprint=self.config.fingerprint, keep_last_n=self.config.keep_last_n, **kwargs)
+                fingerprint=self.config.fingerprint, keep_last_n=self.config.keep_last_n, pending_group_ids=groups,
+                **kwargs)
             if isinstance(result, Future):
                 self._inflight = (result, leases, name, time.monotonic())
             else:

@@ -5,8 +5,7 @@ Events (one JSON line each, fsync'd before the learner goes on):
 
 - ``save_begin`` {step, policy_version, groups}: a checkpoint save of ``step`` starts; ``groups`` are the
   ``group_id``s of the leased batches it covers. Written before the save, so a crash between the commit
-  and the ``commit`` event still leaves the group ids on disk (also in ``CheckpointMetadata.pending_group_ids``
-  when the engine stores them).
+  and the ``commit`` event still leaves the group ids on disk (also in ``CheckpointMetadata.pending_group_ids``).
 - ``commit`` {step, policy_version, groups}: that checkpoint committed; written before its leases are
   acked to replay (``LearnerLoop._on_committed``).
 - ``resume`` {step, policy_version, path, mode, newest_committed_seen, rejected: [{step, path, error}]}:
@@ -19,7 +18,6 @@ Events (one JSON line each, fsync'd before the learner goes on):
 
 from __future__ import annotations
 
-import inspect
 import time
 from pathlib import Path
 
@@ -36,14 +34,6 @@ log = structlog.get_logger("learner.journal")
 def group_ids_of(table: pa.Table) -> list[str]:
     """Distinct ``group_id`` values of a leased batch ``[rows]``, in first-appearance order."""
     return pc.unique(table.column("group_id")).to_pylist()
-
-
-def accepts_group_ids(engine) -> bool:
-    """Whether ``engine.save_checkpoint`` takes ``pending_group_ids`` (stored in the checkpoint metadata)."""
-    try:
-        return "pending_group_ids" in inspect.signature(engine.save_checkpoint).parameters
-    except (TypeError, ValueError):  # not introspectable: do not pass it
-        return False
 
 
 def _step_of(path: Path) -> int:
@@ -116,8 +106,8 @@ class LearnerJournal:
                 committed = True
         if committed:
             return
-        groups = list(getattr(meta, "pending_group_ids", []) or (last_begin or {}).get("groups", []))
+        groups = list(meta.pending_group_ids or (last_begin or {}).get("groups", []))
         log.warning("learner_journal_commit_reappended", step=meta.step, groups=len(groups),
-                    source="metadata" if getattr(meta, "pending_group_ids", None) else "save_begin")
+                    source="metadata" if meta.pending_group_ids else "save_begin")
         self.journal.append({"event": "commit", "step": meta.step, "policy_version": meta.policy_version,
                              "groups": groups, "reappended": True, "time": time.time()})

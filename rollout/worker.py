@@ -86,6 +86,9 @@ class RolloutStats:
     insert_retries: int = 0
     groups_in_flight: int = 0
     """Groups being generated now (generation tasks of ``RolloutWorker.run``)."""
+    gate_waits: int = 0
+    """Passes of the generation loop that found the version gate (``max_groups_per_version``) closed; each
+    then waits (up to 0.5 s for a group in flight to finish, else up to 0.2 s for a newer version)."""
     spool: Spool | None = None
     """The worker's spool, if configured; its gauges (``SpoolStats.as_dict``) join ``as_dict``."""
 
@@ -96,6 +99,7 @@ class RolloutStats:
                 "reward_mean": self.reward_sum / max(self.trajectories, 1),
                 "weight_updates": self.weight_updates, "last_update_s": self.last_update_s,
                 "insert_retries": self.insert_retries, "groups_in_flight": self.groups_in_flight,
+                "gate_waits": self.gate_waits,
                 **(self.spool.stats().as_dict() if self.spool else {})}
 
 
@@ -162,6 +166,8 @@ class RolloutWorker:
                 if flusher is not None and flusher.done():
                     flusher.result()  # it only ends by raising
                 gate_open = self._gate_open()
+                if not gate_open:
+                    self.stats.gate_waits += 1
                 if len(tasks) < self.config.groups_in_flight and gate_open:
                     try:
                         leases = await self._lease_one(loop)

@@ -27,6 +27,18 @@ def group_table(prompt_index: int, **kw):
     return to_table(make_group(prompt_index, **kw))
 
 
+async def until(cond, what: str, timeout_s: float = 30.0) -> None:
+    """Poll ``cond()`` every 10 ms on the running event loop until it holds; after ``timeout_s`` seconds raise
+    ``AssertionError`` naming ``what`` (a generous deadline: a loaded machine only makes it take longer)."""
+    import asyncio
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
+        await asyncio.sleep(0.01)
+
+
 class FakeClock:
     """Monotonic clock under the test's control (seconds)."""
 

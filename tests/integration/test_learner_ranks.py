@@ -60,9 +60,20 @@ def batch() -> TrainBatch:
                       staleness=torch.tensor([0, 1, 0, 2]), num_groups=2)
 
 
+def both_started(folder: Path, rank: int, timeout_s: float = 120.0) -> None:
+    """Mark this rank started (spawned, imports done) and poll until the other one is: the process group's
+    timeout (3 s in the idle modes) then bounds the rendezvous alone, not the other process's start."""
+    (folder / f"started{rank}").touch()
+    deadline = time.monotonic() + timeout_s
+    while not (folder / f"started{1 - rank}").exists():
+        assert time.monotonic() < deadline, f"rank {1 - rank} did not start within {timeout_s} s"
+        time.sleep(0.05)
+
+
 def rank_main(rank: int, port: int, out: str, mode: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     idle = mode.startswith("idle")  # collectives time out after 3 s; rank 0 idles 7 s between two steps
+    both_started(Path(out).parent, rank)
     dist.init_process_group("gloo", rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=3 if idle else 1800))
     engine = RecordingEngine()

@@ -1,7 +1,5 @@
 """The learner's run journal (``learner.run_journal``) as written by ``LearnerLoop``."""
 
-import json
-
 from learner import checkpoint as ckpt
 from learner.config import LearnerConfig
 from learner.loop import LearnerLoop, LearnerLoopConfig
@@ -26,18 +24,10 @@ class JournalCheckingReplay(FakeReplay):
 
 
 class GroupStoringEngine(CommittingEngine):
-    """``CommittingEngine`` that also stores ``pending_group_ids`` in the checkpoint metadata."""
+    """``CommittingEngine`` that also stores ``pending_group_ids`` in the checkpoint metadata (as
+    ``LearnerEngine`` does)."""
 
-    def save_checkpoint(self, root, pending_lease_ids=(), acked_lease_count=0, fingerprint="", keep_last_n=None,
-                        saver=None, after_commit=None, pending_group_ids=()):
-        final = super().save_checkpoint(root, pending_lease_ids, acked_lease_count, fingerprint, keep_last_n, saver,
-                                        after_commit)
-        meta = json.loads((final / ckpt.METADATA).read_text())
-        meta["pending_group_ids"] = list(pending_group_ids)
-        tmp = ckpt.temp_path(root, self.step)
-        final.rename(tmp)
-        (tmp / ckpt.MANIFEST).unlink()
-        return ckpt.commit(tmp, final, ckpt.CheckpointMetadata.from_dict(meta))
+    stores_group_ids = True
 
 
 def committing_loop(buf, tmp_path, engine_cls=CommittingEngine, **kw):

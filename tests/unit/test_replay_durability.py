@@ -146,27 +146,31 @@ def test_snapshots_keep_two_and_delete_covered_wal(tmp_path):
 
 
 def test_snapshot_does_not_block_inserts_and_samples(tmp_path, monkeypatch):
+    """Inserts, a sample and an ack all finish while the snapshot is held inside its write: the write waits
+    for the test to release it, and would instead time out (30 s) if they waited for the snapshot."""
     buf = TrajectoryBuffer(config(tmp_path))
     for i in range(20):
         buf.insert(group_table(i))
     real = snapshot_mod._write_arrow
+    writing, release, timed_out = threading.Event(), threading.Event(), []
 
-    def slow(*args, **kw):
-        time.sleep(1.0)  # twice per snapshot: it runs >= 2 s
+    def held(*args, **kw):
+        writing.set()
+        timed_out.append(not release.wait(30.0))
         return real(*args, **kw)
 
-    monkeypatch.setattr(snapshot_mod, "_write_arrow", slow)
+    monkeypatch.setattr(snapshot_mod, "_write_arrow", held)
     snap = threading.Thread(target=buf.snapshot)
     snap.start()
-    time.sleep(0.1)
-    t0 = time.monotonic()
+    assert writing.wait(30.0), "the snapshot never reached its write"
     for i in range(20, 30):
         buf.insert(group_table(i))
     lease, _ = buf.sample(2, 0)
     buf.ack([lease])
-    elapsed = time.monotonic() - t0
-    assert snap.is_alive() and elapsed < 1.5, elapsed
+    assert snap.is_alive() and timed_out == [], f"the foreground waited for the snapshot (timed out: {timed_out})"
+    release.set()
     snap.join()
+    assert timed_out == [False, False]  # one wait per file, both released
     buf.close()
     again = TrajectoryBuffer(config(tmp_path))
     assert again.info()["stored_groups"] == 28

@@ -6,7 +6,7 @@ from rollout.config import SamplingConfig
 from rollout.tasks import TaskConfig, TaskSource
 from rollout.worker import RolloutConfig, RolloutWorker
 from rollout.types import Sample
-from tests.fakes import FakeEngine, FakeReplay, FakeTokenizer
+from tests.fakes import FakeEngine, FakeReplay, FakeTokenizer, until
 
 TASK = TaskSource(TaskConfig(params={"min_terms": 2, "max_terms": 2, "max_digits": 1, "operators": ["+"],
                                      "allow_parentheses": False, "allow_negation": False}, heldout_size=4))
@@ -20,17 +20,24 @@ def make_worker(replay, engine=None, **cfg):
     return RolloutWorker("r0", config, TASK, engine or FakeEngine(["7"]), replay, FakeTokenizer(), seed=3)
 
 
-async def run_for(worker, seconds):
+async def run_until(worker, cond, what: str):
+    """Run ``worker`` until ``cond()`` holds (``tests.fakes.until``'s deadline), then stop it; raises what
+    ``run()`` raised if it ended first."""
     task = asyncio.create_task(worker.run())
-    await asyncio.sleep(seconds)
+    await until(lambda: task.done() or cond(), what)
     worker.stop()
     await task
+
+
+def stopped_by_backpressure(worker, buf, max_ready_groups: int):
+    """Replay holds ``max_ready_groups`` and no group is in flight: no lease can follow (nobody samples)."""
+    return lambda: buf.info()["size_groups"] >= max_ready_groups and worker.stats.groups_in_flight == 0
 
 
 def test_worker_streams_whole_scored_groups_until_backpressure():
     buf = TrajectoryBuffer(ReplayConfig())
     worker = make_worker(FakeReplay(buf), max_ready_groups=3)
-    asyncio.run(run_for(worker, 1.0))
+    asyncio.run(run_until(worker, stopped_by_backpressure(worker, buf, 3), "backpressure at 3 ready groups"))
     info = buf.info()
     # Stops leasing once 3 groups wait (at most groups_in_flight more may already be in flight).
     assert 3 <= info["size_groups"] <= 3 + 2
@@ -44,7 +51,7 @@ def test_worker_retries_inserts_while_replay_is_down_and_loses_nothing():
     buf = TrajectoryBuffer(ReplayConfig())
     replay = FakeReplay(buf, fail_inserts=3)
     worker = make_worker(replay, max_ready_groups=2, groups_in_flight=1)
-    asyncio.run(run_for(worker, 1.0))
+    asyncio.run(run_until(worker, stopped_by_backpressure(worker, buf, 2), "backpressure at 2 ready groups"))
     assert worker.stats.insert_retries == 3
     assert buf.info()["prompts_completed"] == worker.stats.groups >= 2
 
@@ -83,14 +90,15 @@ def test_spool_keeps_generating_while_inserts_fail_until_its_limit_then_flushes(
     buf = TrajectoryBuffer(ReplayConfig())
     replay = FakeReplay(buf, fail_inserts=10**9)  # replay leases prompts but acknowledges no insert
     worker = make_spool_worker(replay, tmp_path, spool_max_groups=5, groups_in_flight=1)
-    asyncio.run(run_for(worker, 1.0))
+    asyncio.run(run_until(worker, lambda: worker.spool.full() and worker.stats.groups_in_flight == 0
+                          and worker.stats.insert_retries > 0, "a full spool (inserts failing)"))
     # Generation did not wait for acks: it stopped at the spool limit (5 groups), not at the first insert.
     assert worker.stats.groups == 5 and buf.ledger.num_leased == 5
     assert worker.spool.stats().pending_groups == 5 and buf.info()["prompts_completed"] == 0
     assert worker.stats.insert_retries > 0 and worker.stats.as_dict(0)["spool_pending_groups"] == 5
     replay.fail_inserts = 0  # replay is back; a new incarnation on the same spool dir flushes first
     again = make_spool_worker(replay, tmp_path, spool_max_groups=5, groups_in_flight=1, max_ready_groups=7)
-    asyncio.run(run_for(again, 1.0))
+    asyncio.run(run_until(again, stopped_by_backpressure(again, buf, 7), "backpressure at 7 ready groups"))
     assert asyncio.run(again.flusher.drain(5.0)) == 0
     info = buf.info()
     assert info["prompts_completed"] == 5 + again.stats.groups and info["duplicates_total"] == 0
@@ -100,21 +108,15 @@ def test_spool_keeps_generating_while_inserts_fail_until_its_limit_then_flushes(
 def test_full_outage_groups_in_flight_land_in_spool_and_nothing_is_lost(tmp_path):
     from tests.fakes import OutageReplay, SlowEngine
 
-    async def until(cond, timeout_s=20.0):
-        for _ in range(int(timeout_s / 0.01)):
-            if cond():
-                return
-            await asyncio.sleep(0.01)
-        raise TimeoutError("condition not reached")
-
     async def scenario(worker, replay):
         task = asyncio.create_task(worker.run())
-        await until(lambda: buf.ledger.num_leased == 2)  # two groups leased and generating
+        await until(lambda: buf.ledger.num_leased == 2, "two groups leased and generating")
         replay.down = True
-        await asyncio.sleep(0.8)
+        await until(lambda: len(engine.generated) >= 2 and worker.stats.groups_in_flight == 0,
+                    "the groups leased before the outage to finish")
         in_outage = worker.spool.stats().pending_groups
         replay.down = False
-        await until(lambda: len(engine.generated) >= 4)  # leasing resumed after the outage
+        await until(lambda: len(engine.generated) >= 4, "leasing to resume after the outage")
         worker.stop()
         await task
         return in_outage, await worker.flusher.drain(5.0)

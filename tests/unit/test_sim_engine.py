@@ -101,23 +101,29 @@ def test_seconds_per_token_times_the_group(tiny_llama):
 
 
 def test_a_weight_update_mid_group_pauses_it_and_opens_a_span(tiny_llama):
+    """The update lands mid-group (the group is running when it starts) and pauses the group: the pause (0.6 s)
+    outlasts the group's remaining 0.4 s, so an unpaused group would be done when the update returns; a
+    paused one still owes 0.4 s of generation then."""
     weights = load_export(tiny_llama)
 
     async def scenario():
-        engine = await SimulatedEngine.start(sim_config(tiny_llama, seconds_per_group=0.6, apply_s=0.3))
+        engine = await SimulatedEngine.start(sim_config(tiny_llama, seconds_per_group=0.6, apply_s=0.6))
         t0 = time.monotonic()
         group = asyncio.create_task(engine.generate([1, 2], 2, SAMPLING, "r", seed=1))
-        await asyncio.sleep(0.3)
+        await asyncio.sleep(0.2)
+        running_at_update = not group.done()
         await engine.update_weights(1, weights)
+        running_after_update = not group.done()
         samples = await group
-        return engine, samples, time.monotonic() - t0
+        return engine, samples, (running_at_update, running_after_update), time.monotonic() - t0
 
-    engine, samples, elapsed = asyncio.run(scenario())
+    engine, samples, running, elapsed = asyncio.run(scenario())
+    assert running == (True, True), "the group finished during the update: it was not paused"
     assert engine.version == 1 and engine.applied_bytes == sum(t.numel() * t.element_size() for _, t in weights)
     for s in samples:
         assert s.version_span_versions == [0, 1]
         assert 0 < s.version_span_starts[1] < 12
-    assert elapsed >= 0.6 + 0.3  # the pause did not count as generation time
+    assert elapsed >= 0.6 + 0.6  # the pause did not count as generation time
 
 
 def test_update_weights_refuses_stale_versions_wrong_tensors_and_manifests(tiny_llama):

@@ -10,7 +10,7 @@ from replay.config import ReplayConfig
 from rollout.config import EngineConfig, SamplingConfig
 from rollout.tasks import TaskConfig, TaskSource
 from rollout.worker import RolloutConfig, RolloutWorker
-from tests.fakes import FakeEngine, FakeReplay, FakeTokenizer, SlowEngine
+from tests.fakes import FakeEngine, FakeReplay, FakeTokenizer, SlowEngine, until
 
 TASK = TaskSource(TaskConfig(params={"min_terms": 2, "max_terms": 2, "max_digits": 1, "operators": ["+"],
                                      "allow_parentheses": False, "allow_negation": False}, heldout_size=4))
@@ -24,6 +24,12 @@ def make_worker(engine, buffer, gate, groups_in_flight=4, max_ready_groups=100):
     return RolloutWorker("r0", config, TASK, engine, FakeReplay(buffer), FakeTokenizer(), seed=3)
 
 
+def gate_closed_since(worker, waits: int) -> bool:
+    """The version gate turned a group away after ``waits`` (``stats.gate_waits`` then) with none in flight:
+    every group started with the current version has finished and no other can start before a newer one."""
+    return worker.stats.gate_waits > waits and worker.stats.groups_in_flight == 0
+
+
 def test_gate_stops_after_n_groups_per_version_until_a_newer_version_arrives():
     buf = TrajectoryBuffer(ReplayConfig())
     engine = FakeEngine(["7"])
@@ -31,40 +37,41 @@ def test_gate_stops_after_n_groups_per_version_until_a_newer_version_arrives():
 
     async def scenario():
         task = asyncio.create_task(worker.run())
-        await asyncio.sleep(0.8)
-        first = worker.stats.groups
-        await worker.apply_weights(1, [])
-        await asyncio.sleep(0.8)
-        second = worker.stats.groups
-        await worker.apply_weights(2, [])
-        await asyncio.sleep(0.8)
+        counts = []
+        for version in (1, 2, None):
+            waits = worker.stats.gate_waits
+            await until(lambda: gate_closed_since(worker, waits), f"the gate to close at version {engine.version}")
+            counts.append(worker.stats.groups)
+            if version is not None:
+                await worker.apply_weights(version, [])
         worker.stop()
         await task
-        return first, second, worker.stats.groups
+        return counts
 
-    assert asyncio.run(scenario()) == (2, 4, 6)
+    assert asyncio.run(scenario()) == [2, 4, 6]
     assert buf.info()["prompts_completed"] == 6
     assert engine.updates == [1, 2]
 
 
 def test_gate_counts_groups_started_not_finished():
     buf = TrajectoryBuffer(ReplayConfig())
-    engine = SlowEngine(["7"], delay_s=1.5)
+    engine = SlowEngine(["7"], delay_s=60.0)  # nothing finishes: run() cancels the groups on stop
     worker = make_worker(engine, buf, gate=2, groups_in_flight=4)
 
     async def scenario():
         task = asyncio.create_task(worker.run())
-        await asyncio.sleep(0.5)
+        await until(lambda: worker.stats.gate_waits > 0, "the gate to close at version 0")
         in_flight_v0 = worker.stats.groups_in_flight
         await worker.apply_weights(1, [])
-        await asyncio.sleep(0.5)
+        waits = worker.stats.gate_waits
+        await until(lambda: worker.stats.gate_waits > waits, "the gate to close at version 1")
         in_flight_both = worker.stats.groups_in_flight
         worker.stop()
         await task
-        return in_flight_v0, in_flight_both
+        return in_flight_v0, in_flight_both, worker.stats.groups
 
     # Two groups start with version 0 while they generate; version 1 lets two more start beside them.
-    assert asyncio.run(scenario()) == (2, 4)
+    assert asyncio.run(scenario()) == (2, 4, 0)
 
 
 def test_no_gate_keeps_generating_until_backpressure():
@@ -73,12 +80,15 @@ def test_no_gate_keeps_generating_until_backpressure():
 
     async def scenario():
         task = asyncio.create_task(worker.run())
-        await asyncio.sleep(1.0)
+        # replay holds max_ready_groups and nothing is in flight: no lease can follow (nobody samples)
+        await until(lambda: buf.info()["size_groups"] >= 5 and worker.stats.groups_in_flight == 0,
+                    "backpressure to stop generation")
         worker.stop()
         await task
 
     asyncio.run(scenario())
     assert 5 <= buf.info()["size_groups"] <= 5 + 2  # only backpressure stopped it, at version 0
+    assert worker.stats.gate_waits == 0 and worker.engine.version == 0
 
 
 def test_gate_must_be_positive():

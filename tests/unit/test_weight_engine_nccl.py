@@ -3,11 +3,16 @@ AsyncLLM: the order of vLLM calls, what crosses to the workers, and refusals tha
 The worker side (``rollout.weight_files.load_broadcast_verified``) runs with a gloo-free fake group."""
 
 import asyncio
+import inspect
+import reprlib
+import types
+import typing
 from types import SimpleNamespace
 
 import pytest
 import torch
 from safetensors.torch import load_file
+from vllm.v1.engine.async_llm import AsyncLLM
 
 from proto.tensor_chunks import VersionManifest, tensor_metas
 from rollout.config import EngineConfig, NcclTransportConfig
@@ -16,20 +21,44 @@ from rollout.weight_files import load_broadcast_verified
 
 
 class RecordingLLM:
-    """Records every call the engine makes; ``fail`` makes ``update_weights`` raise it."""
+    """Records every call the engine makes; ``fail`` makes ``update_weights`` raise it, ``hang`` makes it
+    never return. Each call is first bound to the real ``AsyncLLM`` method of that name (vllm 0.32): a method
+    it lacks, a sync method, arguments its signature does not take, or a value its annotation rules out
+    (a class, a ``Literal``) raises ``TypeError``/``AttributeError`` here, so this stand-in cannot drift from
+    the API it stands in for. Returns ``True`` where the real method returns ``bool``, else ``None``."""
 
     def __init__(self, fail: BaseException | None = None, hang: bool = False) -> None:
         self.calls, self.fail, self.hang = [], fail, hang
 
     def __getattr__(self, name):
+        real = getattr(AsyncLLM, name)  # AttributeError: vLLM has no such method
+        if not inspect.iscoroutinefunction(real):
+            raise TypeError(f"AsyncLLM.{name} is not a coroutine function; the stand-in only stands in for those")
+        hints = typing.get_type_hints(real)
+
         async def call(*args, **kwargs):
+            bound = inspect.signature(real).bind(self, *args, **kwargs)  # TypeError: not the real signature
+            for param, value in list(bound.arguments.items())[1:]:
+                if not _fits(value, hints.get(param)):
+                    raise TypeError(f"AsyncLLM.{name}({param}={reprlib.repr(value)}): not a {hints[param]}")
             self.calls.append((name, args, kwargs))
             if name == "update_weights" and self.fail is not None:
                 raise self.fail
             if name == "update_weights" and self.hang:
                 await asyncio.sleep(3600)  # a learner that died mid-broadcast
-            return True
+            return True if hints.get("return") is bool else None
         return call
+
+
+def _fits(value, hint) -> bool:
+    """Whether ``value`` can be of type ``hint``: plain classes, ``Literal``s and unions of them are checked;
+    anything else (no annotation, ``Any``, generics such as ``list[str]``) fits."""
+    origin = typing.get_origin(hint)
+    if origin is typing.Literal:
+        return value in typing.get_args(hint)
+    if origin is typing.Union or origin is types.UnionType:
+        return any(_fits(value, option) for option in typing.get_args(hint))
+    return isinstance(value, hint) if origin is None and isinstance(hint, type) else True
 
 
 def _engine(tiny_llama, llm, timeout_s=300.0):

@@ -19,7 +19,7 @@ from proto import weights_pb2, weights_pb2_grpc
 from proto.tensor_chunks import ChunkError, TensorMeta, device_checksum, receive_verified, tensor_metas
 from rollout.config import EngineConfig, GrpcTransportConfig, NcclTransportConfig
 from services import grpc_common, weight_server
-from services.weight_client import WeightSubscriber
+from services.weight_client import WeightSubscriber, parse_chunk
 from services.weight_transport import TransportUnavailableError, make_transport
 from services.weight_transport.bootstrap import newest_export, write_export_version
 from services.weight_transport.grpc_transport import GrpcTransport
@@ -161,33 +161,37 @@ def test_receive_verified_names_the_bad_tensor():
 
 
 class _ReplayingServicer(weights_pb2_grpc.WeightServiceServicer):
-    """Sends one fixed version whatever the subscriber has (a learner restored from an old checkpoint)."""
+    """Sends one fixed version whatever the subscriber has (a learner restored from an old checkpoint), then
+    ends the stream; records the ``have_version`` of every Subscribe request in ``requests``."""
 
     def __init__(self, version):
-        self.version = version
+        self.version, self.requests = version, []
 
     def Subscribe(self, request, context):
+        self.requests.append(request.have_version)
         pub = WeightPublisher()
         pub.publish(self.version, named(self.version))
         servicer = weight_server.WeightServicer(pub)
-        gen = servicer.Subscribe(weights_pb2.SubscribeRequest(have_version=-1), context)
-        for msg in gen:
-            yield msg
-            if msg.last_of_version:
-                time.sleep(0.5)
+        for raw in servicer.Subscribe(weights_pb2.SubscribeRequest(have_version=-1), context):
+            yield raw  # WeightChunk wire bytes
+            if parse_chunk(raw).last_of_version:
                 return
 
 
 def test_subscriber_ignores_a_version_from_the_past():
+    """The subscriber decided on the old version: it took the whole stream (a normal end, no error) and
+    subscribed again, which it does only after handling every version the stream carried."""
     server, health = grpc_common.make_server()
-    weight_server.add_servicer(_ReplayingServicer(1), server)
+    servicer = _ReplayingServicer(1)
+    weight_server.add_servicer(servicer, server)
     port = grpc_common.start(server, health, weight_server.SERVICE_NAME)
     got = []
     sub = WeightSubscriber(f"127.0.0.1:{port}", lambda v, t: got.append(v), have_version=3, backoff_s=0.1).start()
-    time.sleep(1.5)
+    _wait(lambda: len(servicer.requests) >= 2)
     sub.stop()
     server.stop(0)
-    assert got == [] and sub.have_version == 3
+    assert got == [] and sub.have_version == 3 and sub.errors == 0
+    assert servicer.requests[:2] == [3, 3]
 
 
 def test_refused_version_is_retried_and_the_subscriber_survives(learner):
