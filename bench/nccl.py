@@ -249,8 +249,8 @@ def learner_main(receivers: int, rounds: int, model: str) -> dict:
     server.stop(0)
     dist.destroy_process_group()
     gb = nbytes / 1e9
-    return {"model": model, "version_gb": round(gb, 3), "version_bytes": nbytes, "receivers": receivers, "rounds": rounds,
-            "nccl_ratio": round(statistics.median(ratios), 3),
+    return {"model": model, "version_gb": round(gb, 3), "version_bytes": nbytes, "receivers": receivers,
+            "rounds": rounds, "nccl_ratio": round(statistics.median(ratios), 3),
             "nccl_ratio_range": [round(min(ratios), 3), round(max(ratios), 3)],
             "gyre_gb_s": round(gb / statistics.median(gyre_s), 2), "raw_nccl_gb_s": round(gb / statistics.median(raw_s), 2),
             "receiver_receive_verify_s": round(statistics.median(recv_s), 3), "first_version_s": round(first_s, 3),
