@@ -22,6 +22,8 @@ import shutil
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
 
 import torch
@@ -100,8 +102,22 @@ def measure_step_overhead(learner, bare, batch, reps: int) -> dict:
             "step_overhead_ratio": statistics.median(mine) / statistics.median(base)}
 
 
+def steps_while_pending(step: Callable[[], object], future: Future) -> list[float]:
+    """Run ``step()`` again and again while ``future`` (an async save) is not done; returns the seconds of
+    each step, all of which began with the save in flight (none if it was done already). A step the save
+    finishes during counts (it overlapped the write); no step begun after the save finished does."""
+    during = []
+    while not future.done():
+        t0 = time.perf_counter()
+        step()
+        during.append(time.perf_counter() - t0)
+    return during
+
+
 def measure_async_save(learner, batch, root: Path, rounds: int) -> dict:
-    """Steps with no save in flight vs steps while an async save writes; plus blocking times."""
+    """Steps with no save in flight vs steps begun while an async save writes (``steps_while_pending``);
+    plus blocking times. ``async_save_overhead_ratio`` is ``None`` when every save finished before a step
+    could begin (``steps_overlapping_save`` 0)."""
     from learner.async_save import BackgroundSaver
 
     saver = BackgroundSaver()
@@ -114,13 +130,7 @@ def measure_async_save(learner, batch, root: Path, rounds: int) -> dict:
         t0 = time.perf_counter()
         future = learner.save_checkpoint(root / "async", keep_last_n=1, saver=saver)
         blocking.append(time.perf_counter() - t0)
-        steps = 0
-        while not future.done() or steps == 0:
-            t1 = time.perf_counter()
-            learner.train_step(batch)
-            if not future.done() or steps == 0:  # count steps that overlapped the write
-                during.append(time.perf_counter() - t1)
-            steps += 1
+        during += steps_while_pending(lambda: learner.train_step(batch), future)
         future.result()
         write_s.append(time.perf_counter() - t0)
     t0 = time.perf_counter()
@@ -128,9 +138,10 @@ def measure_async_save(learner, batch, root: Path, rounds: int) -> dict:
     sync_s = time.perf_counter() - t0
     size = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
     saver.shutdown()
-    return {"idle_step_s": statistics.median(idle), "step_during_save_s": statistics.median(during),
+    during_s = statistics.median(during) if during else None
+    return {"idle_step_s": statistics.median(idle), "step_during_save_s": during_s,
             "steps_overlapping_save": len(during),
-            "async_save_overhead_ratio": statistics.median(during) / statistics.median(idle),
+            "async_save_overhead_ratio": None if during_s is None else during_s / statistics.median(idle),
             "async_save_blocking_s": statistics.median(blocking), "async_save_total_s": statistics.median(write_s),
             "sync_save_s": sync_s, "checkpoint_bytes": size}
 

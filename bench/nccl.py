@@ -40,6 +40,9 @@ CPU_DRY_RUN = os.environ.get("GYRE_BENCH_NCCL_CPU") == "1"
 DEVICE = "cpu" if CPU_DRY_RUN else "cuda"
 SMOLLM2 = {"vocab": 49152, "hidden": 576, "inter": 1536, "layers": 30, "kv": 192}
 QWEN_1_5B = {"vocab": 151936, "hidden": 1536, "inter": 8960, "layers": 28, "kv": 256}
+TINY = {"vocab": 1024, "hidden": 64, "inter": 128, "layers": 2, "kv": 32}
+"""A ~0.3 MB version for checking the harness itself (the CPU dry run in tests/unit/test_bench_nccl.py)."""
+MODELS = {"smollm2": SMOLLM2, "qwen1.5b": QWEN_1_5B, "tiny": TINY}
 
 
 def model_shapes(m: dict) -> list[tuple[str, tuple[int, ...]]]:
@@ -113,7 +116,7 @@ def receiver_main(rank: int, world: int, store_port: int, weights_address: str, 
     from services.weight_transport.nccl import NcclTransport, torch_distributed_broadcast
 
     store = _group(store_port, rank, world, is_master=False)
-    shapes = model_shapes(QWEN_1_5B if model == "qwen1.5b" else SMOLLM2)
+    shapes = model_shapes(MODELS[model])
     bcast = torch_distributed_broadcast()
 
     def on_version(version, manifest):
@@ -173,7 +176,7 @@ def learner_main(receivers: int, rounds: int, model: str) -> dict:
     procs = [subprocess.Popen([sys.executable, "-m", "bench.nccl", "--receiver", str(r), str(world), str(store_port),
                                f"127.0.0.1:{port}", model], cwd=REPO) for r in range(1, world)]
     store = _group(store_port, 0, world, is_master=True)
-    shapes = model_shapes(QWEN_1_5B if model == "qwen1.5b" else SMOLLM2)
+    shapes = model_shapes(MODELS[model])
     nbytes = sum(2 * _numel(s) for _, s in shapes)
     clean = torch_distributed_broadcast()
     sender = NcclWeightSender(pub, clean)
@@ -246,8 +249,8 @@ def learner_main(receivers: int, rounds: int, model: str) -> dict:
     server.stop(0)
     dist.destroy_process_group()
     gb = nbytes / 1e9
-    return {"model": model, "version_gb": round(gb, 3), "receivers": receivers, "rounds": rounds,
-            "nccl_ratio": round(statistics.median(ratios), 3),
+    return {"model": model, "version_gb": round(gb, 3), "version_bytes": nbytes, "receivers": receivers,
+            "rounds": rounds, "nccl_ratio": round(statistics.median(ratios), 3),
             "nccl_ratio_range": [round(min(ratios), 3), round(max(ratios), 3)],
             "gyre_gb_s": round(gb / statistics.median(gyre_s), 2), "raw_nccl_gb_s": round(gb / statistics.median(raw_s), 2),
             "receiver_receive_verify_s": round(statistics.median(recv_s), 3), "first_version_s": round(first_s, 3),
@@ -272,7 +275,7 @@ def _numel(shape) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="SmolLM2-135M shapes, 1 receiver, 5 rounds")
-    parser.add_argument("--model", choices=["smollm2", "qwen1.5b"], default=None)
+    parser.add_argument("--model", choices=sorted(MODELS), default=None)
     parser.add_argument("--receivers", type=int, default=None)
     parser.add_argument("--receiver", nargs=5, help=argparse.SUPPRESS)
     args = parser.parse_args()

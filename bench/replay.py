@@ -14,8 +14,9 @@ Every ratio's baseline is measured in the same run, on the same machine and disk
   before the answer, group-committed: the ceiling of ``ingest_ratio``).
 - ``sample_p99_ms``: Sample RPCs of 32 groups × 8 = 256 trajectories (lease durable before the answer,
   then released) at two buffer sizes, 10k/100k trajectories with ``--quick``, 100k/1M without.
-- ``snapshot_ratio``: snapshot MB/s (stored Arrow bytes ÷ the server's capture-to-commit time, otherwise idle) ÷
-  writing the same number of bytes sequentially to the same directory with one fsync (alternated, medians).
+- ``snapshot_ratio``: snapshot MB/s (bytes of the snapshot's files ÷ the server's capture-to-commit time,
+  otherwise idle) ÷ writing the same number of bytes sequentially to the same directory with one fsync
+  (alternated, medians).
   ``insert_p99_during_snapshot_ratio``: insert RPC p99 while snapshots run ÷ p99 with none running
   (3 alternated rounds, pooled: snapshots until >= 40 inserts ran during them, then as many inserts
   idle, at most 1000).
@@ -34,12 +35,13 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
 from bench.replay_baselines import KINDS, RAW_METHOD, serve
 from bench.replay_parts import (GROUP_SIZE, Server, free_port, fsync_ms, p99_ms, requests, sequential_write_mb_s,
-                                stream, trajectory_batch)
+                                snapshot_bytes, stream, trajectory_batch)
 from services.replay_client import ReplayClient
 
 GROUPS = 32
@@ -175,25 +177,57 @@ def sample_phase(server: Server, client: ReplayClient, sizes: tuple[int, int]) -
                 sample_p99_growth=round(by_size[str(sizes[-1])] / by_size[str(sizes[0])], 2)), stored
 
 
-def snapshot_phase(server: Server, client: ReplayClient, root: Path, next_prompt: int) -> tuple[dict, int]:
-    stored_bytes = client.info().stored_bytes
-    snap_s, seq = [], []
-    for r in range(3):  # idle snapshots alternating with the sequential-write baseline
+class SnapshotRound(NamedTuple):
+    """One idle snapshot of ``snapshot_rounds`` and its baseline."""
+
+    nbytes: int
+    """Bytes of the snapshot's files on disk (Arrow files, state and manifest)."""
+    seconds: float
+    """The server's capture → commit time (``Info.last_snapshot_seconds``)."""
+    sequential_mb_s: float
+    """MB/s of writing ``nbytes`` sequentially to the same directory with one fsync, right after."""
+
+
+def snapshot_rounds(server: Server, client: ReplayClient, root: Path, next_prompt: int,
+                    rounds: int = 3) -> tuple[list[SnapshotRound], int]:
+    """Idle snapshots alternating with the sequential-write baseline, each after one new insert (so the
+    snapshot has work to do); returns the rounds and the next unused prompt index. The server must run
+    on this machine (the snapshot's files are measured where it says it wrote them)."""
+    out = []
+    for r in range(rounds):
         stream(server.address, requests(next_prompt, 1, GROUPS, seed=50 + r))  # something new to snapshot
         next_prompt += GROUPS
-        client.snapshot()
-        snap_s.append(client.info().last_snapshot_seconds)  # capture → commit, as timed by the server
-        seq.append(sequential_write_mb_s(root, stored_bytes))
-    snap_mb_s, seq_mb_s = stored_bytes / 1e6 / statistics.median(snap_s), statistics.median(seq)
+        path = client.snapshot()
+        if not path:
+            raise RuntimeError("replay wrote no snapshot after a new insert")
+        nbytes = snapshot_bytes(Path(path))
+        seconds = client.info().last_snapshot_seconds
+        out.append(SnapshotRound(nbytes, seconds, sequential_write_mb_s(root, nbytes)))
+    return out, next_prompt
+
+
+def snapshot_rates(rounds: list[SnapshotRound]) -> dict:
+    """Medians over ``rounds``: bytes (GB), seconds, snapshot MB/s (each round's bytes ÷ its seconds),
+    baseline MB/s, and their ratio ``snapshot_ratio``."""
+    snap_mb_s = statistics.median(r.nbytes / 1e6 / r.seconds for r in rounds)
+    seq_mb_s = statistics.median(r.sequential_mb_s for r in rounds)
+    return dict(snapshot_gb=round(statistics.median(r.nbytes for r in rounds) / 1e9, 3),
+                snapshot_s=round(statistics.median(r.seconds for r in rounds), 3), snapshot_mb_s=round(snap_mb_s, 1),
+                sequential_write_mb_s=round(seq_mb_s, 1), snapshot_ratio=round(snap_mb_s / seq_mb_s, 3))
+
+
+def snapshot_phase(server: Server, client: ReplayClient, root: Path, next_prompt: int) -> tuple[dict, int]:
+    stored_bytes = client.info().stored_bytes
+    rounds, next_prompt = snapshot_rounds(server, client, root, next_prompt)
+    rates = snapshot_rates(rounds)
     idle, during, next_prompt = insert_p99_rounds(client, next_prompt)
-    out = dict(stored_gb=round(stored_bytes / 1e9, 3), snapshot_s=round(statistics.median(snap_s), 3),
-               snapshot_mb_s=round(snap_mb_s, 1), sequential_write_mb_s=round(seq_mb_s, 1),
-               snapshot_ratio=round(snap_mb_s / seq_mb_s, 3), insert_p99_idle_ms=round(p99_ms(idle), 2),
+    out = dict(stored_gb=round(stored_bytes / 1e9, 3), **rates, insert_p99_idle_ms=round(p99_ms(idle), 2),
                insert_p99_during_snapshot_ms=round(p99_ms(during), 2),
                insert_p99_during_snapshot_ratio=round(p99_ms(during) / p99_ms(idle), 3),
                inserts_idle=len(idle), inserts_during_snapshots=len(during))
-    print(f"snapshot {snap_mb_s:.0f} MB/s vs sequential write {seq_mb_s:.0f} MB/s; insert p99 idle "
-          f"{out['insert_p99_idle_ms']} ms, during snapshots {out['insert_p99_during_snapshot_ms']} ms", flush=True)
+    print(f"snapshot {rates['snapshot_mb_s']:.0f} MB/s vs sequential write {rates['sequential_write_mb_s']:.0f} MB/s; "
+          f"insert p99 idle {out['insert_p99_idle_ms']} ms, during snapshots {out['insert_p99_during_snapshot_ms']} ms",
+          flush=True)
     return out, next_prompt
 
 
@@ -228,7 +262,7 @@ def main(argv: list[str] | None = None) -> dict:
         serve(args.baseline, args.baseline_port, Path(args.dir) if args.dir else None)
         return {}
     sizes = (10_000, 100_000) if args.quick else (100_000, 1_000_000)
-    root = Path(args.dir or tempfile.mkdtemp(prefix="gyre-bench-replay-"))
+    root = Path(args.dir or tempfile.mkdtemp(prefix="gyre-bench-replay-")).resolve()  # the servers' cwd is REPO
     root.mkdir(parents=True, exist_ok=True)
     out: dict = {"bench": "replay", "quick": args.quick, "trajectories_per_message": GROUPS * GROUP_SIZE}
     out["disk_fsync_p50_ms"], out["disk_fsync_p99_ms"] = (round(x, 2) for x in fsync_ms(root))

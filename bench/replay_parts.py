@@ -144,6 +144,17 @@ def sequential_write_mb_s(directory: Path, nbytes: int) -> float:
     return nbytes / 1e6 / seconds
 
 
+def snapshot_bytes(path: Path) -> int:
+    """Bytes of the files in the snapshot directory ``path`` (its Arrow files, state and manifest).
+
+    Raises:
+        FileNotFoundError: ``path`` is not a directory.
+    """
+    if not path.is_dir():
+        raise FileNotFoundError(f"no snapshot directory at {path}")
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
 def fsync_ms(directory: Path, n: int = 200) -> tuple[float, float]:
     """p50 and p99 of append-4-KiB-then-fsync on ``directory``'s disk (context for every durable latency)."""
     path, out = directory / "fsync.bin", []

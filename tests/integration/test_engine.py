@@ -39,10 +39,14 @@ def vllm_model(tiny_llama) -> Path:
     return tiny_llama
 
 
+def engine_config(model: Path) -> EngineConfig:
+    return EngineConfig(model=str(model), kv_cache_gib=0.25, max_model_len=1024)
+
+
 @pytest.fixture(scope="module")
 def running(vllm_model, vllm_worker_process):  # weight updates cross vLLM's process boundary, as in `make run`
     loop = asyncio.new_event_loop()
-    config = EngineConfig(model=str(vllm_model), kv_cache_gib=0.25, max_model_len=1024)
+    config = engine_config(vllm_model)
     engine = loop.run_until_complete(RolloutEngine.start(config, initial_version=3))
     yield Running(engine, loop)
     loop.run_until_complete(engine.shutdown())
@@ -72,6 +76,43 @@ def test_generate_returns_n_samples_with_aligned_finite_logprobs(running):
     assert len({tuple(s.token_ids) for s in samples}) > 1, "the n samples of a group must differ"
     again = running.run(running.engine.generate(PROMPTS[2], 3, sampling, "group-b", seed=11))
     assert [s.token_ids for s in again] == [s.token_ids for s in samples], "same seed, same group"
+
+
+def test_a_seeded_group_is_bit_identical_alone_batched_and_in_a_fresh_engine(running, vllm_model):
+    """Lockstep's premise (README, lockstep mode): a seeded request's tokens, behaviour logprobs and finish
+    reasons depend neither on the requests it is batched with nor on the engine process serving it."""
+    engine, sampling = running.engine, SamplingConfig(temperature=1.0, max_new_tokens=24, ignore_eos=True)
+
+    def bits(samples):
+        return [(s.token_ids, s.logprobs, s.finish_reason) for s in samples]
+
+    def seeded(on, request_id, seed=21):
+        return on.generate(PROMPTS[2], 2, sampling, request_id, seed=seed)
+
+    alone = bits(running.run(seeded(engine, "seeded-alone")))
+    assert alone[0][0] != alone[1][0], "the two samples of the group must differ"
+    assert bits(running.run(seeded(engine, "seeded-other-seed", seed=22))) != alone, "the seed must matter"
+
+    async def batched():
+        long = SamplingConfig(temperature=1.0, max_new_tokens=96, ignore_eos=True)
+        others = [asyncio.ensure_future(engine.generate(p, 2, long, f"seeded-neighbour-{i}", seed=100 + i))
+                  for i, p in enumerate(PROMPTS)]  # PROMPTS[2] among them: same prompt, other seed
+        others.append(asyncio.ensure_future(engine.generate(PROMPTS[0], 1, long, "unseeded-neighbour")))
+        mine = await seeded(engine, "seeded-batched")
+        assert not any(o.done() for o in others), "the neighbours must still be running: not batched"
+        await asyncio.gather(*others)
+        return mine
+
+    assert bits(running.run(batched())) == alone, "batched with others"
+
+    async def in_fresh_engine():
+        fresh = await RolloutEngine.start(engine_config(vllm_model))
+        try:
+            return await seeded(fresh, "seeded-fresh")
+        finally:
+            await fresh.shutdown()
+
+    assert bits(running.run(in_fresh_engine())) == alone, "in a fresh engine"
 
 
 def test_behaviour_logprobs_are_temperature_processed_logprobs_of_sampled_tokens(running, vllm_model):

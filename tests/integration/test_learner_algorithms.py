@@ -112,9 +112,10 @@ def test_gae_critic_trains_is_unpublished_and_checkpointed(tiny_llama, tmp_path)
     assert torch.equal(saved, engine.module.value_head.weight.detach())
 
 
-def test_micro_batching_keeps_every_loss_term_exact(tiny_llama):
+def test_micro_batching_keeps_every_loss_term_to_fp32_rounding(tiny_llama):
     """fp32, critic + KL + entropy + sequence TIS + Dr.GRPO's constant normaliser: six rows as six
-    micro-batches of one give the loss and gradient norm of one micro-batch of six."""
+    micro-batches of one give the loss and gradient norm of one micro-batch of six, up to the rounding
+    of summing in another order (measured relative differences at most 5e-8; not bit-identical)."""
     algo = AlgorithmConfig(advantage="gae", loss_norm="token_sum", is_weight="tis_seq", kl_coef=0.1,
                            entropy_coef=0.01)
     batch = build_train_batch(_table(2, seed=11), 0, 2, algo)
@@ -124,4 +125,4 @@ def test_micro_batching_keeps_every_loss_term_exact(tiny_llama):
         results.append(LearnerEngine(config, algo).train_step(batch))
     one, six = results
     for key in ("loss", "grad_norm", "value_loss", "entropy", "is_ess_frac", "tis_clip_frac"):
-        assert one[key] == pytest.approx(six[key], rel=1e-4, abs=1e-7), key
+        assert one[key] == pytest.approx(six[key], rel=1e-6, abs=1e-7), key

@@ -31,6 +31,16 @@ REPO = Path(__file__).resolve().parents[2]
 STEPS, SAVE_AT = 3, 2
 TOLERANCE = 1e-6
 """Max |Δθ| allowed between a resharded resume and the uninterrupted world-size-1 run."""
+ZERO2, ZERO3 = (2, "bf16"), (3, "fp32")
+"""The (ZeRO stage, dtype) pairs the ``runs`` fixture is parametrised with, per test below."""
+
+
+def _stage_id(param: tuple[int, str]) -> str:
+    return f"zero{param[0]}-{param[1]}"
+
+
+each_stage = pytest.mark.parametrize("runs", [ZERO2, ZERO3], ids=_stage_id, indirect=True)
+zero2_only = pytest.mark.parametrize("runs", [ZERO2], ids=_stage_id, indirect=True)
 
 
 def launch(world_size: int, model: Path, root: Path, out: Path, *args: str) -> list[subprocess.Popen]:
@@ -74,10 +84,11 @@ def model(tiny_llama, tmp_path_factory) -> Path:
     return model
 
 
-@pytest.fixture(scope="module", params=[(2, "bf16"), (3, "fp32")], ids=lambda p: f"zero{p[0]}-{p[1]}")
+@pytest.fixture(scope="module")
 def runs(request, model, tmp_path_factory) -> dict:
     """Uninterrupted runs of 3 steps at world sizes 1 and 2 (each checkpointing at step 2), then the
-    step-2 checkpoint of each resumed on the other world size for the 3rd step."""
+    step-2 checkpoint of each resumed on the other world size for the 3rd step; ``request.param`` is
+    ``ZERO2`` or ``ZERO3`` (each test picks them with ``each_stage`` or ``zero2_only``)."""
     stage, dtype = request.param
     base = tmp_path_factory.mktemp(f"zero{stage}-{dtype}")
     flags = ("--zero-stage", str(stage), "--dtype", dtype)
@@ -92,6 +103,7 @@ def runs(request, model, tmp_path_factory) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("saved, resumed", [(1, 2), (2, 1)], ids=["1to2", "2to1"])
+@each_stage
 def test_resume_on_another_world_size_matches_uninterrupted_run(runs, saved, resumed):
     reference, ref_doc = runs["w1"]
     weights, doc = runs[f"r{saved}{resumed}"]
@@ -104,17 +116,19 @@ def test_resume_on_another_world_size_matches_uninterrupted_run(runs, saved, res
 
 
 @pytest.mark.slow
+@each_stage
 def test_world_size_2_uninterrupted_equals_world_size_1(runs):
     """The premise of the comparison: with the whole batch on every rank, 2 ranks step like 1."""
     assert max_abs_diff(runs["w2"][0], runs["w1"][0]) <= TOLERANCE
 
 
 @pytest.mark.slow
+@zero2_only
 def test_a_reshard_that_drops_the_optimizer_state_is_caught(runs):
     """The comparison is sensitive: clearing the AdamW moments after a 1 → 2 reshard moves the weights
-    (measured max |Δθ| 1.8e-3 fp32; a rank 1 without rank 0's RNG: 1.3e-3)."""
-    if runs["stage"] != 2:
-        pytest.skip("checked once, on the default recipe's ZeRO-2")
+    (measured max |Δθ| 1.8e-3 fp32; a rank 1 without rank 0's RNG: 1.3e-3). Run once, on the default
+    recipe's ZeRO-2, reusing its runs."""
+    assert runs["stage"] == 2
     base = runs["base"]
     wait(launch(2, runs["model"], base / "bad", base / "bad.safetensors", "--resume", str(runs["ckpt"][1]),
                 "--sabotage-optimizer", *runs["flags"]))
@@ -122,6 +136,7 @@ def test_a_reshard_that_drops_the_optimizer_state_is_caught(runs):
 
 
 @pytest.mark.slow
+@each_stage
 def test_to_universal_is_idempotent_and_remakes_a_corrupt_conversion(runs):
     source = runs["ckpt"][2]
     manifest = source / reshard.UNIVERSAL / ckpt.MANIFEST
