@@ -225,7 +225,8 @@ class WorkerProcess:
             ev = self.events()
             if cond(ev):
                 return ev
-            assert self.proc.poll() is None, f"worker exited with {self.proc.returncode} before: {what}; see {self.log.name}"
+            rc = self.proc.poll()
+            assert rc is None, f"worker exited with {rc} before: {what}; see {self.log.name}"
             assert time.monotonic() < deadline, f"not reached in {timeout_s}s: {what}; see {self.log.name}"
             time.sleep(0.02)
 
