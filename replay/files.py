@@ -168,15 +168,38 @@ _DELETE_CHUNK = 8 << 20
 """Bytes ``remove_gently`` frees per step."""
 
 
+def mapped_here(path: Path) -> bool:
+    """Whether this process may memory-map ``path``: its inode appears in ``/proc/self/maps`` (inode only, so
+    a renamed file still counts; a same-numbered inode of another device is a harmless false positive).
+    ``True`` where it cannot tell (no ``/proc``).
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+    """
+    inode = str(os.stat(path).st_ino)
+    try:
+        with open("/proc/self/maps") as f:
+            return any(len(fields) >= 5 and fields[4] == inode for fields in (line.split(maxsplit=5) for line in f))
+    except OSError:
+        return True
+
+
 def remove_gently(path: Path, gate: ForegroundGate | None = None, chunk: int = _DELETE_CHUNK) -> None:
     """Delete a (large) file in steps: truncate it ``chunk`` bytes at a time from the end, letting the
     foreground work in flight finish before each step (``gate``), then unlink it. One unlink of a
     multi-hundred-MB file is one long ext4 journal update that a concurrent WAL fsync waits behind
     (a 200 MB snapshot's unlink put 12-30 ms into insert acks here); short steps keep each update small.
     RocksDB deletes SST files the same way (``DeleteScheduler``, ``bytes_max_delete_chunk``). Only for
-    files nothing needs any more: a crash mid-way leaves a shorter file. A missing file is no error."""
+    files nothing needs any more: a crash mid-way leaves a shorter file. A missing file is no error.
+
+    A file this process memory-maps (``mapped_here``) is only unlinked: a restore reads snapshot files and
+    WAL segments zero-copy, so the tables restored from them point into the mapping, and shortening the
+    file would pull those pages from under them (SIGBUS at the next read, e.g. the next snapshot's write).
+    Unlinked, its blocks are freed when the last buffer into it is."""
     try:
         size = path.stat().st_size
+        if size > chunk and mapped_here(path):
+            size = 0
     except FileNotFoundError:
         return
     if size > chunk:

@@ -6,7 +6,10 @@ on the same directory, lets two client threads insert 2-group batches while a th
 (every call), samples, releases and leases prompts, and then kills the server — after a random delay,
 or by arming a named fault point (``replay.faults``) inside snapshot writing or the WAL. The checker
 restores the directory read-only in this process and compares trajectory ids with what the client saw
-acknowledged; the next server start must report the same count.
+acknowledged; the next server start must report the same count. A lifetime with a fault point armed must
+end in that point's SIGKILL (exit status ``-SIGKILL``, within ``FIRE_TIMEOUT_S``): a point never reached, or a
+server dying some other way, fails the trial, so the test counts exactly the kills it armed. A lifetime without
+one must still be running when the test kills it.
 
 Proving the checker can fail: with ``durability="write"`` (no fsync) a process kill loses nothing,
 because written data sits in the kernel's page cache, which outlives the process (only a machine
@@ -40,11 +43,24 @@ def config(durability: str, snapshots: bool = True, flush_ms: float = 1.0) -> di
             else {"interval_s": None, "wal_bytes": None}}
 
 
+FIRE_TIMEOUT_S = 60.0
+"""How long an armed fault point has to fire (each is reached within a second or two of traffic)."""
+
+
+def ended(proc: ReplayProcess) -> str:
+    """How ``proc`` ended so far: ``"running"``, ``"fired"`` (SIGKILL: only a fault point sends it before the
+    test does) or ``"exit <code>"`` (it died some other way)."""
+    code = proc.proc.poll()
+    return "running" if code is None else "fired" if code == -signal.SIGKILL else f"exit {code} (see {proc.log.name})"
+
+
 def one_lifetime(cfg: dict, directory, ins: Inserter, rng: random.Random, fault: str | None,
-                 expect_stored: int | None) -> bool:
-    """One server lifetime ended by SIGKILL; returns whether the armed fault point fired first."""
+                 expect_stored: int | None) -> str:
+    """One server lifetime ended by SIGKILL: with ``fault`` armed, waits (``FIRE_TIMEOUT_S`` at most) for the
+    server to die at it; without, kills it after a random delay. Returns how it ended before the test's own kill
+    (``ended``): ``"fired"`` is the armed fault point's SIGKILL, ``"running"`` means the test killed it."""
     proc = ReplayProcess(cfg, directory, fault)
-    stop, workers, fired = None, [], False
+    stop, workers = None, []
     try:
         try:
             proc.wait_serving()
@@ -52,9 +68,7 @@ def one_lifetime(cfg: dict, directory, ins: Inserter, rng: random.Random, fault:
             # A snapshot is due at once when the restored one is older than interval_s, so an armed
             # snapshot fault point can fire before the server answers health checks: a kill at a
             # named phase like any other, checked the same way.
-            if fault and proc.proc.returncode == -signal.SIGKILL:
-                return True
-            raise
+            return ended(proc)
         if expect_stored is not None:  # the server's own restore agrees with the read-only checker
             client = ReplayClient(proc.address)
             assert client.info().stored_trajectories == expect_stored
@@ -64,32 +78,34 @@ def one_lifetime(cfg: dict, directory, ins: Inserter, rng: random.Random, fault:
         workers[-1].start()
         if fault:
             try:
-                proc.proc.wait(timeout=rng.uniform(0.4, 1.2))  # dies at the fault point, or is killed
-                fired = True
+                proc.proc.wait(timeout=FIRE_TIMEOUT_S)  # dies at the fault point
             except subprocess.TimeoutExpired:
                 pass
         else:
             time.sleep(rng.uniform(0.05, 0.6))
+        return ended(proc)
     finally:
         proc.kill()
         if stop is not None:
             stop.set()
         for w in workers:
             w.join(timeout=20)
-    return fired
 
 
 def run_trials(tmp_path, cfg: dict, trials: int, seed: int, fault_share: float = 0.0) -> list[dict]:
+    """``trials`` server lifetimes on one directory; each armed fault must fire, every other lifetime must last
+    until the test kills it. Returns one row per trial: what was acknowledged, stored, lost or duplicated."""
     rng, directory, ins = random.Random(seed), tmp_path / "replay", Inserter()
     results, stored = [], None
     for trial in range(trials):
         fault = f"{rng.choice(FAULT_POINTS)}#{rng.randint(1, 3)}" if rng.random() < fault_share else None
-        fired = one_lifetime(cfg, directory, ins, rng, fault, stored)
+        how = one_lifetime(cfg, directory, ins, rng, fault, stored)
+        assert how == ("fired" if fault else "running"), f"trial {trial}, fault {fault}: {how}"
         ids = stored_ids(cfg, directory)
         stored = sum(ids.values())
-        results.append({"trial": trial, "fault": fault, "fired": fired, "acked": len(ins.acked), "stored": stored,
-                        "lost": sorted(ins.acked - ids.keys())[:5], "lost_n": len(ins.acked - ids.keys()),
-                        "duplicated": [i for i, n in ids.items() if n > 1][:5],
+        results.append({"trial": trial, "fault": fault, "fired": how == "fired", "acked": len(ins.acked),
+                        "stored": stored, "lost": sorted(ins.acked - ids.keys())[:5],
+                        "lost_n": len(ins.acked - ids.keys()), "duplicated": [i for i, n in ids.items() if n > 1][:5],
                         "never_sent": sorted(ids.keys() - ins.sent)[:5]})
     return results
 
@@ -99,7 +115,8 @@ def test_acknowledged_trajectories_survive_kill_9(tmp_path):
     bad = [r for r in results if r["lost_n"] or r["duplicated"] or r["never_sent"]]
     assert not bad, bad
     assert results[-1]["acked"] > 1000, results[-1]  # enough traffic for the check to mean something
-    assert sum(r["fired"] for r in results) >= 8, [r["fault"] for r in results if r["fault"]]
+    armed = [r["fault"] for r in results if r["fault"]]
+    assert len(armed) >= 8 and sum(r["fired"] for r in results) == len(armed), armed
     assert len(list((tmp_path / "replay" / "snapshots").glob("snap-*"))) >= 1
 
 
@@ -117,10 +134,11 @@ def test_without_fsync_a_process_kill_still_loses_nothing(tmp_path):
 @pytest.mark.parametrize("point", ["replay.snapshot.before_rename", "replay.snapshot.before_wal_delete"])
 def test_kill_inside_snapshot_commit_then_restart_cleanly(tmp_path, point):
     cfg, ins, rng = config("fsync"), Inserter(), random.Random(11)
-    assert one_lifetime(cfg, tmp_path / "replay", ins, rng, f"{point}#2", None)
+    assert one_lifetime(cfg, tmp_path / "replay", ins, rng, f"{point}#2", None) == "fired"
     leftovers = list((tmp_path / "replay" / "snapshots").glob(".tmp-*"))
     assert bool(leftovers) == (point == "replay.snapshot.before_rename")  # died before the commit, or just after
     ids = stored_ids(cfg, tmp_path / "replay")
     assert ins.acked <= ids.keys() and max(ids.values(), default=1) == 1
-    one_lifetime(cfg, tmp_path / "replay", ins, rng, None, sum(ids.values()))  # restart removes leftovers
+    # restart removes leftovers
+    assert one_lifetime(cfg, tmp_path / "replay", ins, rng, None, sum(ids.values())) == "running"
     assert not any(p.exists() for p in leftovers)

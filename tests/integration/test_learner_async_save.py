@@ -3,10 +3,14 @@
 The background save must capture the state of the step it was taken at, even though training goes
 on and rewrites parameters and optimizer moments while the files are written; it must produce the
 same files as a synchronous save of that state, and resuming from it must continue bit-identically.
+The overlap is forced, not hoped for: the background writer (``learner.ckpt_engine.write_captured``,
+wrapped by the test) waits for an event the test sets only after the next training step returned, so
+the step runs while the save is in flight on every run.
 """
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import Future
 
 import torch
@@ -31,15 +35,27 @@ def _manifest_files(path) -> dict[str, dict]:
     return json.loads((path / ckpt.MANIFEST).read_text())["files"]
 
 
-def test_async_save_holds_its_step_while_training_continues(tiny_llama, tmp_path):
+def test_async_save_holds_its_step_while_training_continues(tiny_llama, tmp_path, monkeypatch):
+    import learner.ckpt_engine as ckpt_engine
+
     engine = _engine(tiny_llama, dtype="fp32")
     _step(engine, 0)
     at_step1 = _weights(engine)
     sync_path = engine.save_checkpoint(tmp_path / "sync", pending_lease_ids=["a"], fingerprint="fp")
+    stepped, trainer, write_captured = threading.Event(), threading.get_ident(), ckpt_engine.write_captured
+
+    def write_after_the_next_step(captured):
+        assert threading.get_ident() != trainer, "the save wrote its files in the training thread (not async)"
+        assert stepped.wait(300), "the next training step did not finish within 300 s of the save"
+        return write_captured(captured)
+
+    monkeypatch.setattr(ckpt_engine, "write_captured", write_after_the_next_step)
     saver = BackgroundSaver()
     future = engine.save_checkpoint(tmp_path / "async", pending_lease_ids=["a"], fingerprint="fp", saver=saver)
     assert isinstance(future, Future)
-    _step(engine, 1)  # rewrites params and Adam moments while the writer may still be busy
+    _step(engine, 1)  # rewrites params and Adam moments while the save is in flight (its writer waits for this)
+    assert not future.done() and not (tmp_path / "async" / "global_step_1").exists()
+    stepped.set()
     at_step2 = _weights(engine)
     assert not all(torch.equal(at_step1[n], at_step2[n]) for n in at_step1)
     path = future.result(timeout=300)

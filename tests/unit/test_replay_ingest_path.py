@@ -203,6 +203,44 @@ def test_remove_gently_truncates_in_steps_after_the_wal_then_unlinks(tmp_path, m
     files_mod.remove_gently(path)  # already gone: no error
 
 
+MAPPED_THEN_REMOVED = """
+import hashlib, sys
+from pathlib import Path
+import pyarrow as pa
+from replay.files import remove_gently
+path, data = Path(sys.argv[1]), bytes(range(256)) * 1024
+path.write_bytes(data)
+with pa.memory_map(str(path)) as mm:
+    buf = mm.read_buffer()  # what a restore keeps: tables pointing into the mapping
+remove_gently(path, chunk=64 * 1024)
+assert not path.exists()
+assert hashlib.sha256(buf).digest() == hashlib.sha256(data).digest()
+"""
+
+
+def test_remove_gently_never_shortens_a_file_this_process_maps(tmp_path):
+    # Shortening a mapped file pulls its pages from under the buffers (SIGBUS, which would kill pytest: a subprocess)
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", MAPPED_THEN_REMOVED, str(tmp_path / "mapped.arrow")], cwd=repo,
+                         env={**os.environ, "PYTHONPATH": str(repo)}, capture_output=True, timeout=120)
+    assert out.returncode == 0, (out.returncode, out.stderr.decode()[-2000:])  # -7: SIGBUS
+
+
+def test_mapped_here_sees_a_mapping_also_after_a_rename(tmp_path):
+    plain, mapped = tmp_path / "plain", tmp_path / "mapped"
+    plain.write_bytes(b"x" * 8192)
+    mapped.write_bytes(b"y" * 8192)
+    with pa.memory_map(str(mapped)) as mm:
+        buf = mm.read_buffer()
+    mapped.rename(tmp_path / "trash")
+    assert files_mod.mapped_here(tmp_path / "trash") and not files_mod.mapped_here(plain)
+    del buf
+
+
 def test_groups_file_in_many_batches_restores_the_same_groups(tmp_path, monkeypatch):
     from replay import snapshot as snapshot_mod
     monkeypatch.setattr(snapshot_mod, "_GROUPS_PER_BATCH", 2)
