@@ -3,7 +3,6 @@
 import random
 import shutil
 import threading
-import time
 
 import pyarrow as pa
 import pytest
