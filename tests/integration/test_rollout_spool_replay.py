@@ -6,7 +6,8 @@ restart replay on the same directory and port; the same worker reconnects, deliv
 generating. Outage 2: SIGKILL replay again with groups in flight; once the worker has finished them into its
 spool and its flusher is retrying them, SIGKILL the worker's process too (no ``finally``, no shutdown path: what
 it counted as delivered must already be on disk); restart replay; a new worker process on the same spool
-recovers it, delivers what the first one left, generates 6 more groups, stops cleanly and drains. Every
+recovers it, delivers what the first one left, generates 6 more groups, stops cleanly and drains (in the real-vLLM
+test the successor runs on the fake engine: recovering a spool needs no engine). Every
 generated group must be stored in replay exactly once, nothing else may be, and the spool must end empty.
 
 ``test_replay_outage_with_real_vllm_loses_and_duplicates_nothing`` is the issue's test: the worker generates
@@ -82,8 +83,10 @@ def kill_replay_while_generating(replay: subprocess.Popen, worker: WorkerProcess
     return {"in_flight_at_kill": len(before.in_flight), "spooled": spooled(spool)}
 
 
-def outage_scenario(tmp_path: Path, port: int, engine: str, model: str | None, log, procs: list) -> dict:
-    """Two outages (see the module docstring); returns what happened, for ``check_exactly_once``."""
+def outage_scenario(tmp_path: Path, port: int, engine: str, model: str | None, log, procs: list,
+                    recover_engine: str | None = None) -> dict:
+    """Two outages (see the module docstring); returns what happened, for ``check_exactly_once``. The recovering
+    worker runs on ``recover_engine`` (default: ``engine``)."""
     address, spool = f"127.0.0.1:{port}", tmp_path / "spool"
     replay = start_replay(tmp_path, port, log, procs)
     first = WorkerProcess(tmp_path, "first", address, engine, model)
@@ -96,7 +99,9 @@ def outage_scenario(tmp_path: Path, port: int, engine: str, model: str | None, l
     out["second"] = kill_replay_while_generating(replay, first, spool)
     out.update(first_exit=first.kill(), first_events=first.events(), left_by_first=spooled(spool))
     start_replay(tmp_path, port, log, procs)
-    second = WorkerProcess(tmp_path, "second", address, engine, model, stop_after=6)
+    recover_engine = recover_engine or engine
+    second = WorkerProcess(tmp_path, "second", address, recover_engine, model if recover_engine == engine else None,
+                           stop_after=6)
     procs.append(second)
     out.update(second_exit=second.wait(START_S), second_events=second.events())
     return out
@@ -136,15 +141,16 @@ def check_exactly_once(out: dict, client: ReplayClient, spool: Path):
     return table
 
 
-def run_outage(tmp_path: Path, engine: str, model: str | None = None):
-    """The whole outage scenario with worker processes on ``engine``; returns the stored trajectories."""
+def run_outage(tmp_path: Path, engine: str, model: str | None = None, recover_engine: str | None = None):
+    """The whole outage scenario with worker processes on ``engine`` (the recovering one on ``recover_engine``);
+    returns the stored trajectories and what happened."""
     port = free_port()
     client = ReplayClient(f"127.0.0.1:{port}", timeout_s=10.0)
     log, procs = open(tmp_path / "replay.log", "ab"), []
     try:
-        out = outage_scenario(tmp_path, port, engine, model, log, procs)
+        out = outage_scenario(tmp_path, port, engine, model, log, procs, recover_engine)
         print({k: v for k, v in out.items() if not k.endswith("_events")})
-        return check_exactly_once(out, client, tmp_path / "spool")
+        return check_exactly_once(out, client, tmp_path / "spool"), out
     finally:
         client.close()
         for proc in procs:
@@ -158,10 +164,19 @@ def run_outage(tmp_path: Path, engine: str, model: str | None = None):
 
 
 def test_replay_outage_with_real_vllm_loses_and_duplicates_nothing(tmp_path, tiny_llama):
-    table = run_outage(tmp_path, "vllm", str(tiny_llama))
-    # What was stored is what vLLM sampled: full-length responses, aligned finite behaviour logprobs.
-    for tokens, logprobs, starts, versions in zip(*(table.column(c).to_pylist() for c in (
-            "response_token_ids", "behaviour_logprobs", "version_span_starts", "version_span_versions"))):
+    # The worker that lives through both outages and is SIGKILLed generates with vLLM; its successor only has to
+    # recover the spool and deliver it (what this test is about), so it runs on the fake engine: one vLLM start
+    # fewer (~45 s on two cores).
+    table, out = run_outage(tmp_path, "vllm", str(tiny_llama), recover_engine="fake")
+    # What the vLLM worker generated was stored as vLLM sampled it — those it spooled and its successor delivered
+    # included: full-length responses, aligned finite behaviour logprobs.
+    from_vllm = trajectory_ids(out["first_events"].generated_groups)
+    rows = [r for r in table.select(["trajectory_id", "response_token_ids", "behaviour_logprobs",
+                                     "version_span_starts", "version_span_versions"]).to_pylist()
+            if r["trajectory_id"] in from_vllm]
+    assert len(rows) == len(from_vllm)
+    for tokens, logprobs, starts, versions in ((r["response_token_ids"], r["behaviour_logprobs"],
+                                                r["version_span_starts"], r["version_span_versions"]) for r in rows):
         assert len(tokens) == len(logprobs) == MAX_NEW_TOKENS
         assert all(math.isfinite(lp) and lp <= 0.0 for lp in logprobs)
         assert (starts, versions) == ([0], [0])
