@@ -29,6 +29,7 @@ from learner.config import AlgorithmConfig, LearnerConfig
 from learner.ranks import gather_step_metrics, rank_rows
 from learner.losses import kl_penalty, loss_normaliser, policy_loss, token_entropy, value_loss
 from learner.step_metrics import explained_variance, kish_ess_fraction, merge_metrics, staleness_histogram
+from learner.step_start import eval_mode, has_dropout
 
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 VALUE_HEAD = "value_head"
@@ -144,6 +145,7 @@ class LearnerEngine:
         out_emb = model.get_output_embeddings()
         self.tied_lm_head = out_emb is not None and out_emb.weight is model.get_input_embeddings().weight
         self.critic = algo.advantage == "gae"
+        self.dropout = has_dropout(model)
         if self.critic:
             head = torch.nn.Linear(model.config.hidden_size, 1, dtype=_DTYPES[config.dtype])
             torch.nn.init.zeros_(head.weight)
@@ -173,7 +175,9 @@ class LearnerEngine:
 
         Every micro-batch's loss is divided by the *whole batch's* normaliser
         (``learner.losses.loss_normaliser``), so the accumulated gradient equals that of the full
-        batch. With a critic, a no-grad pass over the batch first computes ``V_old`` and GAE.
+        batch. With a critic, a no-grad pass over the batch with dropout off first computes ``V_old`` and GAE;
+        with dropout in the model, each micro-batch's proximal logprobs come from a no-grad eval-mode forward
+        (``learner.step_start``).
 
         Returns:
             metrics: ``loss`` (total), ``grad_norm`` (before clipping), ``tokens`` (non-pad tokens
@@ -263,13 +267,15 @@ class LearnerEngine:
 
     @torch.no_grad()
     def _critic_targets(self, batch: TrainBatch) -> CriticTargets:
-        """``V_old`` over the whole batch, then GAE with the outcome reward on each last response token."""
+        """``V_old`` over the whole batch (dropout off), then GAE with the outcome reward on each last response
+        token."""
         old_values = torch.zeros(batch.response_mask.shape, dtype=torch.float32)
-        for lo in range(0, batch.batch_size, self.config.micro_batch_size):
-            rows = slice(lo, lo + self.config.micro_batch_size)
-            input_ids, attention_mask, _ = self._micro_inputs(batch, rows)
-            _, values = self._forward(input_ids, attention_mask)
-            old_values[rows, : values.shape[1]] = values.cpu()
+        with eval_mode(self.engine):
+            for lo in range(0, batch.batch_size, self.config.micro_batch_size):
+                rows = slice(lo, lo + self.config.micro_batch_size)
+                input_ids, attention_mask, _ = self._micro_inputs(batch, rows)
+                _, values = self._forward(input_ids, attention_mask)
+                old_values[rows, : values.shape[1]] = values.cpu()
         mask = batch.response_mask
         old_values = old_values * mask
         rewards = outcome_token_rewards(batch.rewards, mask)
@@ -284,13 +290,15 @@ class LearnerEngine:
         DeepSpeed averages gradients over ranks, and the whole batch's gradient is their sum)."""
         input_ids, attention_mask, mask = self._micro_inputs(batch, rows)
         cols = slice(0, input_ids.shape[1] - 1)
+        proximal = self._proximal_logprobs(input_ids, attention_mask) if self.dropout else None
         logits, values = self._forward(input_ids, attention_mask)
         logprobs = token_logprobs(logits, input_ids, self.algo.temperature)
+        proximal = logprobs.detach() if proximal is None else proximal  # no dropout: the same values
         behaviour = batch.behaviour_logprobs[rows, cols].to(self.device)
         advantages = batch.advantages[rows] if targets is None else targets.advantages[rows, cols]
         loss, metrics = policy_loss(
             logprobs,
-            logprobs.detach(),  # one optimizer step per batch: proximal == current at step start
+            proximal,  # one optimizer step per batch: the current parameters at step start, dropout off
             behaviour,
             advantages.to(self.device),
             mask,
@@ -306,8 +314,17 @@ class LearnerEngine:
             metrics["value_loss"] = float(vloss.detach()) * normaliser / max(vmetrics["valid_tokens"], 1.0)
             metrics["value_clip_frac"] = vmetrics["value_clip_frac"]
         self.engine.backward(loss * grad_scale if grad_scale != 1 else loss, scale_wrt_gas=False)
-        rho = torch.exp(logprobs.detach() - behaviour)[mask]
+        rho = torch.exp(proximal - behaviour)[mask]
         return float(loss.detach()), metrics, rho.cpu()
+
+    @torch.no_grad()
+    def _proximal_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """``[b, l - 1]`` float32 logprobs of the current parameters with dropout off (``learner.step_start``):
+        ``pi_proximal`` of a model with dropout, whose training forward is a random draw. Draws nothing from
+        the RNG."""
+        with eval_mode(self.engine):
+            logits, _ = self._forward(input_ids, attention_mask)
+        return token_logprobs(logits, input_ids, self.algo.temperature)
 
     def _regularisers(
         self, logits, logprobs, input_ids, attention_mask, mask, normaliser: float, metrics: dict
