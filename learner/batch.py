@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 import torch
 
-from learner.advantages import outcome_advantages
+from learner.advantages import group_advantages
 from learner.config import AlgorithmConfig
 from proto.trajectory import validate_table
 
@@ -46,6 +46,10 @@ class TrainBatch:
 
     num_groups: int
     """Number of distinct ``group_id`` values (G); ``B = G * n``."""
+
+    group_rows: torch.Tensor
+    """[G, n] int64: the row indices of each group (first-appearance order), for advantages that are
+    recomputed from per-token rewards in ``learner.engine`` (``kl_placement: reward``)."""
 
     @property
     def batch_size(self) -> int:
@@ -97,8 +101,7 @@ def build_train_batch(
     row_index = torch.tensor([rows for rows in groups.values()], dtype=torch.int64)  # [G, n]
     advantages = torch.zeros_like(rewards)
     if cfg.advantage != "gae":
-        grouped = outcome_advantages(cfg.advantage, rewards[row_index], cfg.adv_eps)
-        advantages[row_index.flatten()] = grouped.flatten()
+        advantages = group_advantages(cfg.advantage, rewards, row_index, cfg.adv_eps)
     input_ids, attention_mask, response_mask, behaviour = _pad_rows(
         cols["prompt_token_ids"], cols["response_token_ids"], cols["behaviour_logprobs"], pad_token_id
     )
@@ -114,6 +117,7 @@ def build_train_batch(
         rewards=rewards,
         staleness=staleness,
         num_groups=len(groups),
+        group_rows=row_index,
     )
 
 
