@@ -127,9 +127,14 @@ def outcome_advantages(estimator: str, rewards: torch.Tensor, eps: float) -> tor
     ``reinforce_pp``); ``eps`` is used by ``grpo`` and ``reinforce_pp``.
 
     Raises:
-        ValueError: unknown ``estimator`` (``gae`` is not an outcome estimator: it needs values), or
-            the estimator's own errors.
+        ValueError: unknown ``estimator`` (``gae`` is not an outcome estimator: it needs values); groups of
+            ``n < 2`` (every baseline is the group's own mean or its other samples' mean: a group of one
+            would train on advantage 0, or none for RLOO; the recipe refuses ``rollout.group_size < 2``
+            for these); or the estimator's own errors.
     """
+    if estimator in OUTCOME_ESTIMATORS and rewards.dim() == 2 and rewards.shape[1] < 2:
+        raise ValueError(f"advantage estimator {estimator!r} needs groups of >= 2 samples (a group baseline); "
+                         f"got group size {rewards.shape[1]}")
     if estimator == "grpo":
         return grpo_advantages(rewards, eps)
     if estimator == "dr_grpo":

@@ -79,7 +79,8 @@ def build_train_batch(
         proto.trajectory.SchemaError: the table does not match the schema.
         ValueError: empty table; a row with an empty prompt; a group whose size differs from the
             first group's (ragged), whose rows disagree on the prompt tokens, or repeat a
-            ``sample_index`` — the message names the group; ``rloo`` with groups of one sample.
+            ``sample_index`` — the message names the group; an outcome estimator (``grpo``, ``dr_grpo``,
+            ``rloo``, ``reinforce_pp``) with groups of one sample.
     """
     validate_table(table)
     if table.num_rows == 0:

@@ -26,9 +26,10 @@ class AlgorithmConfig(BaseModel):
     """Advantage estimator. ``grpo``: ``(r - mean_g) / (std_g + adv_eps)`` (Shao et al. 2024);
     ``dr_grpo``: ``r - mean_g`` (Liu et al. 2025; with ``loss_norm: auto`` it also gets the constant
     token-sum normaliser); ``rloo``: leave-one-out baseline ``r_i - mean_{j != i} r_j`` (Ahmadian et al.
-    2024; needs groups of >= 2); ``reinforce_pp``: group-mean baseline then whole-batch normalisation
-    (REINFORCE++-baseline, Hu 2025); ``gae``: PPO with a value head and GAE over the response tokens
-    (Schulman et al. 2016), the outcome reward sitting on the last response token."""
+    2024); ``reinforce_pp``: group-mean baseline then whole-batch normalisation (REINFORCE++-baseline,
+    Hu 2025); ``gae``: PPO with a value head and GAE over the response tokens (Schulman et al. 2016), the
+    outcome reward sitting on the last response token. The four group baselines need groups of >= 2
+    samples (a recipe with ``rollout.group_size < 2`` is refused); ``gae`` takes any group size."""
 
     policy_ratio: Literal["proximal", "behaviour"] = "proximal"
     """What the PPO ratio ``pi / pi_anchor`` is clipped against. ``proximal``: the learner's own
