@@ -98,7 +98,12 @@ class AlgorithmConfig(BaseModel):
     later positions' KL (which a per-token loss leaves out)."""
 
     entropy_coef: float = Field(0.0, ge=0.0)
-    """Coefficient of the entropy bonus: ``entropy_coef * mean token entropy`` is subtracted from the loss."""
+    """Coefficient of the entropy bonus: ``entropy_coef * sum_t H_t / normaliser`` is subtracted from the loss.
+    ``H_t`` is the exact entropy (nats) of the whole next-token distribution ``softmax(logits / temperature)``
+    at response position ``t`` given the sampled prefix (not the sampled token's ``-log pi``); the sum runs
+    over the batch's valid response tokens (prompt and padding excluded) and ``normaliser`` is the policy
+    loss's (``loss_norm``): so the bonus averages over the batch's response tokens with ``token_mean``, and is
+    that sum over ``max_response_tokens * B`` with ``token_sum``. The ``entropy`` metric is the token mean."""
 
     gamma: float = Field(1.0, ge=0.0, le=1.0)
     """GAE discount (``advantage: gae`` only)."""

@@ -295,7 +295,8 @@ class LearnerEngine:
     def _regularisers(
         self, logits, logprobs, input_ids, attention_mask, mask, normaliser: float, metrics: dict
     ) -> torch.Tensor | float:
-        """``kl_coef * kl_estimator(x) - entropy_coef * H``, token sums over ``normaliser`` (the KL term only with
+        """``kl_coef * kl_estimator(x) - entropy_coef * H``, each summed over the micro-batch's valid response
+        tokens and divided by the whole batch's ``normaliser`` (``H``: ``token_entropy``; the KL term only with
         ``kl_placement: loss``; ``learner.losses.kl_penalty`` says which KL its gradient follows); records the
         token-mean ``entropy`` and ``kl_to_ref`` (k3 estimate of ``KL(pi || pi_ref)``, whatever the estimator)
         in ``metrics``; 0.0 (adds nothing) when both are off."""

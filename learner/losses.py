@@ -230,6 +230,10 @@ def kl_penalty(
 def token_entropy(logits: torch.Tensor, mask: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """Entropy (nats) of ``softmax(logits / temperature)`` at each scored position, only where ``mask``.
 
+    Per position the exact entropy of the whole next-token distribution (a sum over the vocabulary, given
+    the sampled prefix), not an estimate from the sampled token. No averaging here: the learner sums it over
+    the valid response tokens and divides by the policy loss's normaliser (``AlgorithmConfig.entropy_coef``).
+
     Args:
         logits: ``[B, L, V]``; position ``j`` predicts token ``j + 1`` (as in ``token_logprobs``).
         mask: ``[B, L - 1]`` bool; entropy is computed (in float32, ``[N, V]`` for N valid tokens)
