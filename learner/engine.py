@@ -110,6 +110,8 @@ class LearnerEngine:
             (each step publishes a new version).
         tied_lm_head: whether ``lm_head.weight`` is the input embedding (then omitted from weights).
         critic: whether the value head exists (``advantage == "gae"``).
+        dropout: whether the model has dropout (``learner.step_start.has_dropout``); then each micro-batch's
+            proximal logprobs take an extra no-grad forward in eval mode.
         ref_model: the frozen reference model, or None when ``kl_coef == 0``.
     """
 
