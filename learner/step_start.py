@@ -52,9 +52,12 @@ def has_dropout(model: torch.nn.Module) -> bool:
         if any(v > 0 for v in _dropout_values(module)):
             return True
     config = getattr(model, "config", None)
-    configs = [config] if config is not None else []
+    configs, seen = ([config] if config is not None else []), set()
     while configs:
         cfg = configs.pop()
+        if id(cfg) in seen:
+            continue
+        seen.add(id(cfg))
         if any(v > 0 for v in _dropout_values(cfg)):
             return True
         configs += [v for v in vars(cfg).values() if hasattr(v, "to_dict") and hasattr(v, "__dict__")]
