@@ -27,7 +27,7 @@ from learner.config import AlgorithmConfig, LearnerConfig
 from learner.ranks import gather_step_metrics, rank_rows
 from learner.losses import kl_penalty, loss_normaliser, policy_loss, token_entropy, value_loss
 from learner.step_metrics import explained_variance, kish_ess_fraction, merge_metrics, staleness_histogram
-from learner.step_start import StepTargets, eval_mode, has_dropout, step_targets
+from learner.step_start import StepTargets, step_targets
 
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 VALUE_HEAD = "value_head"
@@ -110,8 +110,6 @@ class LearnerEngine:
             (each step publishes a new version).
         tied_lm_head: whether ``lm_head.weight`` is the input embedding (then omitted from weights).
         critic: whether the value head exists (``advantage == "gae"``).
-        dropout: whether the model has dropout (``learner.step_start.has_dropout``); then each micro-batch's
-            proximal logprobs take an extra no-grad forward in eval mode.
         ref_model: the frozen reference model, or None when ``kl_coef == 0``.
     """
 
@@ -130,7 +128,6 @@ class LearnerEngine:
         out_emb = model.get_output_embeddings()
         self.tied_lm_head = out_emb is not None and out_emb.weight is model.get_input_embeddings().weight
         self.critic = algo.advantage == "gae"
-        self.dropout = has_dropout(model)
         if self.critic:
             head = torch.nn.Linear(model.config.hidden_size, 1, dtype=_DTYPES[config.dtype])
             torch.nn.init.zeros_(head.weight)
@@ -161,8 +158,7 @@ class LearnerEngine:
         Every micro-batch's loss is divided by the *whole batch's* normaliser
         (``learner.losses.loss_normaliser``), so the accumulated gradient equals that of the full
         batch. With a critic or the KL in the reward, a no-grad pass over the batch with dropout off first
-        computes ``V_old`` and GAE / the KL-shaped advantages (``learner.step_start.step_targets``); with dropout
-        in the model, each micro-batch's proximal logprobs come from a no-grad eval-mode forward.
+        computes ``V_old`` and GAE / the KL-shaped advantages (``learner.step_start.step_targets``).
 
         Returns:
             metrics: ``loss`` (total), ``grad_norm`` (before clipping), ``tokens`` (non-pad tokens
@@ -257,16 +253,15 @@ class LearnerEngine:
         DeepSpeed averages gradients over ranks, and the whole batch's gradient is their sum)."""
         input_ids, attention_mask, mask = self._micro_inputs(batch, rows)
         cols = slice(0, input_ids.shape[1] - 1)
-        proximal = self._proximal_logprobs(input_ids, attention_mask) if self.dropout else None
         logits, values = self._forward(input_ids, attention_mask)
         logprobs = token_logprobs(logits, input_ids, self.algo.temperature)
-        proximal = logprobs.detach() if proximal is None else proximal  # no dropout: the same values
+        proximal = logprobs.detach()
         behaviour = batch.behaviour_logprobs[rows, cols].to(self.device)
         advantages = batch.advantages[rows] if targets is None else targets.advantages[rows]
         advantages = advantages[:, cols] if advantages.dim() == 2 else advantages
         loss, metrics = policy_loss(
             logprobs,
-            proximal,  # one optimizer step per batch: the current parameters at step start, dropout off
+            proximal,  # one optimizer step per batch: the current parameters (with dropout: this forward's draw)
             behaviour,
             advantages.to(self.device),
             mask,
@@ -284,15 +279,6 @@ class LearnerEngine:
         self.engine.backward(loss * grad_scale if grad_scale != 1 else loss, scale_wrt_gas=False)
         rho = torch.exp(proximal - behaviour)[mask]
         return float(loss.detach()), metrics, rho.cpu()
-
-    @torch.no_grad()
-    def _proximal_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """``[b, l - 1]`` float32 logprobs of the current parameters with dropout off (``learner.step_start``):
-        ``pi_proximal`` of a model with dropout, whose training forward is a random draw. Draws nothing from
-        the RNG."""
-        with eval_mode(self.engine):
-            logits, _ = self._forward(input_ids, attention_mask)
-        return token_logprobs(logits, input_ids, self.algo.temperature)
 
     def _regularisers(
         self, logits, logprobs, input_ids, attention_mask, mask, normaliser: float, metrics: dict

@@ -1,10 +1,12 @@
-"""What a learner step computes from the policy as it stands, before its update: the proximal logprobs
-(the PPO anchor and the ``pi_proximal / pi_behaviour`` importance weights), the critic's ``V_old`` and GAE,
-and the KL in the reward. They are those of the deterministic network vLLM samples from, so they are
+"""What a learner step computes from the policy as it stands, before its update: the critic's ``V_old`` and
+GAE, and the KL in the reward. They are those of the deterministic network vLLM samples from, so they are
 computed with dropout off (``eval_mode``).
 
 Training forwards keep the model's own dropout (a config with ``attention_dropout > 0`` still regularises
-the update and draws from the torch RNG); only these step-start passes switch it off.
+the update and draws from the torch RNG). The proximal logprobs (the PPO anchor) are still the training
+forward's own, detached — with dropout, that forward's draw: computing them in a separate dropout-off pass
+makes ``pi / pi_prox`` differ from 1 by the dropout noise alone, which belongs with issue #21's
+``ppo_epochs`` / ``mini_batches`` (the anchor computed once before the first update).
 """
 
 from __future__ import annotations
@@ -19,50 +21,6 @@ from learner.advantages import gae, group_advantages, kl_shaped_rewards
 from learner.algorithms import token_logprobs
 from learner.batch import TrainBatch
 from learner.losses import kl_penalty
-
-_DROPOUT_NAMES = ("dropout", "pdrop")
-"""Substrings of config/module attribute names that hold a dropout probability (``attention_dropout``,
-``hidden_dropout``, GPT-2's ``attn_pdrop``...)."""
-
-
-def _dropout_values(obj) -> list[float]:
-    values = []
-    for name, value in vars(obj).items():
-        if any(k in name for k in _DROPOUT_NAMES) and isinstance(value, (int, float)) and not isinstance(value, bool):
-            values.append(float(value))
-    return values
-
-
-def has_dropout(model: torch.nn.Module) -> bool:
-    """Whether a forward of ``model`` in train mode can be random: a ``torch.nn`` dropout module with
-    ``p > 0``, or a positive dropout probability in a module attribute or in the HF config (HF attention
-    applies ``self.attention_dropout`` functionally, outside any dropout module).
-
-    Args:
-        model: any module; ``model.config`` (an HF ``PretrainedConfig``, sub-configs included) is read when
-            present.
-
-    Returns:
-        True when any such probability is > 0 (conservative: a positive value the architecture ignores
-        also counts).
-    """
-    for module in model.modules():
-        if isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.p > 0:
-            return True
-        if any(v > 0 for v in _dropout_values(module)):
-            return True
-    config = getattr(model, "config", None)
-    configs, seen = ([config] if config is not None else []), set()
-    while configs:
-        cfg = configs.pop()
-        if id(cfg) in seen:
-            continue
-        seen.add(id(cfg))
-        if any(v > 0 for v in _dropout_values(cfg)):
-            return True
-        configs += [v for v in vars(cfg).values() if hasattr(v, "to_dict") and hasattr(v, "__dict__")]
-    return False
-
 
 @contextlib.contextmanager
 def eval_mode(module: torch.nn.Module) -> Iterator[torch.nn.Module]:

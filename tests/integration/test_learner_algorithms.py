@@ -1,13 +1,10 @@
 """Every advantage estimator and a few off-policy corrections, with KL to a reference model (in the loss and
 in the reward), for one ``train_step`` each on the tiny random Llama (real DeepSpeed ZeRO-2 bf16 on CPU/gloo);
-the GAE critic trains, stays out of the published weights and goes through DeepSpeed checkpoints; a dropout
-model's proximal logprobs are computed with dropout off."""
+the GAE critic trains, stays out of the published weights and goes through DeepSpeed checkpoints."""
 
 from __future__ import annotations
 
-import json
 import math
-import shutil
 
 import pytest
 import torch
@@ -156,28 +153,3 @@ def test_kl_in_the_reward_shapes_the_outcome_advantages(tiny_llama):
     torch.testing.assert_close(targets.advantages, group_advantages("rloo", returns, batch.group_rows, 1e-6))
     assert targets.kl_to_ref > 0.0 and not torch.equal(targets.advantages, batch.advantages)
     assert engine.train_step(batch)["kl_to_ref"] == pytest.approx(targets.kl_to_ref)
-
-
-def test_proximal_logprobs_of_a_dropout_model_are_computed_with_dropout_off(tiny_llama, tmp_path):
-    """With attention dropout 0.5 the training forward is a random draw; the proximal logprobs (PPO anchor and
-    ``pi_proximal / pi_behaviour`` weights) are not: two computations agree, and the step's ``is_ratio_mean``
-    is the dropout-off value."""
-    model = tmp_path / "dropout-llama"
-    shutil.copytree(tiny_llama, model)
-    config = json.loads((model / "config.json").read_text())
-    (model / "config.json").write_text(json.dumps({**config, "attention_dropout": 0.5}))
-    algo = AlgorithmConfig()
-    engine = LearnerEngine(LearnerConfig(model=str(model), zero_stage=0, dtype="fp32", micro_batch_size=8), algo)
-    assert engine.dropout
-    batch = build_train_batch(_table(0, seed=5), 0, 0, algo)
-    input_ids, attention_mask, mask = engine._micro_inputs(batch, slice(0, batch.batch_size))
-    engine.engine.train()
-    with torch.no_grad():  # the control: dropout is live in training forwards
-        draws = [token_logprobs(engine._forward(input_ids, attention_mask)[0], input_ids) for _ in range(2)]
-    assert not torch.equal(draws[0][mask], draws[1][mask])
-    first = engine._proximal_logprobs(input_ids, attention_mask)
-    second = engine._proximal_logprobs(input_ids, attention_mask)
-    assert torch.equal(first, second) and engine.module.training
-    behaviour = batch.behaviour_logprobs[:, : first.shape[1]].to(first.device)
-    expected = float(torch.exp(first - behaviour)[mask].mean())
-    assert engine.train_step(batch)["is_ratio_mean"] == pytest.approx(expected, rel=1e-6)

@@ -1,16 +1,14 @@
-"""Step-start quantities are computed with dropout off: ``has_dropout`` finds HF attention dropout (applied
-functionally, outside any dropout module) and dropout modules; ``eval_mode`` makes two forwards of a dropout
-model agree and restores every module's own training flag. (The engine's use of it, proximal logprobs of a
-dropout model, is ``tests/integration/test_learner_algorithms.py``.)"""
+"""Step-start quantities (the critic's ``V_old``, the KL in the reward) are computed with dropout off:
+``eval_mode`` makes two forwards of a dropout model agree and restores every module's own training flag."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from learner.algorithms import token_logprobs
-from learner.step_start import eval_mode, has_dropout
+from learner.step_start import eval_mode
 
 
 def _llama(attention_dropout: float) -> LlamaForCausalLM:
@@ -24,21 +22,6 @@ def _llama(attention_dropout: float) -> LlamaForCausalLM:
 def _logprobs(model, ids):
     with torch.no_grad():
         return token_logprobs(model(input_ids=ids).logits, ids)
-
-
-def test_has_dropout_reads_hf_attention_dropout_and_dropout_modules():
-    assert has_dropout(_llama(0.5)) and not has_dropout(_llama(0.0))
-    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64, n_positions=32))
-    assert has_dropout(gpt2)  # nn.Dropout modules (resid/embd/attn_pdrop 0.1)
-    no_drop = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64, n_positions=32,
-                                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, summary_first_dropout=0.0))
-    assert not has_dropout(no_drop)
-    assert has_dropout(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.1)))
-    read_in_forward = torch.nn.Linear(2, 2)  # a model that reads its config's dropout only in forward
-    read_in_forward.config = LlamaConfig(attention_dropout=0.1)
-    assert has_dropout(read_in_forward)
-    read_in_forward.config = LlamaConfig()
-    assert not has_dropout(read_in_forward)
 
 
 def test_two_step_start_forwards_of_a_dropout_model_agree():
