@@ -13,6 +13,8 @@ References:
       Learning from Human Feedback in LLMs" (leave-one-out baseline).
     - REINFORCE++-baseline: Hu 2025, "REINFORCE++: A Simple and Efficient Approach for Aligning
       Large Language Models" (group-mean baseline, then normalised over the whole batch).
+    - KL in the reward: Ziegler et al. 2019, "Fine-Tuning Language Models from Human Preferences";
+      Ouyang et al. 2022, "Training language models to follow instructions with human feedback".
     - GAE: Schulman et al. 2016, "High-Dimensional Continuous Control Using Generalized Advantage
       Estimation".
 """
@@ -125,9 +127,14 @@ def outcome_advantages(estimator: str, rewards: torch.Tensor, eps: float) -> tor
     ``reinforce_pp``); ``eps`` is used by ``grpo`` and ``reinforce_pp``.
 
     Raises:
-        ValueError: unknown ``estimator`` (``gae`` is not an outcome estimator: it needs values), or
-            the estimator's own errors.
+        ValueError: unknown ``estimator`` (``gae`` is not an outcome estimator: it needs values); groups of
+            ``n < 2`` (every baseline is the group's own mean or its other samples' mean: a group of one
+            would train on advantage 0, or none for RLOO; the recipe refuses ``rollout.group_size < 2``
+            for these); or the estimator's own errors.
     """
+    if estimator in OUTCOME_ESTIMATORS and rewards.dim() == 2 and rewards.shape[1] < 2:
+        raise ValueError(f"advantage estimator {estimator!r} needs groups of >= 2 samples (a group baseline); "
+                         f"got group size {rewards.shape[1]}")
     if estimator == "grpo":
         return grpo_advantages(rewards, eps)
     if estimator == "dr_grpo":
@@ -139,6 +146,60 @@ def outcome_advantages(estimator: str, rewards: torch.Tensor, eps: float) -> tor
     raise ValueError(
         f"advantage estimator {estimator!r} is not an outcome estimator; expected one of {OUTCOME_ESTIMATORS}"
     )
+
+
+def group_advantages(estimator: str, returns: torch.Tensor, group_rows: torch.Tensor, eps: float) -> torch.Tensor:
+    """``outcome_advantages`` of a batch whose rows are grouped by index rather than laid out ``[G, n]``.
+
+    Args:
+        estimator: an outcome estimator (``OUTCOME_ESTIMATORS``).
+        returns: ``[B]`` float, one scalar return per row (the verifier reward, or with the KL in the
+            reward ``r - beta * sum_t x_t``).
+        group_rows: ``[G, n]`` int64, the row indices of each group (every row exactly once).
+        eps: as in ``outcome_advantages``.
+
+    Returns:
+        ``[B]`` float32, each row's advantage within its group.
+
+    Raises:
+        ValueError: ``group_rows`` is not ``[G, n]`` over ``B`` rows, or ``outcome_advantages``' errors.
+    """
+    if group_rows.dim() != 2 or group_rows.numel() != returns.numel():
+        raise ValueError(f"group_rows {tuple(group_rows.shape)} must be [G, n] with G * n = {returns.numel()} rows")
+    grouped = outcome_advantages(estimator, returns.float()[group_rows], eps)
+    out = torch.zeros(returns.shape, dtype=torch.float32)
+    out[group_rows.flatten()] = grouped.flatten()
+    return out
+
+
+def kl_shaped_rewards(rewards: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, coef: float) -> torch.Tensor:
+    """Per-token rewards with the KL penalty in the reward (PPO-RLHF: Ziegler et al. 2019, Ouyang et al.
+    2022): the outcome reward on each row's last response token (``outcome_token_rewards``) minus
+    ``coef * sg(kl_t)`` on every response token.
+
+    With ``kl_t = log pi(a_t) - log pi_ref(a_t)`` of on-policy tokens, the policy-gradient term's expected
+    gradient is then that of ``E[r] - coef * KL(pi || pi_ref)`` of the whole response (the score function
+    of ``x``: ``E[x grad log pi] = grad KL(pi || pi_ref)``, since ``E[grad x] = 0``).
+
+    Args:
+        rewards: ``[B]`` float, one outcome reward per row.
+        kl: ``[B, T]`` float, per-token ``x`` (detached here; any value off ``mask``).
+        mask: ``[B, T]`` bool, response tokens.
+        coef: ``beta >= 0``.
+
+    Returns:
+        ``[B, T]`` float32, 0 off ``mask``. The outcome estimators use its row sums as returns.
+
+    Raises:
+        ValueError: shapes disagree, ``mask`` is not bool, or ``coef < 0``.
+    """
+    if kl.shape != mask.shape:
+        raise ValueError(f"kl has shape {tuple(kl.shape)}; expected {tuple(mask.shape)}")
+    if coef < 0:
+        raise ValueError(f"coef ({coef}) must be >= 0")
+    token_rewards = outcome_token_rewards(rewards, mask)
+    penalty = torch.where(mask, kl.detach().float(), torch.zeros_like(token_rewards))
+    return token_rewards - coef * penalty
 
 
 def outcome_token_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

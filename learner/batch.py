@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 import torch
 
-from learner.advantages import outcome_advantages
+from learner.advantages import group_advantages
 from learner.config import AlgorithmConfig
 from proto.trajectory import validate_table
 
@@ -47,6 +47,10 @@ class TrainBatch:
     num_groups: int
     """Number of distinct ``group_id`` values (G); ``B = G * n``."""
 
+    group_rows: torch.Tensor
+    """[G, n] int64: the row indices of each group (first-appearance order), for advantages that are
+    recomputed from per-token rewards in ``learner.engine`` (``kl_placement: reward``)."""
+
     @property
     def batch_size(self) -> int:
         """Number of rows B."""
@@ -75,7 +79,8 @@ def build_train_batch(
         proto.trajectory.SchemaError: the table does not match the schema.
         ValueError: empty table; a row with an empty prompt; a group whose size differs from the
             first group's (ragged), whose rows disagree on the prompt tokens, or repeat a
-            ``sample_index`` — the message names the group; ``rloo`` with groups of one sample.
+            ``sample_index`` — the message names the group; an outcome estimator (``grpo``, ``dr_grpo``,
+            ``rloo``, ``reinforce_pp``) with groups of one sample.
     """
     validate_table(table)
     if table.num_rows == 0:
@@ -97,8 +102,7 @@ def build_train_batch(
     row_index = torch.tensor([rows for rows in groups.values()], dtype=torch.int64)  # [G, n]
     advantages = torch.zeros_like(rewards)
     if cfg.advantage != "gae":
-        grouped = outcome_advantages(cfg.advantage, rewards[row_index], cfg.adv_eps)
-        advantages[row_index.flatten()] = grouped.flatten()
+        advantages = group_advantages(cfg.advantage, rewards, row_index, cfg.adv_eps)
     input_ids, attention_mask, response_mask, behaviour = _pad_rows(
         cols["prompt_token_ids"], cols["response_token_ids"], cols["behaviour_logprobs"], pad_token_id
     )
@@ -114,6 +118,7 @@ def build_train_batch(
         rewards=rewards,
         staleness=staleness,
         num_groups=len(groups),
+        group_rows=row_index,
     )
 
 

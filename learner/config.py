@@ -9,6 +9,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from proto.model_source import localize_model_data
 
 
+KL_LOSS_GRADIENT: dict[str, str | None] = {"k1": None, "k2": "KL(pi || pi_ref)", "k3": "KL(pi_ref || pi)"}
+"""What each ``kl_estimator`` trains as a loss: the KL whose gradient ``E_{a ~ pi}[grad k(x_a)]`` equals (per
+position, the sampling distribution held fixed), or ``None`` where that expectation is 0 (``k1``). Checked
+exactly in ``tests/unit/test_kl_gradients.py``."""
+
+
 class AlgorithmConfig(BaseModel):
     """The RL algorithm: advantage estimator, off-policy correction, regularisers and critic
     (see ``learner.advantages`` and ``learner.losses``). The defaults are GRPO advantages with the
@@ -20,9 +26,10 @@ class AlgorithmConfig(BaseModel):
     """Advantage estimator. ``grpo``: ``(r - mean_g) / (std_g + adv_eps)`` (Shao et al. 2024);
     ``dr_grpo``: ``r - mean_g`` (Liu et al. 2025; with ``loss_norm: auto`` it also gets the constant
     token-sum normaliser); ``rloo``: leave-one-out baseline ``r_i - mean_{j != i} r_j`` (Ahmadian et al.
-    2024; needs groups of >= 2); ``reinforce_pp``: group-mean baseline then whole-batch normalisation
-    (REINFORCE++-baseline, Hu 2025); ``gae``: PPO with a value head and GAE over the response tokens
-    (Schulman et al. 2016), the outcome reward sitting on the last response token."""
+    2024); ``reinforce_pp``: group-mean baseline then whole-batch normalisation (REINFORCE++-baseline,
+    Hu 2025); ``gae``: PPO with a value head and GAE over the response tokens (Schulman et al. 2016), the
+    outcome reward sitting on the last response token. The four group baselines need groups of >= 2
+    samples (a recipe with ``rollout.group_size < 2`` is refused); ``gae`` takes any group size."""
 
     policy_ratio: Literal["proximal", "behaviour"] = "proximal"
     """What the PPO ratio ``pi / pi_anchor`` is clipped against. ``proximal``: the learner's own
@@ -68,16 +75,35 @@ class AlgorithmConfig(BaseModel):
     (``max_tokens``). ``None``: the longest response of each batch (then not constant across batches)."""
 
     kl_coef: float = Field(0.0, ge=0.0)
-    """Coefficient of the KL penalty to a frozen reference model (the initial weights). The
-    reference model is loaded only when this is > 0."""
+    """Coefficient ``beta`` of the KL regulariser to a frozen reference model (the initial weights), placed
+    by ``kl_placement``. The reference model is loaded only when this is > 0."""
 
-    kl_estimator: Literal["k1", "k3"] = "k3"
-    """Per-token estimator of KL(pi || pi_ref) on the sampled tokens, ``x = log pi - log pi_ref``:
-    ``k1 = x``; ``k3 = exp(-x) - 1 + x`` (unbiased, always >= 0; Schulman,
-    http://joschu.net/blog/kl-approx.html)."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """Per-token function of ``x = log pi(a_t) - log pi_ref(a_t)`` on the sampled tokens (Schulman,
+    http://joschu.net/blog/kl-approx.html): ``k1 = x``, ``k2 = x^2 / 2``, ``k3 = exp(-x) - 1 + x``. Which KL
+    each one *trains* is the expected gradient of ``beta * k`` as a loss over on-policy tokens (Tang & Munos
+    2025, "On a few pitfalls in KL divergence gradient estimation for RL"), listed in ``KL_LOSS_GRADIENT``:
+    ``k2`` -> ``grad KL(pi || pi_ref)``; ``k3`` -> ``grad KL(pi_ref || pi)`` (the reversed KL, although its
+    *value* estimates ``KL(pi || pi_ref)``); ``k1`` -> 0 (refused as a loss: noise and no pull toward the
+    reference). With ``kl_placement: reward`` it must be ``k1``: the reward is ``-beta * x``."""
+
+    kl_placement: Literal["loss", "reward"] = "loss"
+    """Where ``kl_coef`` acts (verl's ``actor.use_kl_loss`` / ``algorithm.use_kl_in_reward``). ``loss``:
+    ``beta * kl_estimator(x)`` is added to every valid token's loss, normalised like the policy loss (GRPO,
+    Shao et al. 2024). ``reward``: ``-beta * sg(x)`` is added to every response token's reward before the
+    advantages (PPO-RLHF: Ziegler et al. 2019, Ouyang et al. 2022), ``x`` from the learner's own logprobs at
+    the start of the step (dropout off); ``gae`` takes these per-token rewards, the outcome estimators the
+    row's return ``r - beta * sum_t x_t`` (grouped as usual). The policy-gradient term then follows
+    ``beta * grad KL(pi || pi_ref)`` of the whole response, including the effect of each token on the
+    later positions' KL (which a per-token loss leaves out)."""
 
     entropy_coef: float = Field(0.0, ge=0.0)
-    """Coefficient of the entropy bonus: ``entropy_coef * mean token entropy`` is subtracted from the loss."""
+    """Coefficient of the entropy bonus: ``entropy_coef * sum_t H_t / normaliser`` is subtracted from the loss.
+    ``H_t`` is the exact entropy (nats) of the whole next-token distribution ``softmax(logits / temperature)``
+    at response position ``t`` given the sampled prefix (not the sampled token's ``-log pi``); the sum runs
+    over the batch's valid response tokens (prompt and padding excluded) and ``normaliser`` is the policy
+    loss's (``loss_norm``): so the bonus averages over the batch's response tokens with ``token_mean``, and is
+    that sum over ``max_response_tokens * B`` with ``token_sum``. The ``entropy`` metric is the token mean."""
 
     gamma: float = Field(1.0, ge=0.0, le=1.0)
     """GAE discount (``advantage: gae`` only)."""
@@ -107,6 +133,17 @@ class AlgorithmConfig(BaseModel):
             raise ValueError(
                 f"is_weight ({self.is_weight!r}) with policy_ratio 'behaviour' corrects the behaviour gap "
                 "twice; expected is_weight 'none', 'mis_token' or 'mis_seq' (or policy_ratio 'proximal')"
+            )
+        if self.kl_placement == "loss" and KL_LOSS_GRADIENT[self.kl_estimator] is None:
+            raise ValueError(
+                f"kl_estimator {self.kl_estimator!r} as a loss has zero expected gradient (E_pi[grad log pi] = 0): "
+                "it adds noise and no pull toward the reference; expected kl_estimator 'k2' (trains "
+                "KL(pi || pi_ref)) or 'k3' (trains KL(pi_ref || pi)), or kl_placement 'reward' (k1 in the reward)"
+            )
+        if self.kl_placement == "reward" and self.kl_estimator != "k1":
+            raise ValueError(
+                f"kl_placement 'reward' adds -kl_coef * x (the k1 value) to each token's reward; got kl_estimator "
+                f"{self.kl_estimator!r}, expected 'k1' (or kl_placement 'loss' for k2/k3)"
             )
         if self.mis_low >= self.mis_high:
             raise ValueError(f"mis_low ({self.mis_low}) must be < mis_high ({self.mis_high})")

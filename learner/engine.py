@@ -10,7 +10,6 @@ import contextlib
 import os
 import socket
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +20,6 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from learner import checkpoint as ckpt
-from learner.advantages import gae, outcome_token_rewards
 from learner.algorithms import token_logprobs
 from learner.batch import TrainBatch
 from learner.comm_timer import CommTimer
@@ -29,6 +27,7 @@ from learner.config import AlgorithmConfig, LearnerConfig
 from learner.ranks import gather_step_metrics, rank_rows
 from learner.losses import kl_penalty, loss_normaliser, policy_loss, token_entropy, value_loss
 from learner.step_metrics import explained_variance, kish_ess_fraction, merge_metrics, staleness_histogram
+from learner.step_start import StepTargets, step_targets
 
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 VALUE_HEAD = "value_head"
@@ -91,21 +90,6 @@ def ensure_distributed() -> None:
         os.environ.setdefault(key, default)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
-
-
-@dataclass(frozen=True)
-class CriticTargets:
-    """GAE quantities of one batch, from the critic at the start of the step (``advantage: gae``).
-    All ``[B, L - 1]`` float32 on CPU, aligned with ``TrainBatch.response_mask``, 0 off the mask."""
-
-    advantages: torch.Tensor
-    """Per-token GAE advantages (``learner.advantages.gae``)."""
-
-    returns: torch.Tensor
-    """Value targets ``A + V_old``."""
-
-    old_values: torch.Tensor
-    """``V_old(s_t)``: the value head's predictions before this step's update (the clip anchor)."""
 
 
 class LearnerEngine:
@@ -173,15 +157,16 @@ class LearnerEngine:
 
         Every micro-batch's loss is divided by the *whole batch's* normaliser
         (``learner.losses.loss_normaliser``), so the accumulated gradient equals that of the full
-        batch. With a critic, a no-grad pass over the batch first computes ``V_old`` and GAE.
+        batch. With a critic or the KL in the reward, a no-grad pass over the batch with dropout off first
+        computes ``V_old`` and GAE / the KL-shaped advantages (``learner.step_start.step_targets``).
 
         Returns:
             metrics: ``loss`` (total), ``grad_norm`` (before clipping), ``tokens`` (non-pad tokens
             forwarded), ``response_tokens``, ``step_time_s``, ``tokens_per_s``, the ``policy_loss``
             metrics (token-weighted over micro-batches; ``is_ratio_max`` is the max), ``is_ess_frac``
             (Kish ESS of ``pi_proximal / pi_behaviour`` over valid tokens, as a fraction), ``entropy``
-            (token-mean nats), ``kl_to_ref`` (token-mean estimate, only with ``kl_coef > 0``),
-            ``value_loss`` / ``value_clip_frac`` / ``explained_variance`` (critic only),
+            (token-mean nats), ``kl_to_ref`` (token-mean k3 estimate of ``KL(pi || pi_ref)``, only with
+            ``kl_coef > 0``), ``value_loss`` / ``value_clip_frac`` / ``explained_variance`` (critic only),
             ``reward_mean``, ``reward_std``, ``advantage_abs_mean``, ``staleness_mean``,
             ``staleness_max``, ``staleness_hist_0 .. staleness_hist_8`` (trajectory counts per lag,
             the last bucket ``>= 8``), ``step``.
@@ -189,7 +174,7 @@ class LearnerEngine:
         start = time.perf_counter()
         self.engine.train()
         normaliser = loss_normaliser(self.algo, batch.response_mask)  # of the whole batch, on every rank
-        targets = self._critic_targets(batch) if self.critic else None
+        targets = step_targets(self, batch)
         mine, world = rank_rows(batch.batch_size, self.config.batch_split)
         loss_total, parts, rhos = 0.0, [], []
         for lo in range(mine.start, mine.stop, self.config.micro_batch_size):
@@ -226,15 +211,14 @@ class LearnerEngine:
             "step": float(self.step),
         }
 
-    def _batch_metrics(self, batch: TrainBatch, targets: CriticTargets | None) -> dict[str, float]:
-        """Reward, advantage, staleness (and critic) metrics of the batch itself."""
-        if targets is None:
-            adv_abs = float(batch.advantages.abs().mean())
-            critic = {}
-        else:
-            adv_abs = float(targets.advantages[batch.response_mask].abs().mean())
-            critic = {"explained_variance": explained_variance(
-                targets.old_values, targets.returns, batch.response_mask)}
+    def _batch_metrics(self, batch: TrainBatch, targets: StepTargets | None) -> dict[str, float]:
+        """Reward, advantage, staleness (and critic, KL-in-reward) metrics of the batch itself."""
+        adv, critic = batch.advantages if targets is None else targets.advantages, {}
+        adv_abs = float((adv[batch.response_mask] if adv.dim() == 2 else adv).abs().mean())
+        if targets is not None and targets.old_values is not None:
+            critic["explained_variance"] = explained_variance(targets.old_values, targets.returns, batch.response_mask)
+        if targets is not None and targets.kl_to_ref is not None:
+            critic["kl_to_ref"] = targets.kl_to_ref
         return {
             "reward_mean": float(batch.rewards.mean()),
             "reward_std": float(batch.rewards.std(unbiased=False)),
@@ -261,23 +245,8 @@ class LearnerEngine:
         return (batch.input_ids[rows, :length].to(self.device), attention_mask[:, :length].to(self.device),
                 batch.response_mask[rows, : length - 1].to(self.device))
 
-    @torch.no_grad()
-    def _critic_targets(self, batch: TrainBatch) -> CriticTargets:
-        """``V_old`` over the whole batch, then GAE with the outcome reward on each last response token."""
-        old_values = torch.zeros(batch.response_mask.shape, dtype=torch.float32)
-        for lo in range(0, batch.batch_size, self.config.micro_batch_size):
-            rows = slice(lo, lo + self.config.micro_batch_size)
-            input_ids, attention_mask, _ = self._micro_inputs(batch, rows)
-            _, values = self._forward(input_ids, attention_mask)
-            old_values[rows, : values.shape[1]] = values.cpu()
-        mask = batch.response_mask
-        old_values = old_values * mask
-        rewards = outcome_token_rewards(batch.rewards, mask)
-        advantages, returns = gae(rewards, old_values, mask, self.algo.gamma, self.algo.lam)
-        return CriticTargets(advantages=advantages, returns=returns, old_values=old_values)
-
     def _forward_backward(
-        self, batch: TrainBatch, rows: slice, normaliser: float, targets: CriticTargets | None, grad_scale: int = 1
+        self, batch: TrainBatch, rows: slice, normaliser: float, targets: StepTargets | None, grad_scale: int = 1
     ) -> tuple[float, dict, torch.Tensor]:
         """Forward/backward one micro-batch; returns (loss, metrics, valid tokens' rho = prox/behaviour).
         ``grad_scale``: the backward loss is multiplied by it (the world size when the batch is sharded:
@@ -286,11 +255,13 @@ class LearnerEngine:
         cols = slice(0, input_ids.shape[1] - 1)
         logits, values = self._forward(input_ids, attention_mask)
         logprobs = token_logprobs(logits, input_ids, self.algo.temperature)
+        proximal = logprobs.detach()
         behaviour = batch.behaviour_logprobs[rows, cols].to(self.device)
-        advantages = batch.advantages[rows] if targets is None else targets.advantages[rows, cols]
+        advantages = batch.advantages[rows] if targets is None else targets.advantages[rows]
+        advantages = advantages[:, cols] if advantages.dim() == 2 else advantages
         loss, metrics = policy_loss(
             logprobs,
-            logprobs.detach(),  # one optimizer step per batch: proximal == current at step start
+            proximal,  # one optimizer step per batch: the current parameters (with dropout: this forward's draw)
             behaviour,
             advantages.to(self.device),
             mask,
@@ -298,7 +269,7 @@ class LearnerEngine:
             normaliser=normaliser,
         )
         loss = loss + self._regularisers(logits, logprobs, input_ids, attention_mask, mask, normaliser, metrics)
-        if values is not None:
+        if values is not None:  # the critic: targets are set
             vloss, vmetrics = value_loss(values, targets.old_values[rows, cols].to(self.device),
                                          targets.returns[rows, cols].to(self.device), mask,
                                          self.algo.value_clip, normaliser)
@@ -306,27 +277,34 @@ class LearnerEngine:
             metrics["value_loss"] = float(vloss.detach()) * normaliser / max(vmetrics["valid_tokens"], 1.0)
             metrics["value_clip_frac"] = vmetrics["value_clip_frac"]
         self.engine.backward(loss * grad_scale if grad_scale != 1 else loss, scale_wrt_gas=False)
-        rho = torch.exp(logprobs.detach() - behaviour)[mask]
+        rho = torch.exp(proximal - behaviour)[mask]
         return float(loss.detach()), metrics, rho.cpu()
 
     def _regularisers(
         self, logits, logprobs, input_ids, attention_mask, mask, normaliser: float, metrics: dict
     ) -> torch.Tensor | float:
-        """``kl_coef * KL(pi || pi_ref) - entropy_coef * H``, token sums over ``normaliser``; records
-        the token-mean ``entropy`` and ``kl_to_ref`` in ``metrics``; 0.0 (adds nothing) when both are off."""
+        """``kl_coef * kl_estimator(x) - entropy_coef * H``, each summed over the micro-batch's valid response
+        tokens and divided by the whole batch's ``normaliser`` (``H``: ``token_entropy``; the KL term only with
+        ``kl_placement: loss``; ``learner.losses.kl_penalty`` says which KL its gradient follows); records the
+        token-mean ``entropy`` and ``kl_to_ref`` (k3 estimate of ``KL(pi || pi_ref)``, whatever the estimator)
+        in ``metrics``; 0.0 (adds nothing) when both are off."""
         n = max(float(mask.sum()), 1.0)
         with torch.set_grad_enabled(self.algo.entropy_coef > 0 and torch.is_grad_enabled()):
             entropy = token_entropy(logits, mask, self.algo.temperature).sum()
         metrics["entropy"] = float(entropy.detach()) / n
         total = -self.algo.entropy_coef * entropy / normaliser if self.algo.entropy_coef > 0 else 0.0
-        if self.ref_model is not None and self.algo.kl_coef > 0:
-            with torch.no_grad():
-                ref_logits = self.ref_model(input_ids=input_ids, attention_mask=attention_mask).logits
-                ref_logprobs = token_logprobs(ref_logits, input_ids, self.algo.temperature)
+        if self.ref_model is not None and self.algo.kl_placement == "loss":
+            ref_logprobs = self._ref_logprobs(input_ids, attention_mask)
             kl = kl_penalty(logprobs, ref_logprobs, mask, self.algo.kl_estimator).sum()
-            metrics["kl_to_ref"] = float(kl.detach()) / n
+            metrics["kl_to_ref"] = float(kl_penalty(logprobs.detach(), ref_logprobs, mask, "k3").sum()) / n
             total = total + self.algo.kl_coef * kl / normaliser
         return total
+
+    @torch.no_grad()
+    def _ref_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """``[B, L - 1]`` float32 logprobs of the frozen reference model (eval mode: no dropout)."""
+        ref_logits = self.ref_model(input_ids=input_ids, attention_mask=attention_mask).logits
+        return token_logprobs(ref_logits, input_ids, self.algo.temperature)
 
     def _local_grad_norm(self) -> float:
         """2-norm of this rank's gradients; used only where DeepSpeed keeps no norm (ZeRO-0 fp32,

@@ -11,7 +11,9 @@ References:
       (truncated importance weight ``min(pi_learner / pi_rollout, C)``, token or sequence level).
     - MIS / "icepop": masked importance sampling of the 2025 off-policy RL literature (tokens or
       trajectories whose ratio leaves a band are dropped from the gradient, not clipped).
-    - KL estimators k1/k3: Schulman, "Approximating KL Divergence", http://joschu.net/blog/kl-approx.html
+    - KL estimators k1/k2/k3: Schulman, "Approximating KL Divergence", http://joschu.net/blog/kl-approx.html;
+      what their gradients train as losses: Tang & Munos 2025, "On a few pitfalls in KL divergence
+      gradient estimation for RL".
     - Value clipping: Schulman et al. 2017 "PPO" / OpenAI baselines ``ppo2``.
     - Token-mean aggregation: Yu et al. 2025, "DAPO"; constant token-sum: Liu et al. 2025, "Dr.GRPO".
 """
@@ -183,20 +185,30 @@ def _metrics(log_rho, ppo_clipped, truncated, dropped, mask) -> dict[str, float]
 def kl_penalty(
     logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor, estimator: str
 ) -> torch.Tensor:
-    """Per-token estimate of KL(pi || pi_ref) on sampled tokens (Schulman, http://joschu.net/blog/kl-approx.html).
+    """Per-token KL term on sampled tokens, ``x = logprobs - ref_logprobs`` (the reference detached):
+    ``k1 = x``, ``k2 = x^2 / 2``, ``k3 = exp(-x) - 1 + x`` (Schulman, http://joschu.net/blog/kl-approx.html).
 
-    With ``x = logprobs - ref_logprobs``: ``k1 = x``; ``k3 = exp(-x) - 1 + x`` (>= 0). Both are
-    differentiated through ``logprobs`` only (the reference is detached).
+    *Values*, over tokens ``a ~ pi``: ``E[k1] = E[k3] = KL(pi || pi_ref)`` (``k3 >= 0``, lower variance);
+    ``E[k2] ~ KL(pi || pi_ref)`` only while ``pi`` stays close to ``pi_ref``.
+
+    *Gradients* when summed into a loss (what training follows; Tang & Munos 2025), expectation over
+    ``a ~ pi`` with the sampling distribution held fixed, per position (``config.KL_LOSS_GRADIENT``):
+
+    - ``k1``: ``E[grad log pi] = 0``: no pull toward the reference, only noise (``AlgorithmConfig`` refuses
+      it as a loss; as a reward ``-beta * x`` it is the PPO-RLHF penalty).
+    - ``k2``: ``E[x grad log pi] = grad KL(pi || pi_ref)``.
+    - ``k3``: ``E[(1 - pi_ref / pi) grad log pi] = -sum_a pi_ref(a) grad log pi(a) = grad KL(pi_ref || pi)``:
+      the reversed KL, although its value estimates ``KL(pi || pi_ref)``.
 
     Args:
         logprobs: ``[B, T]`` float32, current policy, with grad.
         ref_logprobs: ``[B, T]`` float32, frozen reference model.
         mask: ``[B, T]`` bool; ``x`` is set to 0 elsewhere *before* the estimator, so prompt and
             padding positions can neither overflow ``exp(-x)`` nor leak NaN into the gradient.
-        estimator: ``"k1"`` or ``"k3"``.
+        estimator: ``"k1"``, ``"k2"`` or ``"k3"``.
 
     Returns:
-        ``[B, T]`` float32 per-token estimates, 0 where ``mask`` is False.
+        ``[B, T]`` float32 per-token values, 0 where ``mask`` is False.
 
     Raises:
         ValueError: shapes disagree or unknown ``estimator``.
@@ -208,13 +220,19 @@ def kl_penalty(
     x = torch.where(mask, x, torch.zeros_like(x))
     if estimator == "k1":
         return x
+    if estimator == "k2":
+        return 0.5 * x * x
     if estimator == "k3":
         return torch.exp(-x) - 1.0 + x
-    raise ValueError(f"kl estimator {estimator!r}; expected 'k1' or 'k3'")
+    raise ValueError(f"kl estimator {estimator!r}; expected 'k1', 'k2' or 'k3'")
 
 
 def token_entropy(logits: torch.Tensor, mask: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """Entropy (nats) of ``softmax(logits / temperature)`` at each scored position, only where ``mask``.
+
+    Per position the exact entropy of the whole next-token distribution (a sum over the vocabulary, given
+    the sampled prefix), not an estimate from the sampled token. No averaging here: the learner sums it over
+    the valid response tokens and divides by the policy loss's normaliser (``AlgorithmConfig.entropy_coef``).
 
     Args:
         logits: ``[B, L, V]``; position ``j`` predicts token ``j + 1`` (as in ``token_logprobs``).

@@ -23,7 +23,7 @@ policy-version spans):
 - ``reward`` (float32): scalar reward from the task's verifier, finite.
 - ``finish_reason`` (utf8): ``"stop"`` or ``"length"``.
 - ``version_span_starts`` (list<int32>) ``[S]``: token offset in the response where each span starts;
-  the first is 0, strictly increasing.
+  the first is 0, strictly increasing, each ``< T`` (just ``[0]`` for an empty response).
 - ``version_span_versions`` (list<int64>) ``[S]``: policy version that produced the tokens of each
   span; non-decreasing. A trajectory generated across a weight update has ``S >= 2``.
 - ``reward_fn_version`` (utf8): identifies the verifier that scored the row.
@@ -142,7 +142,8 @@ def from_ipc(payload: bytes) -> pa.Table:
 
     Raises:
         SchemaError: unreadable bytes, wrong schema version, missing/mistyped column, or a row whose
-            ``response_token_ids`` and ``behaviour_logprobs`` lengths differ or whose reward is not finite.
+            ``response_token_ids`` and ``behaviour_logprobs`` lengths differ, whose reward is not finite, or
+            whose version spans break the invariants above (``validate_table``).
     """
     try:
         table = pa.ipc.open_stream(payload).read_all()
@@ -191,6 +192,10 @@ def _list_lengths(table: pa.Table, name: str) -> np.ndarray:
 def validate_table(table: pa.Table) -> None:
     """Check schema version, columns, dtypes and per-row invariants; raise ``SchemaError`` naming the field.
 
+    Per row: as many behaviour logprobs as response tokens, a finite reward, and version spans as the
+    module docstring states (as many starts as versions, at least one; starts from 0, strictly increasing,
+    inside the response; versions non-decreasing), the bad row named by index, trajectory and group id.
+
     The usual case (the schema equals ``TRAJECTORY_SCHEMA``, metadata included) is one comparison;
     only a different schema is checked field by field to name what differs. Row checks are numpy over
     whole columns (list lengths from offsets), never a per-row Python loop.
@@ -218,3 +223,48 @@ def validate_table(table: pa.Table) -> None:
         raise SchemaError("version_span_starts and version_span_versions differ in length")
     if (n_spans == 0).any():
         raise SchemaError("version_span_versions is empty; every trajectory needs at least one span")
+    _check_spans(table, n_tok)
+
+
+def _list_values(table: pa.Table, name: str) -> tuple[np.ndarray, np.ndarray]:
+    """``(offsets [rows + 1] from 0, values)`` of the list column ``name`` as numpy, only the values its rows
+    cover (a sliced list array's buffer may hold more; ``combine_chunks`` normalises that in pyarrow 26, but
+    is not documented to)."""
+    col = table.column(name).combine_chunks()
+    offsets = col.offsets.to_numpy()
+    if len(offsets) == 0:
+        return np.zeros(1, np.int64), np.zeros(0, np.int64)
+    return offsets - offsets[0], col.values.to_numpy()[offsets[0]: offsets[-1]]
+
+
+def _check_spans(table: pa.Table, n_tok: np.ndarray) -> None:
+    """The version-span invariants replay's staleness gate and the learner's lag rely on (the first span's
+    version is the oldest, the last one's the newest): per row, ``version_span_starts`` begins at 0 and
+    strictly increases, every start lies inside the response (``< T``; just ``[0]`` for an empty one), and
+    ``version_span_versions`` never decreases. Spans are non-empty and as long as each other (checked
+    before). Vectorised over all spans; raises ``SchemaError`` naming the row, its trajectory and group
+    ids, the spans and what is wrong."""
+    offsets, starts = _list_values(table, "version_span_starts")
+    _, versions = _list_values(table, "version_span_versions")
+    first, last = offsets[:-1], offsets[1:] - 1
+    bad_first = starts[first] != 0
+    bad_end = starts[last] >= np.maximum(n_tok, 1)
+    inner = np.ones(max(len(starts) - 1, 0), bool)  # pair (j, j + 1) lies within one row
+    inner[first[1:] - 1] = False
+    row_of = np.repeat(np.arange(len(n_tok)), np.diff(offsets))[:-1]  # row of pair (j, j + 1)
+    step_start, step_version = np.zeros(len(n_tok), bool), np.zeros(len(n_tok), bool)
+    step_start[row_of[inner & (np.diff(starts) <= 0)]] = True
+    step_version[row_of[inner & (np.diff(versions) < 0)]] = True
+    checks = ((bad_first, "the first span must start at token 0"),
+              (step_start, "span starts must strictly increase"),
+              (bad_end, "a span starts past the response's last token"),
+              (step_version, "span versions must not decrease"))
+    for bad, what in checks:
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            lo, hi = offsets[i], offsets[i + 1]
+            raise SchemaError(
+                f"row {i} ({table.column('trajectory_id')[i].as_py()}, group {table.column('group_id')[i].as_py()}): "
+                f"{what}; version_span_starts {starts[lo:hi].tolist()}, version_span_versions "
+                f"{versions[lo:hi].tolist()}, {int(n_tok[i])} response tokens"
+            )

@@ -10,6 +10,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 import faults
+from learner.advantages import OUTCOME_ESTIMATORS
 from proto.model_source import DRY_RUN, ModelSourceError, is_hub_id, resolve
 from learner.loop import LearnerLoopConfig
 from replay.config import ReplayConfig
@@ -204,6 +205,11 @@ class Recipe(BaseModel):
         if self.model_revision is not None and self.model_id is None and not is_hub_id(self.model):
             raise ValueError(f"model_revision ({self.model_revision!r}) applies to a Hub id, but model "
                              f"({self.model!r}) is a local folder: remove model_revision")
+        advantage, n = self.learner.algorithm.advantage, self.rollout.group_size
+        if advantage in OUTCOME_ESTIMATORS and n < 2:
+            raise ValueError(f"rollout.group_size ({n}) must be >= 2 for learner.algorithm.advantage {advantage!r}: its "
+                             "baseline comes from the other samples of the group, and a group of one has none (every "
+                             "advantage would be 0, or undefined for rloo); or set learner.algorithm.advantage: gae")
         world, rows = self.placement.learner.world_size, self.learner.groups_per_step * self.rollout.group_size
         if world > 1 and self.learner.engine.batch_split == "shard" and rows % world:
             raise ValueError(f"learner.groups_per_step * rollout.group_size ({rows} rows) must be a multiple of "

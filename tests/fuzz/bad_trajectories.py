@@ -76,10 +76,12 @@ def wrong_schema(draw) -> tuple[bytes, str]:
 
 @st.composite
 def wrong_rows(draw) -> tuple[bytes, str]:
-    """Valid IPC and schema, invalid rows: T mismatch, non-finite reward, spans, ids, groups, nulls."""
+    """Valid IPC and schema, invalid rows: T mismatch, non-finite reward, spans (lengths, empty, out of
+    order), ids, groups, nulls."""
     table = draw(groups())
     n = table.num_rows
-    kind = draw(st.sampled_from(["lengths", "reward", "span_len", "span_empty", "id", "mixed", "dup", "null"]))
+    kind = draw(st.sampled_from(["lengths", "reward", "span_len", "span_empty", "span_order", "id", "mixed", "dup",
+                                 "null"]))
     row = draw(st.integers(0, n - 1))
     if kind == "lengths":
         lp = table.column("behaviour_logprobs").to_pylist()
@@ -96,6 +98,17 @@ def wrong_rows(draw) -> tuple[bytes, str]:
     if kind == "span_empty":
         both = _set(_set(table, "version_span_versions", [[]] * n), "version_span_starts", [[]] * n)
         return raw_ipc(both), "version_span_versions is empty"
+    if kind == "span_order":  # one span per row (response_len >= 1): a first start > 0, or versions going back
+        starts, versions = (table.column(c).to_pylist() for c in ("version_span_starts", "version_span_versions"))
+        tokens, version = len(table.column("response_token_ids")[row].as_py()), versions[row][0]
+        if tokens < 2 or draw(st.booleans()):
+            starts[row], what = [draw(st.integers(1, 2**31 - 1))], "the first span must start at token 0"
+        else:
+            starts[row], versions[row] = [0, draw(st.integers(1, tokens - 1))], [version + 1, version]
+            what = "span versions must not decrease"
+        bad = _set(_set(table, "version_span_starts", starts), "version_span_versions", versions)
+        ids = table.column("trajectory_id")[row].as_py(), table.column("group_id")[row].as_py()
+        return raw_ipc(bad), f"row {row} ({ids[0]}, group {ids[1]}): {what}"
     if kind == "id":
         ids = table.column("trajectory_id").to_pylist()
         ids[row] = draw(st.text(max_size=12).filter(lambda s: s != ids[row]))

@@ -1,6 +1,6 @@
-"""Every advantage estimator and a few off-policy corrections, with KL to a reference model, for one
-``train_step`` each on the tiny random Llama (real DeepSpeed ZeRO-2 bf16 on CPU/gloo); the GAE critic
-trains, stays out of the published weights and goes through DeepSpeed checkpoints."""
+"""Every advantage estimator and a few off-policy corrections, with KL to a reference model (in the loss and
+in the reward), for one ``train_step`` each on the tiny random Llama (real DeepSpeed ZeRO-2 bf16 on CPU/gloo);
+the GAE critic trains, stays out of the published weights and goes through DeepSpeed checkpoints."""
 
 from __future__ import annotations
 
@@ -9,9 +9,12 @@ import math
 import pytest
 import torch
 
+from learner.advantages import group_advantages
+from learner.algorithms import token_logprobs
 from learner.batch import build_train_batch
 from learner.config import AlgorithmConfig, LearnerConfig
 from learner.engine import LearnerEngine
+from learner.step_start import eval_mode, step_targets
 from proto.trajectory import Trajectory, make_ids, to_table
 
 STEP_KEYS = {
@@ -89,7 +92,8 @@ def test_outcome_estimators_and_corrections_with_kl(tiny_llama):
 
 
 def test_gae_critic_trains_is_unpublished_and_checkpointed(tiny_llama, tmp_path):
-    algo = AlgorithmConfig(advantage="gae", gamma=1.0, lam=1.0, value_coef=1.0, kl_coef=0.05, kl_estimator="k1")
+    algo = AlgorithmConfig(advantage="gae", gamma=1.0, lam=1.0, value_coef=1.0, kl_coef=0.05, kl_estimator="k1",
+                           kl_placement="reward")
     engine = _engine(tiny_llama, algo)
     head = engine.module.value_head
     assert engine.critic and tuple(head.weight.shape) == (1, 64)
@@ -126,3 +130,26 @@ def test_micro_batching_keeps_every_loss_term_to_fp32_rounding(tiny_llama):
     one, six = results
     for key in ("loss", "grad_norm", "value_loss", "entropy", "is_ess_frac", "tis_clip_frac"):
         assert one[key] == pytest.approx(six[key], rel=1e-6, abs=1e-7), key
+
+
+def test_kl_in_the_reward_shapes_the_outcome_advantages(tiny_llama):
+    """``kl_placement: reward`` with RLOO: the step's advantages are RLOO of ``r - beta * sum_t x_t``, ``x`` from
+    the policy at step start (dropout off) against the reference; 0 before the first update."""
+    beta = 0.5
+    algo = AlgorithmConfig(advantage="rloo", kl_coef=beta, kl_estimator="k1", kl_placement="reward")
+    config = LearnerConfig(model=str(tiny_llama), zero_stage=0, dtype="fp32", micro_batch_size=8, lr=1e-3)
+    engine = LearnerEngine(config, algo)  # one micro-batch: the pass below has the same shapes
+    batch = build_train_batch(_table(0, seed=3), 0, 0, algo)
+    start = step_targets(engine, batch)
+    assert torch.equal(start.advantages, batch.advantages) and start.kl_to_ref == 0.0  # policy == reference
+    first = engine.train_step(batch)
+    assert first["kl_to_ref"] == 0.0
+    targets = step_targets(engine, batch)
+    input_ids, attention_mask, mask = engine._micro_inputs(batch, slice(0, batch.batch_size))
+    with torch.no_grad(), eval_mode(engine.engine):
+        logits, _ = engine._forward(input_ids, attention_mask)
+    x = (token_logprobs(logits, input_ids) - engine._ref_logprobs(input_ids, attention_mask)).cpu()
+    returns = batch.rewards - beta * torch.where(mask.cpu(), x, torch.zeros_like(x)).sum(dim=1)
+    torch.testing.assert_close(targets.advantages, group_advantages("rloo", returns, batch.group_rows, 1e-6))
+    assert targets.kl_to_ref > 0.0 and not torch.equal(targets.advantages, batch.advantages)
+    assert engine.train_step(batch)["kl_to_ref"] == pytest.approx(targets.kl_to_ref)

@@ -57,7 +57,7 @@ def batch() -> TrainBatch:
                       response_mask=torch.rand(4, 5, generator=g) > 0.5,
                       behaviour_logprobs=-torch.rand(4, 5, generator=g),
                       advantages=torch.randn(4, generator=g), rewards=torch.rand(4, generator=g),
-                      staleness=torch.tensor([0, 1, 0, 2]), num_groups=2)
+                      staleness=torch.tensor([0, 1, 0, 2]), num_groups=2, group_rows=torch.tensor([[0, 1], [2, 3]]))
 
 
 def both_started(folder: Path, rank: int, timeout_s: float = 120.0) -> None:

@@ -57,6 +57,13 @@ def test_outcome_advantages_dispatch_and_errors():
         reinforce_pp_advantages(REWARDS, eps=0.0)
 
 
+@pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo", "reinforce_pp"])
+def test_group_baselines_refuse_groups_of_one(estimator):
+    """Groups of one would silently train on advantage 0 (grpo, dr_grpo, reinforce_pp) or fail inside RLOO."""
+    with pytest.raises(ValueError, match=f"'{estimator}' needs groups of >= 2 samples.*group size 1"):
+        outcome_advantages(estimator, torch.tensor([[1.0], [0.0]]), 1e-6)
+
+
 def test_outcome_reward_sits_on_the_last_response_token():
     mask = torch.tensor([[False, True, True, False], [True, False, False, False], [False] * 4])
     out = outcome_token_rewards(torch.tensor([1.0, 2.0, 3.0]), mask)

@@ -150,7 +150,7 @@ def test_loss_normaliser_token_mean_and_dr_grpo_constant():
     assert loss_normaliser(AlgorithmConfig(), torch.zeros(2, 3, dtype=torch.bool)) == 1.0
 
 
-def test_kl_estimators_k1_k3_and_their_gradients():
+def test_kl_estimators_k1_k2_k3_and_their_gradients():
     ref = torch.zeros(1, 4)
     # the 4th token is masked; its x = -200 would overflow exp(-x) to inf (and NaN the gradient)
     lp = torch.tensor([[LN(2), -LN(2), 0.0, -200.0]], requires_grad=True)
@@ -163,8 +163,11 @@ def test_kl_estimators_k1_k3_and_their_gradients():
     # d k3 / dx = 1 - exp(-x): 0.5, -1, 0; masked token 0 (not NaN)
     k3.sum().backward()
     torch.testing.assert_close(lp.grad, torch.tensor([[0.5, -1.0, 0.0, 0.0]]))
-    with pytest.raises(ValueError, match="kl estimator 'k2'; expected 'k1' or 'k3'"):
-        kl_penalty(lp, ref, mask, "k2")
+    # k2 = x^2 / 2: 0.240227, 0.240227, 0
+    k2 = kl_penalty(lp, ref, mask, "k2")
+    torch.testing.assert_close(k2, torch.tensor([[0.240227, 0.240227, 0.0, 0.0]]), atol=1e-6, rtol=0)
+    with pytest.raises(ValueError, match="kl estimator 'k4'; expected 'k1', 'k2' or 'k3'"):
+        kl_penalty(lp, ref, mask, "k4")
     with pytest.raises(ValueError, match="mask has shape"):
         kl_penalty(lp, ref, mask[:, :2], "k1")
 

@@ -103,6 +103,18 @@ def test_a_batch_that_cannot_be_sharded_over_the_ranks_is_named():
     assert ok.learner.engine.batch_split == "replicate"
 
 
+@pytest.mark.parametrize("advantage", ["grpo", "dr_grpo", "rloo", "reinforce_pp"])
+def test_group_baselines_refuse_a_group_size_of_one(advantage):
+    with pytest.raises(RecipeError) as err:
+        load_recipe(DEFAULT, {"rollout.group_size": 1, "learner.algorithm.advantage": advantage})
+    assert f"rollout.group_size (1) must be >= 2 for learner.algorithm.advantage '{advantage}'" in str(err.value)
+    assert load_recipe(DEFAULT, {"rollout.group_size": 2, "learner.algorithm.advantage": advantage})
+
+
+def test_gae_takes_a_group_size_of_one():
+    assert load_recipe(DEFAULT, {"rollout.group_size": 1, "learner.algorithm.advantage": "gae"}).rollout.group_size == 1
+
+
 @pytest.mark.parametrize("placement, message", [
     ({"learner": {"world_size": 2}}, "world_size 2 > 1 needs a placement group"),
     ({"critic": {"num_gpus": 1}}, "placement.critic: unknown key"),

@@ -54,3 +54,53 @@ def test_wrong_dtype_rejected():
     table = table.replace_schema_metadata(TRAJECTORY_SCHEMA.metadata)
     with pytest.raises(SchemaError, match="'reward' has type double; expected float"):
         from_ipc(to_ipc(table))
+
+
+@pytest.mark.parametrize("starts, versions, what", [
+    ([1, 2], [0, 1], "the first span must start at token 0"),
+    ([0, 2, 2], [0, 1, 2], "span starts must strictly increase"),
+    ([0, 3, 1], [0, 1, 2], "span starts must strictly increase"),
+    ([0, 4], [0, 1], "a span starts past the response's last token"),
+    ([0, 2], [5, 4], "span versions must not decrease"),
+])
+def test_bad_version_spans_name_row_group_and_spans(starts, versions, what):
+    """The invariants the staleness gate reads spans[0] / spans[-1] by: an insert breaking them is refused
+    (replay's ``split_groups`` validates every insert with ``validate_table``)."""
+    from replay.groups import split_groups
+
+    rows = make_group(7, n=3, spans=([0, 2], [3, 3]), response_len=4)
+    rows[2] = dataclasses.replace(rows[2], version_span_starts=starts, version_span_versions=versions)
+    table = pa.Table.from_pydict({f.name: [getattr(r, f.name) for r in rows] for f in TRAJECTORY_SCHEMA},
+                                 schema=TRAJECTORY_SCHEMA)
+    message = (f"row 2 (7-2-0, group 7-0): {what}; version_span_starts {starts}, "
+               f"version_span_versions {versions}, 4 response tokens")
+    for check in (to_table, lambda _: from_ipc(_raw_ipc(table)), lambda _: split_groups(table)):
+        with pytest.raises(SchemaError) as err:
+            check(rows)
+        assert str(err.value) == message
+
+
+def test_valid_version_spans_pass_in_slices_and_chunks():
+    one_span_empty = dataclasses.replace(make_group(1, n=1)[0], response_token_ids=[], behaviour_logprobs=[])
+    rows = make_group(0, n=2, spans=([0, 1, 3], [2, 2, 5]), response_len=4) + [one_span_empty]
+    assert from_table(to_table(rows)) == rows  # equal versions, a start at T - 1, an empty response with [0]
+    bad = dataclasses.replace(make_group(9, n=1)[0], version_span_starts=[2], version_span_versions=[0])
+    one_chunk = _unchecked([rows[0], bad, rows[1], rows[2]])
+    assert from_table(one_chunk.slice(2)) == rows[1:]  # the bad row's spans stay in the buffers, before the slice
+    assert from_table(one_chunk.slice(0, 1)) == rows[:1]
+    chunks = pa.concat_tables([to_table(rows[:1]), _unchecked([bad]), to_table(rows[1:])])
+    for table in (one_chunk, chunks):
+        with pytest.raises(SchemaError, match=r"row 1 \(9-0-0, group 9-0\): the first span must start at token 0"):
+            from_table(table)
+
+
+def _unchecked(rows) -> pa.Table:
+    return pa.Table.from_pydict({f.name: [getattr(r, f.name) for r in rows] for f in TRAJECTORY_SCHEMA},
+                                schema=TRAJECTORY_SCHEMA)
+
+
+def _raw_ipc(table: pa.Table) -> bytes:
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    return sink.getvalue().to_pybytes()

@@ -1,0 +1,99 @@
+"""What a learner step computes from the policy as it stands, before its update: the critic's ``V_old`` and
+GAE, and the KL in the reward. They are those of the deterministic network vLLM samples from, so they are
+computed with dropout off (``eval_mode``).
+
+Training forwards keep the model's own dropout (a config with ``attention_dropout > 0`` still regularises
+the update and draws from the torch RNG). The proximal logprobs (the PPO anchor) are still the training
+forward's own, detached — with dropout, that forward's draw: computing them in a separate dropout-off pass
+makes ``pi / pi_prox`` differ from 1 by the dropout noise alone, which belongs with issue #21's
+``ppo_epochs`` / ``mini_batches`` (the anchor computed once before the first update).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from learner.advantages import gae, group_advantages, kl_shaped_rewards
+from learner.algorithms import token_logprobs
+from learner.batch import TrainBatch
+from learner.losses import kl_penalty
+
+@contextlib.contextmanager
+def eval_mode(module: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """Switch ``module`` (and every submodule) to eval mode, so dropout is off, and restore the previous
+    ``training`` flag of the module tree on exit (each submodule's own flag, even on an exception)."""
+    flags = [(m, m.training) for m in module.modules()]
+    module.eval()
+    try:
+        yield module
+    finally:
+        for m, training in flags:
+            m.training = training
+
+
+@dataclass(frozen=True)
+class StepTargets:
+    """Advantages that need the model, from ``step_targets``. Tensors are float32 on CPU; the ``[B, L - 1]``
+    ones are aligned with ``TrainBatch.response_mask`` and 0 off the mask."""
+
+    advantages: torch.Tensor
+    """``[B, L - 1]`` per-token GAE advantages (``learner.advantages.gae``), or ``[B]`` outcome advantages of
+    the rows' KL-shaped returns (``learner.advantages.group_advantages``); replaces ``TrainBatch.advantages``."""
+
+    returns: torch.Tensor | None
+    """Value targets ``A + V_old`` (critic only)."""
+
+    old_values: torch.Tensor | None
+    """``V_old(s_t)``: the value head's predictions before this step's update (the clip anchor; critic only)."""
+
+    kl_to_ref: float | None
+    """Token-mean k3 estimate of ``KL(pi || pi_ref)`` at step start (``kl_placement: reward`` only)."""
+
+
+@torch.no_grad()
+def step_targets(learner, batch: TrainBatch) -> StepTargets | None:
+    """One no-grad pass over the whole batch (on every rank) with dropout off, when the advantages need the
+    model: the critic's ``V_old`` and GAE (``advantage: gae``), and per-token ``x = log pi - log pi_ref`` for
+    the KL in the reward (``kl_placement: reward``, ``learner.advantages.kl_shaped_rewards``), whose row sums
+    the outcome estimators regroup (``TrainBatch.group_rows``).
+
+    Args:
+        learner: a ``learner.engine.LearnerEngine`` (its ``engine``, ``algo``, ``critic``, ``ref_model``,
+            ``_micro_inputs``, ``_forward`` and ``_ref_logprobs``).
+        batch: the step's batch.
+
+    Returns:
+        The targets, or None when neither is configured (``TrainBatch.advantages`` stand).
+    """
+    algo = learner.algo
+    kl_in_reward = learner.ref_model is not None and algo.kl_placement == "reward"
+    if not (learner.critic or kl_in_reward):
+        return None
+    mask = batch.response_mask
+    old_values, kl = torch.zeros(mask.shape), torch.zeros(mask.shape)
+    step = learner.config.micro_batch_size
+    with eval_mode(learner.engine):
+        for lo in range(0, batch.batch_size, step):
+            rows = slice(lo, lo + step)
+            input_ids, attention_mask, _ = learner._micro_inputs(batch, rows)
+            logits, values = learner._forward(input_ids, attention_mask)
+            cols = slice(0, logits.shape[1] - 1)
+            if values is not None:
+                old_values[rows, cols] = values.cpu()
+            if kl_in_reward:
+                logprobs = token_logprobs(logits, input_ids, algo.temperature)
+                kl[rows, cols] = (logprobs - learner._ref_logprobs(input_ids, attention_mask)).cpu()
+    old_values = old_values * mask
+    rewards = kl_shaped_rewards(batch.rewards, kl, mask, algo.kl_coef if kl_in_reward else 0.0)
+    returns, kl_to_ref = None, None
+    if learner.critic:
+        advantages, returns = gae(rewards, old_values, mask, algo.gamma, algo.lam)
+    else:
+        advantages = group_advantages(algo.advantage, rewards.sum(dim=1), batch.group_rows, algo.adv_eps)
+    if kl_in_reward:
+        kl_to_ref = float(kl_penalty(kl, torch.zeros_like(kl), mask, "k3").sum()) / max(float(mask.sum()), 1.0)
+    return StepTargets(advantages, returns, old_values if learner.critic else None, kl_to_ref)
