@@ -22,6 +22,7 @@ from learner.algorithms import token_logprobs
 from learner.batch import TrainBatch
 from learner.losses import kl_penalty
 
+
 @contextlib.contextmanager
 def eval_mode(module: torch.nn.Module) -> Iterator[torch.nn.Module]:
     """Switch ``module`` (and every submodule) to eval mode, so dropout is off, and restore the previous
