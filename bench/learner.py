@@ -78,7 +78,7 @@ def bare_engine(config):
     import deepspeed
     from transformers import AutoModelForCausalLM
 
-    from learner.engine import _DTYPES, build_ds_config
+    from learner.ds_setup import _DTYPES, build_ds_config
 
     model = AutoModelForCausalLM.from_pretrained(config.model, dtype=_DTYPES[config.dtype])
     model.config.use_cache = False

@@ -102,29 +102,47 @@ def rloo_advantages(rewards: torch.Tensor) -> torch.Tensor:
     return r - others_mean
 
 
-def reinforce_pp_advantages(rewards: torch.Tensor, eps: float) -> torch.Tensor:
-    """REINFORCE++-baseline advantages (Hu 2025): subtract the group mean, then normalise the result
-    over the *whole batch*: ``a = r - mean_g``; ``A = (a - mean(a)) / (std(a) + eps)`` (population
-    std over all ``G * n`` entries).
+def reinforce_pp_advantages(rewards: torch.Tensor, eps: float, token_counts: torch.Tensor | None = None) -> torch.Tensor:
+    """REINFORCE++-baseline advantages (Hu 2025): subtract the group mean, then whiten the result over the
+    batch's response *tokens*, as OpenRLHF's ``reinforce_baseline`` does (its advantages are per token, each
+    row's value repeated on its tokens): with ``a = r - mean_g`` and ``n_i`` the response tokens of row ``i``,
+    ``mu = sum_i n_i a_i / sum_i n_i``, ``var = sum_i n_i (a_i - mu)^2 / sum_i n_i``,
+    ``A = (a - mu) / (sqrt(var) + eps)``. A long response's advantage weighs more in the statistics, as its
+    tokens do in a ``token-mean`` loss. Without ``token_counts`` every row counts once (population std over
+    all ``G * n`` entries).
 
     Args:
         rewards: ``[G, n]`` float.
-        eps: ``> 0``, added to the batch std.
+        eps: ``> 0``, added to the batch std (OpenRLHF clamps the variance at 1e-8 instead).
+        token_counts: ``[G, n]`` int or float, each row's response tokens (``>= 0``), or None.
 
     Returns:
         ``[G, n]`` float32; all 0 when every group has equal rewards.
 
     Raises:
-        ValueError: ``rewards`` is not 2-D or ``eps`` is not positive.
+        ValueError: ``rewards`` is not 2-D, ``eps`` is not positive, or ``token_counts`` has another shape or
+            a negative entry.
     """
     _check_eps(eps)
     centred = dr_grpo_advantages(rewards)
-    return (centred - centred.mean()) / (centred.std(unbiased=False) + eps)
+    if token_counts is None:
+        return (centred - centred.mean()) / (centred.std(unbiased=False) + eps)
+    if token_counts.shape != centred.shape or bool((token_counts < 0).any()):
+        raise ValueError(f"token_counts must be a [G, n] = {tuple(centred.shape)} count >= 0; got "
+                         f"{tuple(token_counts.shape)}")
+    w = token_counts.float()
+    w = w if float(w.sum()) > 0 else torch.ones_like(w)
+    mean = (w * centred).sum() / w.sum()
+    std = ((w * (centred - mean) ** 2).sum() / w.sum()).sqrt()
+    return (centred - mean) / (std + eps)
 
 
-def outcome_advantages(estimator: str, rewards: torch.Tensor, eps: float) -> torch.Tensor:
+def outcome_advantages(
+    estimator: str, rewards: torch.Tensor, eps: float, token_counts: torch.Tensor | None = None
+) -> torch.Tensor:
     """``[G, n]`` advantages of the named outcome estimator (``grpo``, ``dr_grpo``, ``rloo``,
-    ``reinforce_pp``); ``eps`` is used by ``grpo`` and ``reinforce_pp``.
+    ``reinforce_pp``); ``eps`` is used by ``grpo`` and ``reinforce_pp``, ``token_counts`` (``[G, n]``, each
+    row's response tokens) by ``reinforce_pp``'s token-level whitening.
 
     Raises:
         ValueError: unknown ``estimator`` (``gae`` is not an outcome estimator: it needs values); groups of
@@ -142,13 +160,16 @@ def outcome_advantages(estimator: str, rewards: torch.Tensor, eps: float) -> tor
     if estimator == "rloo":
         return rloo_advantages(rewards)
     if estimator == "reinforce_pp":
-        return reinforce_pp_advantages(rewards, eps)
+        return reinforce_pp_advantages(rewards, eps, token_counts)
     raise ValueError(
         f"advantage estimator {estimator!r} is not an outcome estimator; expected one of {OUTCOME_ESTIMATORS}"
     )
 
 
-def group_advantages(estimator: str, returns: torch.Tensor, group_rows: torch.Tensor, eps: float) -> torch.Tensor:
+def group_advantages(
+    estimator: str, returns: torch.Tensor, group_rows: torch.Tensor, eps: float,
+    token_counts: torch.Tensor | None = None,
+) -> torch.Tensor:
     """``outcome_advantages`` of a batch whose rows are grouped by index rather than laid out ``[G, n]``.
 
     Args:
@@ -157,6 +178,7 @@ def group_advantages(estimator: str, returns: torch.Tensor, group_rows: torch.Te
             reward ``r - beta * sum_t x_t``).
         group_rows: ``[G, n]`` int64, the row indices of each group (every row exactly once).
         eps: as in ``outcome_advantages``.
+        token_counts: ``[B]`` each row's response tokens (``reinforce_pp``'s token whitening), or None.
 
     Returns:
         ``[B]`` float32, each row's advantage within its group.
@@ -166,7 +188,8 @@ def group_advantages(estimator: str, returns: torch.Tensor, group_rows: torch.Te
     """
     if group_rows.dim() != 2 or group_rows.numel() != returns.numel():
         raise ValueError(f"group_rows {tuple(group_rows.shape)} must be [G, n] with G * n = {returns.numel()} rows")
-    grouped = outcome_advantages(estimator, returns.float()[group_rows], eps)
+    counts = None if token_counts is None else token_counts[group_rows]
+    grouped = outcome_advantages(estimator, returns.float()[group_rows], eps, counts)
     out = torch.zeros(returns.shape, dtype=torch.float32)
     out[group_rows.flatten()] = grouped.flatten()
     return out

@@ -35,7 +35,7 @@ class TrainBatch:
 
     advantages: torch.Tensor
     """[B] float32: outcome advantage of each row (``AlgorithmConfig.advantage``), computed within its
-    group (``reinforce_pp`` also normalises over the batch); all 0 for ``gae``, whose per-token
+    group (``reinforce_pp`` also whitens over the batch's response tokens); all 0 for ``gae``, whose per-token
     advantages need the critic's values and are computed in ``learner.engine``."""
 
     rewards: torch.Tensor
@@ -102,7 +102,8 @@ def build_train_batch(
     row_index = torch.tensor([rows for rows in groups.values()], dtype=torch.int64)  # [G, n]
     advantages = torch.zeros_like(rewards)
     if cfg.advantage != "gae":
-        advantages = group_advantages(cfg.advantage, rewards, row_index, cfg.adv_eps)
+        lengths = torch.tensor([len(r) for r in cols["response_token_ids"]], dtype=torch.int64)
+        advantages = group_advantages(cfg.advantage, rewards, row_index, cfg.adv_eps, lengths)
     input_ids, attention_mask, response_mask, behaviour = _pad_rows(
         cols["prompt_token_ids"], cols["response_token_ids"], cols["behaviour_logprobs"], pad_token_id
     )

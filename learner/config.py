@@ -24,9 +24,10 @@ class AlgorithmConfig(BaseModel):
 
     advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "gae"] = "grpo"
     """Advantage estimator. ``grpo``: ``(r - mean_g) / (std_g + adv_eps)`` (Shao et al. 2024);
-    ``dr_grpo``: ``r - mean_g`` (Liu et al. 2025; with ``loss_norm: auto`` it also gets the constant
-    token-sum normaliser); ``rloo``: leave-one-out baseline ``r_i - mean_{j != i} r_j`` (Ahmadian et al.
-    2024); ``reinforce_pp``: group-mean baseline then whole-batch normalisation (REINFORCE++-baseline,
+    ``dr_grpo``: ``r - mean_g`` (Liu et al. 2025; with ``loss_agg_mode: auto`` it also gets the constant
+    ``seq-mean-token-sum-norm`` aggregation); ``rloo``: leave-one-out baseline ``r_i - mean_{j != i} r_j`` (Ahmadian et al.
+    2024); ``reinforce_pp``: group-mean baseline, then whitened over the batch's response *tokens* (each
+    row's value counted once per token, as OpenRLHF's ``reinforce_baseline`` does; REINFORCE++-baseline,
     Hu 2025); ``gae``: PPO with a value head and GAE over the response tokens (Schulman et al. 2016), the
     outcome reward sitting on the last response token. The four group baselines need groups of >= 2
     samples (a recipe with ``rollout.group_size < 2`` is refused); ``gae`` takes any group size."""
@@ -64,15 +65,48 @@ class AlgorithmConfig(BaseModel):
     mis_high: float = Field(2.0, ge=1.0)
     """Upper edge of the kept band of ``mis_token`` / ``mis_seq``: ratios above it are masked out."""
 
-    loss_norm: Literal["auto", "token_mean", "token_sum"] = "auto"
-    """What the summed token losses are divided by. ``token_mean``: the batch's response-token count
-    (DAPO); ``token_sum``: the constant ``max_response_tokens * B`` (Dr.GRPO, Liu et al. 2025), so a
-    token's weight does not depend on the length of its own or other responses; ``auto``:
-    ``token_sum`` for ``advantage: dr_grpo``, ``token_mean`` otherwise."""
+    loss_agg_mode: Literal["auto", "token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
+                           "seq-mean-token-sum-norm"] = "auto"
+    """How the per-token losses of a (mini-)batch of ``B`` rows are aggregated (verl's ``loss_agg_mode``), with
+    ``|o_i|`` the valid response tokens of row ``i`` and ``N = sum_i |o_i|``:
+
+    - ``token-mean``: ``sum_{i,t} l_it / N`` (DAPO, Yu et al. 2025): every token weighs the same, so longer
+      responses weigh more. The default (``auto``) for every estimator but ``dr_grpo``.
+    - ``seq-mean-token-mean``: ``1/B sum_i (1/|o_i|) sum_t l_it`` (GRPO as written, Shao et al. 2024): every
+      response weighs the same, so a token of a short response weighs more than one of a long response.
+    - ``seq-mean-token-sum``: ``1/B sum_i sum_t l_it``: a response's loss is its token sum.
+    - ``seq-mean-token-sum-norm``: ``sum_{i,t} l_it / (B * max_response_tokens)`` (Dr.GRPO, Liu et al. 2025): a
+      constant divisor, so a token's weight depends on neither its own nor the other responses' lengths. The
+      default (``auto``) for ``dr_grpo``.
+
+    The KL-in-loss, entropy and value terms are aggregated the same way."""
 
     max_response_tokens: int | None = Field(None, ge=1)
-    """The ``token_sum`` constant's per-sequence length: the rollout's generation budget
-    (``max_tokens``). ``None``: the longest response of each batch (then not constant across batches)."""
+    """The ``seq-mean-token-sum-norm`` constant's per-sequence length: the rollout's generation budget. A
+    recipe fills it from ``rollout.sampling.max_new_tokens`` when unset; ``seq-mean-token-sum-norm`` refuses
+    ``None`` (the longest response of each batch would not be a constant)."""
+
+    ppo_epochs: int = Field(1, ge=1)
+    """Passes over each sampled batch (verl's ``ppo_epochs``). Each pass makes ``mini_batches`` optimizer
+    updates; the batch is one policy version whatever the count (the learner publishes once per batch)."""
+
+    mini_batches: int = Field(1, ge=1)
+    """Optimizer updates per pass over a sampled batch (verl's ``ppo_mini_batch_size`` as a count): the rows
+    are split into this many contiguous, equal mini-batches, each aggregated on its own (``loss_agg_mode``).
+    The batch's rows must be a multiple of it (times the learner world size with ``batch_split: shard``).
+
+    With ``ppo_epochs * mini_batches == 1`` (the default) the PPO anchor ``pi_prox`` is the same parameters as
+    the policy being updated, so ``pi / pi_prox == 1`` and the clip (``clip_eps_low/high``, ``dual_clip_c``)
+    never acts: the step is the importance-weighted policy gradient of ``policy_ratio``'s anchor, and only
+    ``policy_ratio: behaviour`` can clip (against the rollout's logprobs). With more updates the proximal
+    logprobs are computed once, before the first update, in a no-grad pass with dropout off, and every later
+    update is clipped against them (PPO, Schulman et al. 2017; decoupled PPO, AReaL)."""
+
+    dual_clip_c: float | None = Field(None, gt=1.0)
+    """Dual-clip PPO (Ye et al. 2020, "Mastering Complex Control in MOBA Games with Deep RL"): for tokens with
+    a negative advantage the clipped objective is further bounded, ``max(min(r A, clip(r) A), c A)``, so a
+    ratio far above 1 (a stale or off-policy token) cannot make the loss arbitrarily large. verl's
+    ``clip_ratio_c`` (3.0 there). ``None``: off. The ``dual_clip_frac`` metric counts the tokens it bounds."""
 
     kl_coef: float = Field(0.0, ge=0.0)
     """Coefficient ``beta`` of the KL regulariser to a frozen reference model (the initial weights), placed
@@ -98,12 +132,12 @@ class AlgorithmConfig(BaseModel):
     later positions' KL (which a per-token loss leaves out)."""
 
     entropy_coef: float = Field(0.0, ge=0.0)
-    """Coefficient of the entropy bonus: ``entropy_coef * sum_t H_t / normaliser`` is subtracted from the loss.
-    ``H_t`` is the exact entropy (nats) of the whole next-token distribution ``softmax(logits / temperature)``
-    at response position ``t`` given the sampled prefix (not the sampled token's ``-log pi``); the sum runs
-    over the batch's valid response tokens (prompt and padding excluded) and ``normaliser`` is the policy
-    loss's (``loss_norm``): so the bonus averages over the batch's response tokens with ``token_mean``, and is
-    that sum over ``max_response_tokens * B`` with ``token_sum``. The ``entropy`` metric is the token mean."""
+    """Coefficient of the entropy bonus: ``entropy_coef`` times the entropy aggregated like the policy loss
+    (``loss_agg_mode``) is subtracted from the loss. ``H_t`` is the exact entropy (nats) of the whole
+    next-token distribution ``softmax(logits / temperature)`` at response position ``t`` given the sampled
+    prefix (not the sampled token's ``-log pi``), over the (mini-)batch's valid response tokens (prompt and
+    padding excluded): so the bonus is the token mean of ``H`` with ``token-mean``, and the mean over responses
+    of each response's token mean with ``seq-mean-token-mean``. The ``entropy`` metric is the token mean."""
 
     gamma: float = Field(1.0, ge=0.0, le=1.0)
     """GAE discount (``advantage: gae`` only)."""
@@ -127,6 +161,16 @@ class AlgorithmConfig(BaseModel):
     so the learner divides its logits by the same value before the log-softmax. The rollout must not
     use top-k/top-p, which would renormalise the behaviour distribution."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed_keys(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "loss_norm" in data:
+            raise ValueError(
+                f"loss_norm ({data['loss_norm']!r}) is now loss_agg_mode (verl's names): token_mean -> 'token-mean', "
+                "token_sum -> 'seq-mean-token-sum-norm'; also 'seq-mean-token-mean', 'seq-mean-token-sum', 'auto'"
+            )
+        return data
+
     @model_validator(mode="after")
     def _check_combinations(self) -> AlgorithmConfig:
         if self.policy_ratio == "behaviour" and self.is_weight.startswith("tis"):
@@ -145,14 +189,28 @@ class AlgorithmConfig(BaseModel):
                 f"kl_placement 'reward' adds -kl_coef * x (the k1 value) to each token's reward; got kl_estimator "
                 f"{self.kl_estimator!r}, expected 'k1' (or kl_placement 'loss' for k2/k3)"
             )
+        if self.agg_mode == "seq-mean-token-sum-norm" and self.max_response_tokens is None:
+            raise ValueError(
+                f"loss_agg_mode {self.agg_mode!r} (advantage {self.advantage!r}) divides by the constant "
+                "B * max_response_tokens, but max_response_tokens is None: set it to the rollout's max_new_tokens "
+                "(a recipe does this itself)"
+            )
         if self.mis_low >= self.mis_high:
             raise ValueError(f"mis_low ({self.mis_low}) must be < mis_high ({self.mis_high})")
         return self
 
     @property
-    def token_sum_norm(self) -> bool:
-        """Whether the loss uses the constant Dr.GRPO normaliser (``loss_norm`` resolved)."""
-        return self.loss_norm == "token_sum" or (self.loss_norm == "auto" and self.advantage == "dr_grpo")
+    def agg_mode(self) -> str:
+        """``loss_agg_mode`` with ``auto`` resolved: ``seq-mean-token-sum-norm`` for ``dr_grpo``, else
+        ``token-mean``."""
+        if self.loss_agg_mode != "auto":
+            return self.loss_agg_mode
+        return "seq-mean-token-sum-norm" if self.advantage == "dr_grpo" else "token-mean"
+
+    @property
+    def updates_per_batch(self) -> int:
+        """Optimizer updates per sampled batch: ``ppo_epochs * mini_batches``."""
+        return self.ppo_epochs * self.mini_batches
 
 
 class LearnerConfig(BaseModel):

@@ -7,11 +7,9 @@ process initialises a world-size-1 process group itself.
 from __future__ import annotations
 
 import contextlib
-import os
-import socket
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import deepspeed
 import structlog
@@ -24,72 +22,28 @@ from learner.algorithms import token_logprobs
 from learner.batch import TrainBatch
 from learner.comm_timer import CommTimer
 from learner.config import AlgorithmConfig, LearnerConfig
+from learner.ds_setup import _DTYPES, build_ds_config, ensure_distributed
 from learner.ranks import gather_step_metrics, rank_rows
-from learner.losses import kl_penalty, loss_normaliser, policy_loss, token_entropy, value_loss
+from learner.losses import (kl_penalty, loss_normaliser, policy_loss, row_token_scale, scaled_token_sum,
+                            token_entropy, value_loss)
 from learner.step_metrics import explained_variance, kish_ess_fraction, merge_metrics, staleness_histogram
-from learner.step_start import StepTargets, step_targets
+from learner.step_start import StepTargets, mini_batch_rows, proximal_logprobs, step_targets
 
-_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 VALUE_HEAD = "value_head"
 """Attribute name of the critic's value head on the HF model (and prefix of its parameter names)."""
 log = structlog.get_logger("learner")
 
 
-def build_ds_config(config: LearnerConfig) -> dict[str, Any]:
-    """The DeepSpeed config dict for ``config``.
+@dataclass(frozen=True)
+class _Update:
+    """One optimizer update's results: summed loss (float), grad norm before clipping (float), seconds in
+    ``engine.step()``, per-micro-batch metric dicts and ``[N]`` float32 importance ratios."""
 
-    The caller owns the accumulation boundary (``managed_gradient_accumulation: false``): every
-    ``backward`` accumulates, the single ``step()`` per batch reduces, clips and updates, so a batch of
-    any size (``ceil(B / micro_batch_size)`` micro-batches) makes exactly one update, and
-    ``gradient_accumulation_steps`` stays 1 (losses are pre-normalised, never divided by it).
-    The optimizer is ``torch.optim.AdamW`` (``torch_adam``): DeepSpeed's FusedAdam needs CUDA and its
-    CPUAdam a JIT-built op, and torch's AdamW is on ZeRO's supported list at every stage.
-    With bf16 and ZeRO >= 1 gradients accumulate in fp32 (``grad_accum_dtype``).
-    """
-    optimizer_params = {
-        "lr": config.lr,
-        "betas": list(config.betas),
-        "eps": config.adam_eps,
-        "weight_decay": config.weight_decay,
-        "torch_adam": True,
-    }
-    ds: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": config.micro_batch_size,
-        "gradient_accumulation_steps": 1,
-        "managed_gradient_accumulation": False,
-        "optimizer": {"type": "AdamW", "params": optimizer_params},
-        "gradient_clipping": config.grad_clip,
-        "bf16": {"enabled": config.dtype == "bf16"},
-        "zero_optimization": {"stage": config.zero_stage},
-        "steps_per_print": 2**31 - 1,
-        "wall_clock_breakdown": False,
-    }
-    if config.dtype == "bf16" and config.zero_stage >= 1:
-        ds["data_types"] = {"grad_accum_dtype": "fp32"}
-    if config.offload_optimizer == "cpu":
-        # ZeRO-Offload (Ren et al. 2021): optimizer states and the update live in host memory. torch's
-        # AdamW instead of the JIT-built DeepSpeedCPUAdam (same math, slower on big models).
-        ds["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
-        ds["zero_force_ds_cpu_optimizer"] = False
-    if config.log_comm_time:
-        ds["comms_logger"] = {"enabled": True, "prof_all": True, "verbose": False, "debug": False}
-    return ds
-
-
-def ensure_distributed() -> None:
-    """Initialise torch.distributed from ``RANK``/``WORLD_SIZE``/``MASTER_*`` env, defaulting to a
-    world of one on a free localhost port. No-op when already initialised."""
-    if dist.is_initialized():
-        return
-    if "MASTER_PORT" not in os.environ:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    for key, default in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
-        os.environ.setdefault(key, default)
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    loss: float
+    grad_norm: float
+    update_s: float
+    parts: list[dict]
+    rhos: list[torch.Tensor]
 
 
 class LearnerEngine:
@@ -153,63 +107,95 @@ class LearnerEngine:
 
     # ---- training -----------------------------------------------------------------------------
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
-        """One optimizer step on ``batch``: micro-batched forward/backward, clip, AdamW update.
+        """Train on one sampled batch: ``ppo_epochs`` passes, each of ``mini_batches`` optimizer updates
+        (micro-batched forward/backward, clip, AdamW), then one new policy version.
 
-        Every micro-batch's loss is divided by the *whole batch's* normaliser
-        (``learner.losses.loss_normaliser``), so the accumulated gradient equals that of the full
-        batch. With a critic or the KL in the reward, a no-grad pass over the batch with dropout off first
-        computes ``V_old`` and GAE / the KL-shaped advantages (``learner.step_start.step_targets``).
+        Every micro-batch's loss is divided by its *whole mini-batch's* normaliser
+        (``learner.losses.loss_normaliser``, ``loss_agg_mode``), so the accumulated gradient of an update equals
+        that of the mini-batch at once. With a critic or the KL in the reward, a no-grad pass over the batch
+        with dropout off first computes ``V_old`` and GAE / the KL-shaped advantages
+        (``learner.step_start.step_targets``); with more than one update, another computes the proximal
+        logprobs every update is clipped against (``learner.step_start.proximal_logprobs``). With one update
+        the anchor is the training forward's own logprobs, detached: the same parameters, so the clip is inert.
 
         Returns:
-            metrics: ``loss`` (total), ``grad_norm`` (before clipping), ``tokens`` (non-pad tokens
-            forwarded), ``response_tokens``, ``step_time_s``, ``tokens_per_s``, the ``policy_loss``
-            metrics (token-weighted over micro-batches; ``is_ratio_max`` is the max), ``is_ess_frac``
+            metrics: ``loss`` and ``grad_norm`` (before clipping), each the mean over the updates, ``updates``,
+            ``tokens`` (non-pad tokens of the batch), ``response_tokens``, ``step_time_s``,
+            ``optimizer_step_s`` (summed over updates), ``tokens_per_s``, the ``policy_loss`` metrics
+            (token-weighted over every update's micro-batches; ``is_ratio_max`` is the max), ``is_ess_frac``
             (Kish ESS of ``pi_proximal / pi_behaviour`` over valid tokens, as a fraction), ``entropy``
             (token-mean nats), ``kl_to_ref`` (token-mean k3 estimate of ``KL(pi || pi_ref)``, only with
             ``kl_coef > 0``), ``value_loss`` / ``value_clip_frac`` / ``explained_variance`` (critic only),
             ``reward_mean``, ``reward_std``, ``advantage_abs_mean``, ``staleness_mean``,
             ``staleness_max``, ``staleness_hist_0 .. staleness_hist_8`` (trajectory counts per lag,
             the last bucket ``>= 8``), ``step``.
+
+        Raises:
+            ValueError: the batch's rows are not a multiple of ``mini_batches`` (times the world size when
+                sharded).
         """
         start = time.perf_counter()
         self.engine.train()
-        normaliser = loss_normaliser(self.algo, batch.response_mask)  # of the whole batch, on every rank
+        plan = mini_batch_rows(batch.batch_size, self.algo.mini_batches)
         targets = step_targets(self, batch)
-        mine, world = rank_rows(batch.batch_size, self.config.batch_split)
-        loss_total, parts, rhos = 0.0, [], []
-        for lo in range(mine.start, mine.stop, self.config.micro_batch_size):
-            rows = slice(lo, min(lo + self.config.micro_batch_size, mine.stop))
-            loss, metrics, rho = self._forward_backward(batch, rows, normaliser, targets, grad_scale=world)
-            loss_total += loss
-            parts.append(metrics)
-            rhos.append(rho)
-        if world > 1:  # every rank saw its shard only: metrics over the whole batch
-            loss_total, parts, rhos = gather_step_metrics(loss_total, parts, rhos)
-        local_norm = self._local_grad_norm() if self.engine.optimizer is self.engine.basic_optimizer else None
-        t_update = time.perf_counter()
-        self.engine.step()
+        proximal = None
+        if self.algo.updates_per_batch > 1:
+            proximal = proximal_logprobs(self, batch, [s for rows in plan for s in self._micro_slices(rows)[0]])
+        updates = [self._update(batch, rows, targets, proximal) for _ in range(self.algo.ppo_epochs) for rows in plan]
         self.step += 1
         self.version += 1
         elapsed = time.perf_counter() - start
-        update_s = time.perf_counter() - t_update
         tokens = float(batch.attention_mask.sum())
-        grad_norm = self.engine.get_global_grad_norm()
-        grad_norm = local_norm if grad_norm is None else grad_norm
+        parts = [p for u in updates for p in u.parts]
         return {
-            "loss": loss_total,
-            "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+            "loss": sum(u.loss for u in updates) / len(updates),
+            "grad_norm": sum(u.grad_norm for u in updates) / len(updates),
+            "updates": float(len(updates)),
             "tokens": tokens,
             "response_tokens": float(batch.num_response_tokens),
             "step_time_s": elapsed,
-            "optimizer_step_s": update_s,
+            "optimizer_step_s": sum(u.update_s for u in updates),
             "comm_s": self._comm.lap(),
             "micro_batches": float(len(parts)),
             "tokens_per_s": tokens / elapsed,
             **merge_metrics(parts),
-            "is_ess_frac": kish_ess_fraction(torch.cat(rhos)),
+            "is_ess_frac": kish_ess_fraction(torch.cat([r for u in updates for r in u.rhos])),
             **self._batch_metrics(batch, targets),
             "step": float(self.step),
         }
+
+    def _micro_slices(self, rows: range) -> tuple[list[slice], int]:
+        """The micro-batches (row slices of the batch) this rank trains of the mini-batch ``rows``, and the
+        gradient scale (``learner.ranks.rank_rows``)."""
+        mine, world = rank_rows(len(rows), self.config.batch_split)
+        lo_hi = [(rows.start + lo, rows.start + min(lo + self.config.micro_batch_size, mine.stop))
+                 for lo in range(mine.start, mine.stop, self.config.micro_batch_size)]
+        return [slice(lo, hi) for lo, hi in lo_hi], world
+
+    def _update(self, batch: TrainBatch, rows: range, targets: StepTargets | None,
+                proximal: torch.Tensor | None) -> _Update:
+        """One optimizer update on the mini-batch ``rows``: forward/backward of this rank's micro-batches, each
+        normalised by the whole mini-batch (``loss_agg_mode``), then ``engine.step()``."""
+        mask = batch.response_mask[rows.start:rows.stop]
+        normaliser = loss_normaliser(self.algo, mask)  # of the whole mini-batch, on every rank
+        row_scale = row_token_scale(self.algo, batch.response_mask)
+        micro, world = self._micro_slices(rows)
+        loss_total, parts, rhos = 0.0, [], []
+        for sl in micro:
+            loss, metrics, rho = self._forward_backward(batch, sl, normaliser, targets, proximal, row_scale, world)
+            loss_total += loss
+            parts.append(metrics)
+            rhos.append(rho)
+        if world > 1:  # every rank saw its shard only: metrics over the whole mini-batch
+            loss_total, parts, rhos = gather_step_metrics(loss_total, parts, rhos)
+        local_norm = self._local_grad_norm() if self.engine.optimizer is self.engine.basic_optimizer else None
+        t_update = time.perf_counter()
+        self.engine.step()
+        update_s = time.perf_counter() - t_update
+        grad_norm = self.engine.get_global_grad_norm()
+        grad_norm = local_norm if grad_norm is None else grad_norm
+        grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
+        return _Update(loss_total, grad_norm, update_s, parts, rhos)
 
     def _batch_metrics(self, batch: TrainBatch, targets: StepTargets | None) -> dict[str, float]:
         """Reward, advantage, staleness (and critic, KL-in-reward) metrics of the batch itself."""
@@ -246,33 +232,39 @@ class LearnerEngine:
                 batch.response_mask[rows, : length - 1].to(self.device))
 
     def _forward_backward(
-        self, batch: TrainBatch, rows: slice, normaliser: float, targets: StepTargets | None, grad_scale: int = 1
+        self, batch: TrainBatch, rows: slice, normaliser: float, targets: StepTargets | None,
+        proximal_all: torch.Tensor | None = None, row_scale: torch.Tensor | None = None, grad_scale: int = 1,
     ) -> tuple[float, dict, torch.Tensor]:
         """Forward/backward one micro-batch; returns (loss, metrics, valid tokens' rho = prox/behaviour).
-        ``grad_scale``: the backward loss is multiplied by it (the world size when the batch is sharded:
-        DeepSpeed averages gradients over ranks, and the whole batch's gradient is their sum)."""
+        ``proximal_all``: ``[B, L - 1]`` proximal logprobs of the batch (None: this forward's own, detached).
+        ``row_scale``: ``[B]`` (``learner.losses.row_token_scale``) or None. ``grad_scale``: the backward loss is
+        multiplied by it (the world size when the batch is sharded: DeepSpeed averages gradients over ranks,
+        and the whole batch's gradient is their sum)."""
         input_ids, attention_mask, mask = self._micro_inputs(batch, rows)
         cols = slice(0, input_ids.shape[1] - 1)
         logits, values = self._forward(input_ids, attention_mask)
         logprobs = token_logprobs(logits, input_ids, self.algo.temperature)
-        proximal = logprobs.detach()
+        proximal = logprobs.detach() if proximal_all is None else proximal_all[rows, cols].to(self.device)
+        scale = None if row_scale is None else row_scale[rows]
         behaviour = batch.behaviour_logprobs[rows, cols].to(self.device)
         advantages = batch.advantages[rows] if targets is None else targets.advantages[rows]
         advantages = advantages[:, cols] if advantages.dim() == 2 else advantages
         loss, metrics = policy_loss(
             logprobs,
-            proximal,  # one optimizer step per batch: the current parameters (with dropout: this forward's draw)
+            proximal,  # one update per batch: the current parameters (with dropout: this forward's draw)
             behaviour,
             advantages.to(self.device),
             mask,
             self.algo,
             normaliser=normaliser,
+            row_scale=scale,
         )
-        loss = loss + self._regularisers(logits, logprobs, input_ids, attention_mask, mask, normaliser, metrics)
+        loss = loss + self._regularisers(logits, logprobs, input_ids, attention_mask, mask, normaliser, scale,
+                                         metrics)
         if values is not None:  # the critic: targets are set
             vloss, vmetrics = value_loss(values, targets.old_values[rows, cols].to(self.device),
                                          targets.returns[rows, cols].to(self.device), mask,
-                                         self.algo.value_clip, normaliser)
+                                         self.algo.value_clip, normaliser, scale)
             loss = loss + self.algo.value_coef * vloss
             metrics["value_loss"] = float(vloss.detach()) * normaliser / max(vmetrics["valid_tokens"], 1.0)
             metrics["value_clip_frac"] = vmetrics["value_clip_frac"]
@@ -281,21 +273,27 @@ class LearnerEngine:
         return float(loss.detach()), metrics, rho.cpu()
 
     def _regularisers(
-        self, logits, logprobs, input_ids, attention_mask, mask, normaliser: float, metrics: dict
+        self, logits, logprobs, input_ids, attention_mask, mask, normaliser: float, row_scale, metrics: dict
     ) -> torch.Tensor | float:
         """``kl_coef * kl_estimator(x) - entropy_coef * H``, each summed over the micro-batch's valid response
-        tokens and divided by the whole batch's ``normaliser`` (``H``: ``token_entropy``; the KL term only with
+        tokens (times ``row_scale``) and divided by the whole mini-batch's ``normaliser`` (``H``: ``token_entropy``; the KL term only with
         ``kl_placement: loss``; ``learner.losses.kl_penalty`` says which KL its gradient follows); records the
         token-mean ``entropy`` and ``kl_to_ref`` (k3 estimate of ``KL(pi || pi_ref)``, whatever the estimator)
         in ``metrics``; 0.0 (adds nothing) when both are off."""
         n = max(float(mask.sum()), 1.0)
         with torch.set_grad_enabled(self.algo.entropy_coef > 0 and torch.is_grad_enabled()):
-            entropy = token_entropy(logits, mask, self.algo.temperature).sum()
+            entropy_t = token_entropy(logits, mask, self.algo.temperature)
+            entropy = entropy_t.sum()
         metrics["entropy"] = float(entropy.detach()) / n
-        total = -self.algo.entropy_coef * entropy / normaliser if self.algo.entropy_coef > 0 else 0.0
+        if self.algo.entropy_coef > 0:
+            bonus = entropy if row_scale is None else scaled_token_sum(entropy_t, mask, row_scale)
+            total = -self.algo.entropy_coef * bonus / normaliser
+        else:
+            total = 0.0
         if self.ref_model is not None and self.algo.kl_placement == "loss":
             ref_logprobs = self._ref_logprobs(input_ids, attention_mask)
-            kl = kl_penalty(logprobs, ref_logprobs, mask, self.algo.kl_estimator).sum()
+            kl_t = kl_penalty(logprobs, ref_logprobs, mask, self.algo.kl_estimator)
+            kl = kl_t.sum() if row_scale is None else scaled_token_sum(kl_t, mask, row_scale)
             metrics["kl_to_ref"] = float(kl_penalty(logprobs.detach(), ref_logprobs, mask, "k3").sum()) / n
             total = total + self.algo.kl_coef * kl / normaliser
         return total

@@ -1,8 +1,9 @@
 """Loss terms of the learner step: PPO-clip policy loss with off-policy corrections, KL to a
 reference model, entropy, and the critic's clipped value loss. Pure torch, no state.
 
-Every term is a *sum* over valid tokens divided by a caller-given ``normaliser`` (``loss_normaliser``),
-so per-micro-batch losses add up to the full batch's loss and gradient.
+Every term is a *sum* over valid tokens (each row's tokens scaled by ``row_token_scale`` for
+``seq-mean-token-mean``) divided by a caller-given ``normaliser`` (``loss_normaliser``), so per-micro-batch
+losses add up to the whole (mini-)batch's loss and gradient.
 
 References:
     - Decoupled PPO: Fu et al. 2025, "AReaL" (clip against a *proximal* policy, correct behaviour ->
@@ -15,7 +16,9 @@ References:
       what their gradients train as losses: Tang & Munos 2025, "On a few pitfalls in KL divergence
       gradient estimation for RL".
     - Value clipping: Schulman et al. 2017 "PPO" / OpenAI baselines ``ppo2``.
-    - Token-mean aggregation: Yu et al. 2025, "DAPO"; constant token-sum: Liu et al. 2025, "Dr.GRPO".
+    - Aggregations (verl's ``loss_agg_mode`` names): token-mean, Yu et al. 2025, "DAPO"; seq-mean-token-mean,
+      Shao et al. 2024, "DeepSeekMath" (GRPO); constant token-sum, Liu et al. 2025, "Dr.GRPO".
+    - Dual-clip PPO: Ye et al. 2020, "Mastering Complex Control in MOBA Games with Deep Reinforcement Learning".
 """
 
 from __future__ import annotations
@@ -28,20 +31,58 @@ from learner.config import AlgorithmConfig
 
 
 def loss_normaliser(cfg: AlgorithmConfig, response_mask: torch.Tensor) -> float:
-    """What the batch's summed token losses are divided by (``cfg.loss_norm``).
+    """What the (mini-)batch's summed token losses are divided by, for ``cfg.agg_mode`` (``loss_agg_mode``).
 
     Args:
-        cfg: ``loss_norm`` / ``max_response_tokens`` / ``advantage``.
-        response_mask: ``[B, T]`` bool of the *whole* batch.
+        cfg: ``loss_agg_mode`` / ``advantage`` / ``max_response_tokens``.
+        response_mask: ``[B, T]`` bool of the *whole* (mini-)batch, not of one micro-batch.
 
     Returns:
-        ``token_mean``: number of valid tokens (at least 1). ``token_sum`` (Dr.GRPO): ``L * B`` with
-        ``L = cfg.max_response_tokens``, or the longest response of the batch when that is None.
+        ``token-mean``: ``N``, its valid tokens (at least 1). ``seq-mean-token-mean`` and
+        ``seq-mean-token-sum``: ``B`` (each row's tokens are first scaled by ``row_token_scale``).
+        ``seq-mean-token-sum-norm`` (Dr.GRPO): ``B * cfg.max_response_tokens``.
     """
-    if cfg.token_sum_norm:
-        length = cfg.max_response_tokens or int(response_mask.sum(dim=1).max())
-        return float(max(length * response_mask.shape[0], 1))
-    return float(max(int(response_mask.sum()), 1))
+    mode, rows = cfg.agg_mode, response_mask.shape[0]
+    if mode == "token-mean":
+        return float(max(int(response_mask.sum()), 1))
+    if mode == "seq-mean-token-sum-norm":
+        return float(max(cfg.max_response_tokens * rows, 1))
+    return float(max(rows, 1))
+
+
+def row_token_scale(cfg: AlgorithmConfig, response_mask: torch.Tensor) -> torch.Tensor | None:
+    """Per-row factor on every token's loss before the sum, or None when it is 1 for every row.
+
+    ``seq-mean-token-mean`` (GRPO's ``1/|o_i|``, Shao et al. 2024): ``1 / |o_i|`` for a row of ``|o_i| >= 1``
+    valid tokens (1 for a row of none, which adds nothing anyway); with ``loss_normaliser``'s ``B`` the loss is
+    the mean over rows of each row's token mean. Every other mode: None.
+
+    Args:
+        cfg: ``loss_agg_mode`` / ``advantage``.
+        response_mask: ``[B, T]`` bool.
+
+    Returns:
+        ``[B]`` float32 or None.
+    """
+    if cfg.agg_mode != "seq-mean-token-mean":
+        return None
+    return 1.0 / response_mask.sum(dim=1).clamp(min=1).float()
+
+
+def scaled_token_sum(x: torch.Tensor, mask: torch.Tensor, row_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """``sum_{i,t in mask} x_it * row_scale_i`` (0 off ``mask``; ``row_scale`` None: 1).
+
+    Args:
+        x: ``[B, T]`` float per-token values.
+        mask: ``[B, T]`` bool.
+        row_scale: ``[B]`` float (``row_token_scale``) or None.
+
+    Returns:
+        Scalar tensor (differentiable in ``x``).
+    """
+    if row_scale is not None:
+        x = x * row_scale.to(x.device).unsqueeze(1)
+    return _masked_sum(x, mask)
 
 
 def _masked_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -90,6 +131,7 @@ def policy_loss(
     mask: torch.Tensor,
     cfg: AlgorithmConfig,
     normaliser: float | None = None,
+    row_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO-clip policy loss with the configured off-policy correction, summed over valid tokens.
 
@@ -99,8 +141,15 @@ def policy_loss(
         r    = exp(logprobs - anchor)                              # current / anchor
         rho  = exp(proximal - behaviour)          (detached)       # proximal / behaviour
         w, keep = importance_weights(log rho)                      # TIS / MIS / none
-        l    = -w * min(r * A, clip(r, 1 - eps_low, 1 + eps_high) * A)    (0 where not keep)
-        loss = sum_valid(l) / normaliser
+        s    = min(r * A, clip(r, 1 - eps_low, 1 + eps_high) * A)
+        s    = max(s, c * A)   where A < 0, with dual_clip_c = c  (dual-clip, Ye et al. 2020; off: None)
+        l    = -w * s                                               (0 where not keep)
+        loss = sum_valid(l * row_scale) / normaliser
+
+    Its gradient, ``-w * A * grad r`` where the unclipped branch is active and 0 where a clip is, estimates
+    the policy gradient of the anchor's surrogate ``E[w r A]`` restricted to the trust region (PPO, Schulman
+    et al. 2017); at ``r == 1`` (one update per batch, proximal anchor) it is ``-w * A * grad log pi``: the
+    importance-weighted REINFORCE gradient, and the clip never acts (``AlgorithmConfig.mini_batches``).
 
     With the defaults (proximal anchor, ``tis_token``) this is AReaL's decoupled objective with
     Yao et al.'s token TIS. MIS-dropped tokens still count in ``normaliser`` (they are masked, not
@@ -108,8 +157,8 @@ def policy_loss(
 
     Args:
         logprobs: ``[B, T]`` float32, current policy, with grad.
-        proximal_logprobs: ``[B, T]`` float32, the learner's logprobs at the start of the step
-            (detached here; with one optimizer step per batch this is ``logprobs.detach()``).
+        proximal_logprobs: ``[B, T]`` float32, the learner's logprobs before the batch's first update
+            (detached here; with one update per batch this is ``logprobs.detach()``).
         behaviour_logprobs: ``[B, T]`` float32, the rollout's logprobs (any value at masked positions).
         advantages: ``[B]`` (one per trajectory, broadcast over its tokens) or ``[B, T]`` (per token,
             GAE) float32.
@@ -117,13 +166,15 @@ def policy_loss(
         cfg: ``policy_ratio``, ``is_weight`` and its caps/band, clip ranges.
         normaliser: what the token sum is divided by; pass the *full batch's* value
             (``loss_normaliser``) when this call sees one micro-batch. Defaults to ``mask.sum()`` (>= 1).
+        row_scale: ``[B]`` float per-row factor (``row_token_scale``), or None for 1.
 
     Returns:
         ``(loss, metrics)``: scalar loss tensor; metrics (floats over this call's valid tokens, 0 if
         none): ``is_ratio_mean`` / ``is_ratio_max`` of ``rho`` before any truncation,
         ``tis_clip_frac`` (fraction of tokens whose weight TIS capped), ``mis_masked_frac`` (fraction
         MIS dropped), ``ppo_clip_frac`` (fraction where the clipped branch is active, i.e. zero
-        gradient), ``approx_kl`` = mean of Schulman's k3 estimator of KL(behaviour || current) with
+        gradient), ``dual_clip_frac`` (fraction where the dual clip bounds the loss; 0 when off),
+        ``approx_kl`` = mean of Schulman's k3 estimator of KL(behaviour || current) with
         ``rho``: ``rho - 1 - log rho`` (``>= 0``), and ``valid_tokens``.
 
     Raises:
@@ -144,10 +195,17 @@ def policy_loss(
     adv = advantages.float() if advantages.dim() == 2 else advantages.float().unsqueeze(1)
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1.0 - cfg.clip_eps_low, 1.0 + cfg.clip_eps_high) * adv
-    per_token = -torch.minimum(unclipped, clipped) * weight
-    loss = _masked_sum(per_token, mask & keep) / normaliser
+    surrogate = torch.minimum(unclipped, clipped)
+    dual = torch.zeros_like(mask)
+    if cfg.dual_clip_c is not None:
+        bound = cfg.dual_clip_c * adv
+        dual = (adv < 0) & (surrogate < bound) & mask
+        surrogate = torch.where(adv < 0, torch.maximum(surrogate, bound), surrogate)
+    per_token = -surrogate * weight
+    loss = scaled_token_sum(per_token, mask & keep, row_scale) / normaliser
     with torch.no_grad():
         metrics = _metrics(log_rho, clipped < unclipped, truncated, ~keep, mask)
+        metrics["dual_clip_frac"] = float(dual[mask].float().mean()) if metrics["valid_tokens"] else 0.0
     return loss, metrics
 
 
@@ -262,12 +320,16 @@ def value_loss(
     mask: torch.Tensor,
     clip: float,
     normaliser: float,
+    row_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO clipped value loss (Schulman et al. 2017; OpenAI baselines ``ppo2``)::
 
         V_clip = V_old + clamp(V - V_old, -clip, clip)
         l      = 0.5 * max((V - R)^2, (V_clip - R)^2)
-        loss   = sum_valid(l) / normaliser
+        loss   = sum_valid(l * row_scale) / normaliser
+
+    Its gradient moves ``V`` toward ``R`` (the regression gradient ``(V - R) grad V``) until ``V`` leaves the
+    ``clip`` band around ``V_old`` on the far side of ``R``, where it is 0.
 
     Args:
         values: ``[B, T]`` float, the critic now, with grad.
@@ -276,6 +338,7 @@ def value_loss(
         mask: ``[B, T]`` bool.
         clip: ``> 0``, how far ``V`` may move from ``V_old`` before the clipped branch dominates.
         normaliser: ``> 0``.
+        row_scale: ``[B]`` float per-row factor (``row_token_scale``), or None for 1.
 
     Returns:
         ``(loss, metrics)``: ``value_clip_frac`` (fraction of valid tokens where the clipped branch is
@@ -294,7 +357,7 @@ def value_loss(
     ret = returns.detach().float()
     v_clip = old + torch.clamp(v - old, -clip, clip)
     unclipped, clipped = (v - ret) ** 2, (v_clip - ret) ** 2
-    loss = _masked_sum(0.5 * torch.maximum(unclipped, clipped), mask) / normaliser
+    loss = scaled_token_sum(0.5 * torch.maximum(unclipped, clipped), mask, row_scale) / normaliser
     n = int(mask.sum())
     frac = float((clipped > unclipped)[mask].float().mean()) if n else 0.0
     return loss, {"value_clip_frac": frac, "valid_tokens": float(n)}

@@ -1,12 +1,12 @@
-"""What a learner step computes from the policy as it stands, before its update: the critic's ``V_old`` and
-GAE, and the KL in the reward. They are those of the deterministic network vLLM samples from, so they are
-computed with dropout off (``eval_mode``).
+"""What a learner step computes from the policy as it stands, before its first update: the critic's ``V_old``
+and GAE, the KL in the reward, and (with more than one update per batch) the proximal logprobs the PPO clip is
+anchored to. They are those of the deterministic network vLLM samples from, so they are computed with dropout
+off (``eval_mode``).
 
 Training forwards keep the model's own dropout (a config with ``attention_dropout > 0`` still regularises
-the update and draws from the torch RNG). The proximal logprobs (the PPO anchor) are still the training
-forward's own, detached — with dropout, that forward's draw: computing them in a separate dropout-off pass
-makes ``pi / pi_prox`` differ from 1 by the dropout noise alone, which belongs with issue #21's
-``ppo_epochs`` / ``mini_batches`` (the anchor computed once before the first update).
+the update and draws from the torch RNG). With one update per batch the proximal logprobs are the training
+forward's own, detached (verl does the same on-policy): the anchor is the same parameters, ``pi / pi_prox`` is
+exactly 1 and a separate dropout-off pass would only add the dropout noise to it (and cost a forward).
 """
 
 from __future__ import annotations
@@ -94,7 +94,46 @@ def step_targets(learner, batch: TrainBatch) -> StepTargets | None:
     if learner.critic:
         advantages, returns = gae(rewards, old_values, mask, algo.gamma, algo.lam)
     else:
-        advantages = group_advantages(algo.advantage, rewards.sum(dim=1), batch.group_rows, algo.adv_eps)
+        advantages = group_advantages(algo.advantage, rewards.sum(dim=1), batch.group_rows, algo.adv_eps,
+                                      mask.sum(dim=1))
     if kl_in_reward:
         kl_to_ref = float(kl_penalty(kl, torch.zeros_like(kl), mask, "k3").sum()) / max(float(mask.sum()), 1.0)
     return StepTargets(advantages, returns, old_values if learner.critic else None, kl_to_ref)
+
+
+def mini_batch_rows(batch_size: int, mini_batches: int) -> list[range]:
+    """The batch's rows split into ``mini_batches`` contiguous, equal mini-batches (one optimizer update each).
+
+    Raises:
+        ValueError: ``batch_size`` is not a positive multiple of ``mini_batches``.
+    """
+    if mini_batches < 1 or batch_size < mini_batches or batch_size % mini_batches:
+        raise ValueError(f"a batch of {batch_size} rows cannot be split into {mini_batches} equal mini-batches: "
+                         "make groups_per_step * group_size a multiple of learner.algorithm.mini_batches")
+    size = batch_size // mini_batches
+    return [range(i * size, (i + 1) * size) for i in range(mini_batches)]
+
+
+@torch.no_grad()
+def proximal_logprobs(learner, batch: TrainBatch, micro: list[slice]) -> torch.Tensor:
+    """The proximal logprobs ``log pi_prox`` every update of the batch is clipped against: the policy before
+    the batch's first update, in a no-grad pass with dropout off, over the micro-batches this rank trains (the
+    same row slices and padding as its training forwards, so without dropout the first update's ratio is 1 up
+    to the no-grad kernels' rounding).
+
+    Args:
+        learner: a ``learner.engine.LearnerEngine`` (``engine``, ``algo``, ``_micro_inputs``, ``_forward``).
+        batch: the step's batch.
+        micro: the row slices to compute (this rank's micro-batches of every mini-batch).
+
+    Returns:
+        ``[B, L - 1]`` float32 on CPU, aligned with ``TrainBatch.response_mask``; 0 at rows outside ``micro``
+        and beyond each micro-batch's longest row.
+    """
+    out = torch.zeros(batch.response_mask.shape, dtype=torch.float32)
+    with eval_mode(learner.engine):
+        for rows in micro:
+            input_ids, attention_mask, _ = learner._micro_inputs(batch, rows)
+            logits, _ = learner._forward(input_ids, attention_mask)
+            out[rows, : input_ids.shape[1] - 1] = token_logprobs(logits, input_ids, learner.algo.temperature).cpu()
+    return out

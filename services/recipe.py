@@ -15,6 +15,7 @@ from proto.model_source import DRY_RUN, ModelSourceError, is_hub_id, resolve
 from learner.loop import LearnerLoopConfig
 from replay.config import ReplayConfig
 from rollout.tasks import TaskConfig
+from rollout.config import SamplingConfig
 from rollout.worker import RolloutConfig
 from services.security import SecurityConfig
 
@@ -160,6 +161,21 @@ class Recipe(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
+    def _share_response_budget(cls, data: Any) -> Any:
+        """``learner.algorithm.max_response_tokens`` defaults to ``rollout.sampling.max_new_tokens`` (the
+        constant of ``loss_agg_mode: seq-mean-token-sum-norm``, Dr.GRPO's default)."""
+        if not isinstance(data, dict) or not isinstance(data.get("learner"), dict):
+            return data
+        algo = data["learner"].get("algorithm", {})
+        if not isinstance(algo, dict) or algo.get("max_response_tokens") is not None:
+            return data
+        rollout = data.get("rollout") if isinstance(data.get("rollout"), dict) else {}
+        sampling = rollout.get("sampling") if isinstance(rollout.get("sampling"), dict) else {}
+        budget = sampling.get("max_new_tokens", SamplingConfig.model_fields["max_new_tokens"].default)
+        return {**data, "learner": {**data["learner"], "algorithm": {**algo, "max_response_tokens": budget}}}
+
+    @model_validator(mode="before")
+    @classmethod
     def _share_lockstep(cls, data: Any) -> Any:
         """``determinism: lockstep`` hands one ``LockstepConfig`` to the rollouts and the learner."""
         if not isinstance(data, dict):
@@ -215,6 +231,13 @@ class Recipe(BaseModel):
             raise ValueError(f"learner.groups_per_step * rollout.group_size ({rows} rows) must be a multiple of "
                              f"placement.learner.world_size ({world}) to shard each batch over the ranks; or set "
                              "learner.engine.batch_split: replicate")
+        mini = self.learner.algorithm.mini_batches
+        shards = world if world > 1 and self.learner.engine.batch_split == "shard" else 1
+        if mini > 1 and rows % (mini * shards):
+            raise ValueError(f"learner.groups_per_step * rollout.group_size ({rows} rows) must be a multiple of "
+                             f"learner.algorithm.mini_batches ({mini})"
+                             + (f" times placement.learner.world_size ({world})" if shards > 1 else "")
+                             + " so that every optimizer update gets an equal mini-batch")
         return self
 
     @property

@@ -2,7 +2,7 @@
 
 A random Llama-shaped model (hidden 512, 8 layers, vocab 32000: ~41 M parameters, built at test time, never
 downloaded) trains for a few GRPO steps under real DeepSpeed on one GPU (a world-size-1 NCCL group from
-``learner.engine.ensure_distributed``): ZeRO-3 + bf16 + gradient checkpointing, and ZeRO-2 + bf16 without it.
+``learner.ds_setup.ensure_distributed``): ZeRO-3 + bf16 + gradient checkpointing, and ZeRO-2 + bf16 without it.
 Checks behaviour: every loss finite, every grad norm > 0, the published weights move, the engine is on CUDA.
 Prints one JSON line per config (step time, tokens/s, peak CUDA memory, versions, GPU); with
 ``GYRE_GPU_RESULTS=<file>`` also appends it there.

@@ -70,7 +70,7 @@ OUTCOME_RUNS = [
 def test_outcome_estimators_and_corrections_with_kl(tiny_llama):
     """One engine (with its reference model); its algorithm is swapped between steps, which only
     changes how advantages and the loss are formed (the modules stay the same)."""
-    base = AlgorithmConfig(kl_coef=0.05, kl_estimator="k3", entropy_coef=0.01)
+    base = AlgorithmConfig(kl_coef=0.05, kl_estimator="k3", entropy_coef=0.01, max_response_tokens=8)
     engine = _engine(tiny_llama, base)
     assert engine.ref_model is not None and not engine.critic
     assert not any(p.requires_grad for p in engine.ref_model.parameters())
@@ -120,7 +120,7 @@ def test_micro_batching_keeps_every_loss_term_to_fp32_rounding(tiny_llama):
     """fp32, critic + KL + entropy + sequence TIS + Dr.GRPO's constant normaliser: six rows as six
     micro-batches of one give the loss and gradient norm of one micro-batch of six, up to the rounding
     of summing in another order (measured relative differences at most 5e-8; not bit-identical)."""
-    algo = AlgorithmConfig(advantage="gae", loss_norm="token_sum", is_weight="tis_seq", kl_coef=0.1,
+    algo = AlgorithmConfig(advantage="gae", loss_agg_mode="seq-mean-token-sum-norm", max_response_tokens=8, is_weight="tis_seq", kl_coef=0.1,
                            entropy_coef=0.01)
     batch = build_train_batch(_table(2, seed=11), 0, 2, algo)
     results = []
@@ -153,3 +153,30 @@ def test_kl_in_the_reward_shapes_the_outcome_advantages(tiny_llama):
     torch.testing.assert_close(targets.advantages, group_advantages("rloo", returns, batch.group_rows, 1e-6))
     assert targets.kl_to_ref > 0.0 and not torch.equal(targets.advantages, batch.advantages)
     assert engine.train_step(batch)["kl_to_ref"] == pytest.approx(targets.kl_to_ref)
+
+
+def _clipped_params(model_dir, batch_table, **algo_kw) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    algo = AlgorithmConfig(policy_ratio="proximal", is_weight="none", clip_eps_low=0.2, **algo_kw)
+    config = LearnerConfig(model=str(model_dir), zero_stage=0, dtype="fp32", micro_batch_size=3, lr=2e-2)
+    engine = LearnerEngine(config, algo)
+    metrics = engine.train_step(build_train_batch(batch_table, 0, 2, algo))
+    return {n: p.detach().clone() for n, p in engine.module.named_parameters()}, metrics
+
+
+def test_the_clip_acts_from_the_second_update_and_never_with_one(tiny_llama):
+    """Finding #21.2: with one update per batch ``pi / pi_prox == 1`` and ``clip_eps_high`` changes nothing
+    (bit-identical parameters); with 2 mini-batches the second update is clipped against the proximal logprobs
+    computed before the first, so its gradient, and the parameters after the step, depend on ``clip_eps_high``."""
+    table = _table(2, seed=5)  # 6 rows: 2 mini-batches of 3
+    one_tight, m1 = _clipped_params(tiny_llama, table, clip_eps_high=0.05)
+    one_loose, _ = _clipped_params(tiny_llama, table, clip_eps_high=10.0)
+    assert all(torch.equal(one_tight[n], one_loose[n]) for n in one_tight), "one update: the clip must be inert"
+    assert m1["ppo_clip_frac"] == 0.0 and m1["updates"] == 1.0
+    two_tight, m2 = _clipped_params(tiny_llama, table, clip_eps_high=0.05, mini_batches=2)
+    two_loose, m2_loose = _clipped_params(tiny_llama, table, clip_eps_high=10.0, mini_batches=2)
+    assert m2["updates"] == 2.0 and m2["micro_batches"] == 2.0
+    assert m2["ppo_clip_frac"] > 0.0 and m2_loose["ppo_clip_frac"] < m2["ppo_clip_frac"]
+    differ = [n for n in two_tight if not torch.equal(two_tight[n], two_loose[n])]
+    assert len(differ) > len(two_tight) // 2, f"only {differ} depend on clip_eps_high"
+    two_epochs, m3 = _clipped_params(tiny_llama, table, clip_eps_high=0.05, ppo_epochs=2)
+    assert m3["updates"] == 2.0 and m3["ppo_clip_frac"] > 0.0

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from learner.config import LearnerConfig
-from learner.engine import build_ds_config
+from learner.ds_setup import build_ds_config
 from tests.integration.test_learner_async_save import _step, _weights
 from tests.integration.test_learner_engine import _engine
 

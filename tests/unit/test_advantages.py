@@ -46,6 +46,20 @@ def test_reinforce_pp_normalises_over_the_whole_batch():
     assert torch.equal(reinforce_pp_advantages(torch.ones(2, 3), eps=1e-6), torch.zeros(2, 3))
 
 
+def test_reinforce_pp_whitens_over_tokens_with_counts():
+    """OpenRLHF's reinforce_baseline whitens per-token advantages: a row of n tokens counts n times."""
+    counts = torch.tensor([[1, 3, 2], [4, 0, 2]])
+    centred = REWARDS.float() - REWARDS.float().mean(dim=1, keepdim=True)
+    tokens = torch.cat([centred.flatten()[i].repeat(int(c)) for i, c in enumerate(counts.flatten())])
+    expected = (centred - tokens.mean()) / (tokens.std(unbiased=False) + 1e-6)
+    torch.testing.assert_close(reinforce_pp_advantages(REWARDS, 1e-6, counts), expected, atol=1e-6, rtol=0)
+    assert not torch.allclose(expected, reinforce_pp_advantages(REWARDS, 1e-6), atol=1e-3)
+    torch.testing.assert_close(reinforce_pp_advantages(REWARDS, 1e-6, torch.ones(2, 3)),
+                               reinforce_pp_advantages(REWARDS, 1e-6))
+    with pytest.raises(ValueError, match="token_counts"):
+        reinforce_pp_advantages(REWARDS, 1e-6, torch.ones(3, 2))
+
+
 def test_outcome_advantages_dispatch_and_errors():
     torch.testing.assert_close(outcome_advantages("rloo", REWARDS, 1e-6), rloo_advantages(REWARDS))
     torch.testing.assert_close(outcome_advantages("dr_grpo", REWARDS, 1e-6), dr_grpo_advantages(REWARDS))

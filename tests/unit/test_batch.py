@@ -108,13 +108,15 @@ def test_empty_prompt_is_rejected():
         ("grpo", [1.0, 0.0, -1.0, 0.0]),  # (1, 0): mean 0.5, std 0.5
         ("dr_grpo", [0.5, 0.0, -0.5, 0.0]),  # no std division
         ("rloo", [1.0, 0.0, -1.0, 0.0]),  # 1 - 0 and 0 - 1
-        # centred (0.5, 0, -0.5, 0): batch population std sqrt(0.5 / 4) = 0.353553 -> +-1.414214
-        ("reinforce_pp", [1.414214, 0.0, -1.414214, 0.0]),
+        # centred (0.5, 0, -0.5, 0), whitened over response tokens (lengths 2, 4, 1, 1; OpenRLHF): mean
+        # (1 - 0.5) / 8 = 0.0625, var (2 * 0.4375^2 + 4 * 0.0625^2 + 0.5625^2 + 0.0625^2) / 8 = 0.08984375
+        # (per row it would be +-1.414214, 0)
+        ("reinforce_pp", [1.459601, -0.208514, -1.876630, -0.208514]),
         ("gae", [0.0, 0.0, 0.0, 0.0]),  # computed in the engine from the critic's values
     ],
 )
 def test_advantage_estimator_is_picked_from_config(advantage, expected):
-    cfg = AlgorithmConfig(advantage=advantage)
+    cfg = AlgorithmConfig(advantage=advantage, max_response_tokens=8)
     batch = build_train_batch(to_table(_rows()), pad_token_id=PAD, learner_version=4, cfg=cfg)
     torch.testing.assert_close(batch.advantages, torch.tensor(expected), atol=1e-5, rtol=0)
 

@@ -9,8 +9,10 @@ import math
 import pytest
 import torch
 
+from pydantic import ValidationError
+
 from learner.config import AlgorithmConfig
-from learner.losses import kl_penalty, loss_normaliser, policy_loss, token_entropy, value_loss
+from learner.losses import kl_penalty, loss_normaliser, policy_loss, row_token_scale, token_entropy, value_loss
 
 LN = math.log
 
@@ -139,15 +141,69 @@ def test_zero_staleness_every_correction_is_on_policy_pg(ratio, weight, per_toke
     torch.testing.assert_close(logprobs.grad, -adv_bt * mask / 7)
 
 
-def test_loss_normaliser_token_mean_and_dr_grpo_constant():
+def test_loss_normaliser_and_row_scale_of_each_aggregation():
     mask = torch.tensor([[1, 1, 0, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]], dtype=torch.bool)
-    assert loss_normaliser(AlgorithmConfig(), mask) == 8.0  # 2 + 5 + 1 valid tokens
-    # Dr.GRPO (loss_norm auto): longest response 5 x 3 sequences = 15; with a budget of 10: 30
-    assert loss_normaliser(AlgorithmConfig(advantage="dr_grpo"), mask) == 15.0
+    assert loss_normaliser(AlgorithmConfig(), mask) == 8.0  # token-mean: 2 + 5 + 1 valid tokens
+    assert row_token_scale(AlgorithmConfig(), mask) is None
+    # Dr.GRPO (loss_agg_mode auto): the constant budget x 3 sequences, never the batch's longest response
     assert loss_normaliser(AlgorithmConfig(advantage="dr_grpo", max_response_tokens=10), mask) == 30.0
-    assert loss_normaliser(AlgorithmConfig(advantage="dr_grpo", loss_norm="token_mean"), mask) == 8.0
-    assert loss_normaliser(AlgorithmConfig(loss_norm="token_sum", max_response_tokens=4), mask) == 12.0
+    assert loss_normaliser(AlgorithmConfig(advantage="dr_grpo", max_response_tokens=10,
+                                           loss_agg_mode="token-mean"), mask) == 8.0
+    sum_norm = AlgorithmConfig(loss_agg_mode="seq-mean-token-sum-norm", max_response_tokens=4)
+    assert loss_normaliser(sum_norm, mask) == 12.0
+    for mode in ("seq-mean-token-mean", "seq-mean-token-sum"):
+        assert loss_normaliser(AlgorithmConfig(loss_agg_mode=mode), mask) == 3.0
+    torch.testing.assert_close(row_token_scale(AlgorithmConfig(loss_agg_mode="seq-mean-token-mean"), mask),
+                               torch.tensor([1 / 2, 1 / 5, 1.0]))
+    assert row_token_scale(AlgorithmConfig(loss_agg_mode="seq-mean-token-sum"), mask) is None
     assert loss_normaliser(AlgorithmConfig(), torch.zeros(2, 3, dtype=torch.bool)) == 1.0
+
+
+def test_dr_grpo_needs_a_constant_and_loss_norm_names_its_successor():
+    with pytest.raises(ValidationError, match="max_response_tokens is None"):
+        AlgorithmConfig(advantage="dr_grpo")
+    with pytest.raises(ValidationError, match="loss_norm .'token_sum'. is now loss_agg_mode"):
+        AlgorithmConfig(loss_norm="token_sum")
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
+                                  "seq-mean-token-sum-norm"])
+def test_each_aggregation_weighs_tokens_as_documented(mode):
+    """On-policy (ratio 1, weight 1) the loss is ``-sum_{i,t} c_it A_i``; each mode's ``c_it``, by hand."""
+    mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]], dtype=torch.bool)
+    adv = torch.tensor([1.0, 2.0])
+    lp = torch.zeros(2, 4, requires_grad=True)
+    cfg = AlgorithmConfig(loss_agg_mode=mode, max_response_tokens=8)
+    loss, _ = policy_loss(lp, lp.detach(), lp.detach(), adv, mask, cfg, normaliser=loss_normaliser(cfg, mask),
+                          row_scale=row_token_scale(cfg, mask))
+    expected = {
+        "token-mean": -(2 * 1.0 + 4 * 2.0) / 6,  # every token 1/N
+        "seq-mean-token-mean": -(1.0 + 2.0) / 2,  # every row's token mean, averaged over rows
+        "seq-mean-token-sum": -(2 * 1.0 + 4 * 2.0) / 2,
+        "seq-mean-token-sum-norm": -(2 * 1.0 + 4 * 2.0) / (2 * 8),
+    }[mode]
+    assert loss.item() == pytest.approx(expected, abs=1e-6)
+
+
+def test_dual_clip_bounds_a_negative_advantage_token_far_above_the_ratio():
+    """Ye et al. 2020: with A < 0 and r = 5 the PPO-clip loss is -r A = 5 |A| (unbounded in r); dual-clip with
+    c = 3 caps it at c |A| and its gradient is 0; positive advantages and r inside [1/c.., c] are untouched."""
+    mask = torch.ones(1, 3, dtype=torch.bool)
+    behaviour = torch.zeros(1, 3)
+    logprobs = torch.tensor([[math.log(5.0), math.log(5.0), math.log(1.1)]], requires_grad=True)
+    adv = torch.tensor([[-1.0, 2.0, -1.0]])
+    plain = AlgorithmConfig(policy_ratio="behaviour", is_weight="none")
+    dual = AlgorithmConfig(policy_ratio="behaviour", is_weight="none", dual_clip_c=3.0)
+    loss_p, m_p = policy_loss(logprobs, behaviour, behaviour, adv, mask, plain, normaliser=1.0)
+    loss_d, m_d = policy_loss(logprobs, behaviour, behaviour, adv, mask, dual, normaliser=1.0)
+    # token 0: plain max(5, 1.2) = 5, dual min(5, 3) = 3; token 1: A > 0, clipped at 1.2 -> -2.4; token 2: 1.1
+    assert loss_p.item() == pytest.approx(5.0 - 2.4 + 1.1, abs=1e-5)
+    assert loss_d.item() == pytest.approx(3.0 - 2.4 + 1.1, abs=1e-5)
+    assert m_p["dual_clip_frac"] == 0.0 and m_d["dual_clip_frac"] == pytest.approx(1 / 3)
+    (grad,) = torch.autograd.grad(loss_d, logprobs)
+    assert grad[0, 0] == 0.0 and grad[0, 1] == 0.0 and grad[0, 2] == pytest.approx(1.1, abs=1e-5)
+    with pytest.raises(ValidationError):
+        AlgorithmConfig(dual_clip_c=1.0)
 
 
 def test_kl_estimators_k1_k2_k3_and_their_gradients():

@@ -126,3 +126,15 @@ def test_bad_placement_is_named(placement, message):
     with pytest.raises(RecipeError) as err:
         load_recipe(DEFAULT, {"placement": placement})
     assert message in str(err.value)
+
+
+def test_the_response_budget_and_mini_batches_reach_the_learner():
+    """Dr.GRPO's constant is the rollout's max_new_tokens unless set; mini-batches must split the batch evenly."""
+    recipe = load_recipe(DEFAULT, {"learner.algorithm.advantage": "dr_grpo"})
+    assert recipe.learner.algorithm.max_response_tokens == recipe.rollout.sampling.max_new_tokens
+    assert recipe.learner.algorithm.agg_mode == "seq-mean-token-sum-norm"
+    assert load_recipe(DEFAULT, {"learner.algorithm.max_response_tokens": 7}).learner.algorithm.max_response_tokens == 7
+    with pytest.raises(RecipeError) as err:  # 32 rows
+        load_recipe(DEFAULT, {"learner.algorithm.mini_batches": 3})
+    assert "(32 rows) must be a multiple of learner.algorithm.mini_batches (3)" in str(err.value)
+    assert load_recipe(DEFAULT, {"learner.algorithm.mini_batches": 4}).learner.algorithm.updates_per_batch == 4

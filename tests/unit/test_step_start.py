@@ -3,12 +3,15 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from learner.algorithms import token_logprobs
-from learner.step_start import eval_mode
+from learner.config import AlgorithmConfig
+from learner.step_start import eval_mode, mini_batch_rows, proximal_logprobs
 
 
 def _llama(attention_dropout: float) -> LlamaForCausalLM:
@@ -46,3 +49,45 @@ def test_eval_mode_restores_each_modules_own_flag_even_on_error():
         assert not any(m.training for m in model.modules())
         raise RuntimeError("boom")
     assert model.training and model.model.layers[0].training and not model.model.layers[1].training
+
+
+class _Learner:
+    """Test double of the three ``LearnerEngine`` members ``proximal_logprobs`` uses."""
+
+    def __init__(self, model):
+        self.engine = model
+        self.algo = AlgorithmConfig()
+
+    def _micro_inputs(self, batch, rows):
+        mask = batch.attention_mask[rows]
+        length = int(mask.sum(dim=1).max())
+        return batch.input_ids[rows, :length], mask[:, :length], batch.response_mask[rows, : length - 1]
+
+    def _forward(self, input_ids, attention_mask):
+        return self.engine(input_ids=input_ids, attention_mask=attention_mask).logits, None
+
+
+def test_proximal_logprobs_are_the_dropout_off_policy_before_the_first_update():
+    """Finding #21.6: the PPO anchor of a multi-update step comes from a dropout-off pass (deterministic, the
+    network vLLM samples from), over the given micro-batches only, and leaves the model in train mode."""
+    model = _llama(0.5).train()
+    ids = torch.randint(0, 64, (4, 10), generator=torch.Generator().manual_seed(2))
+    attention = torch.ones_like(ids)
+    attention[3, 7:] = 0  # a shorter row, right-padded
+    batch = SimpleNamespace(input_ids=ids, attention_mask=attention,
+                            response_mask=torch.ones(4, 9, dtype=torch.bool))
+    learner = _Learner(model)
+    prox = proximal_logprobs(learner, batch, [slice(0, 2), slice(3, 4)])
+    assert torch.equal(prox, proximal_logprobs(learner, batch, [slice(0, 2), slice(3, 4)]))
+    with eval_mode(model):
+        torch.testing.assert_close(prox[:2], _logprobs(model, ids[:2]), atol=1e-6, rtol=0)
+        torch.testing.assert_close(prox[3:, :6], _logprobs(model, ids[3:, :7]), atol=1e-6, rtol=0)
+    assert torch.equal(prox[2], torch.zeros(9)) and torch.equal(prox[3, 6:], torch.zeros(3))
+    assert model.training and all(m.training for m in model.modules())
+
+
+def test_mini_batch_rows_split_evenly_or_refuse():
+    assert mini_batch_rows(6, 2) == [range(0, 3), range(3, 6)]
+    assert mini_batch_rows(6, 1) == [range(0, 6)]
+    with pytest.raises(ValueError, match="6 rows cannot be split into 4 equal mini-batches"):
+        mini_batch_rows(6, 4)
