@@ -89,6 +89,17 @@ def test_truncation_metrics():
     assert truncation_metrics(_batch(_rows()), AlgorithmConfig()) == {"truncated_frac": 0.0}
 
 
+
+def test_step_metrics_carry_the_truncated_fraction_and_the_raw_reward():
+    from learner.engine import LearnerEngine  # deepspeed's import: only for this test
+
+    cfg = AlgorithmConfig(max_response_tokens=4, overlong_buffer_len=2)
+    batch = build_train_batch(to_table(_truncated_rows(1)), PAD, 4, cfg)
+    metrics = LearnerEngine._batch_metrics(types.SimpleNamespace(algo=cfg), batch, None)
+    assert metrics["truncated_frac"] == 0.25 and metrics["overlong_penalty_mean"] == -0.25
+    assert metrics["reward_mean"] == 0.25  # the verifier's (1, 0, 0, 0), the penalty left out
+
+
 class _FakeLearner:
     """Test double of the ``LearnerEngine`` parts ``step_targets`` reads: logits (and the critic's values, 0) from
     fixed embedding tables, the reference model's from another table."""
