@@ -72,7 +72,9 @@ class AlgorithmConfig(BaseModel):
 
     max_response_tokens: int | None = Field(None, ge=1)
     """The ``token_sum`` constant's per-sequence length: the rollout's generation budget
-    (``max_tokens``). ``None``: the longest response of each batch (then not constant across batches)."""
+    (``max_tokens``); a recipe fills it from ``rollout.sampling.max_new_tokens`` when left out. Also ``L_max``
+    of the soft overlong punishment (``overlong_buffer_len``). ``None``: the longest response of each batch
+    (then not constant across batches)."""
 
     kl_coef: float = Field(0.0, ge=0.0)
     """Coefficient ``beta`` of the KL regulariser to a frozen reference model (the initial weights), placed
