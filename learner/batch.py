@@ -86,11 +86,9 @@ def build_train_batch(
         table: trajectory rows (``proto.trajectory.TRAJECTORY_SCHEMA``), validated here.
         pad_token_id: token id used for right padding (masked out everywhere).
         learner_version: the learner's current policy version, for staleness.
-        cfg: ``advantage`` (the estimator; ``gae`` leaves ``advantages`` at 0), ``adv_eps``, and DAPO's
-            overlong handling: ``overlong_buffer_len`` / ``overlong_penalty_factor`` / ``max_response_tokens``
-            (the soft penalty, added to the rewards before the advantages) and ``overlong_filter`` (rows with
-            ``finish_reason "length"`` get an all-False ``response_mask`` and 0 behaviour logprobs, after
-            the advantages, so they still count in their group's baseline).
+        cfg: ``advantage`` (``gae`` leaves ``advantages`` at 0), ``adv_eps``; ``overlong_buffer_len`` (DAPO's
+            soft penalty, added to the rewards before the advantages) and ``overlong_filter`` (``"length"``
+            rows get no response tokens and 0 behaviour logprobs, after the advantages).
 
     Raises:
         proto.trajectory.SchemaError: the table does not match the schema.
@@ -117,12 +115,7 @@ def build_train_batch(
     }
     groups = _group_rows(cols["group_id"], cols["sample_index"], cols["prompt_token_ids"])
     rewards = torch.tensor(cols["reward"], dtype=torch.float32)
-    truncated = torch.tensor([reason == "length" for reason in cols["finish_reason"]], dtype=torch.bool)
-    penalty = torch.zeros_like(rewards)
-    if cfg.overlong_buffer_len > 0:
-        lengths = torch.tensor([len(r) for r in cols["response_token_ids"]], dtype=torch.int64)
-        penalty = overlong_penalty(lengths, cfg.max_response_tokens, cfg.overlong_buffer_len,
-                                   cfg.overlong_penalty_factor)
+    truncated, penalty = _overlong(cols["finish_reason"], cols["response_token_ids"], cfg)
     row_index = torch.tensor([rows for rows in groups.values()], dtype=torch.int64)  # [G, n]
     advantages = torch.zeros_like(rewards)
     if cfg.advantage != "gae":
@@ -149,6 +142,18 @@ def build_train_batch(
         truncated=truncated,
         overlong_penalty=penalty,
     )
+
+
+def _overlong(finish_reasons: list[str], responses: list[list[int]], cfg: AlgorithmConfig
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(truncated [B] bool: finish reason "length", overlong_penalty [B] float32)``; the penalty is all 0
+    unless ``cfg.overlong_buffer_len > 0``."""
+    truncated = torch.tensor([reason == "length" for reason in finish_reasons], dtype=torch.bool)
+    if cfg.overlong_buffer_len == 0:
+        return truncated, torch.zeros(len(responses), dtype=torch.float32)
+    lengths = torch.tensor([len(r) for r in responses], dtype=torch.int64)
+    penalty = overlong_penalty(lengths, cfg.max_response_tokens, cfg.overlong_buffer_len, cfg.overlong_penalty_factor)
+    return truncated, penalty
 
 
 def truncation_metrics(batch: TrainBatch, cfg: AlgorithmConfig) -> dict[str, float]:
