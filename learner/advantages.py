@@ -13,6 +13,8 @@ References:
       Learning from Human Feedback in LLMs" (leave-one-out baseline).
     - REINFORCE++-baseline: Hu 2025, "REINFORCE++: A Simple and Efficient Approach for Aligning
       Large Language Models" (group-mean baseline, then normalised over the whole batch).
+    - Soft overlong punishment: Yu et al. 2025, "DAPO: An Open-Source LLM Reinforcement Learning System at
+      Scale" (eq. 13).
     - KL in the reward: Ziegler et al. 2019, "Fine-Tuning Language Models from Human Preferences";
       Ouyang et al. 2022, "Training language models to follow instructions with human feedback".
     - GAE: Schulman et al. 2016, "High-Dimensional Continuous Control Using Generalized Advantage
@@ -223,6 +225,38 @@ def kl_shaped_rewards(rewards: torch.Tensor, kl: torch.Tensor, mask: torch.Tenso
     token_rewards = outcome_token_rewards(rewards, mask)
     penalty = torch.where(mask, kl.detach().float(), torch.zeros_like(token_rewards))
     return token_rewards - coef * penalty
+
+
+def overlong_penalty(lengths: torch.Tensor, max_len: int, buffer_len: int, factor: float) -> torch.Tensor:
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13; verl's ``overlong_buffer``), per response.
+
+    With ``L_max = max_len`` and ``L_cache = buffer_len``::
+
+        0                                        |y| <= L_max - L_cache
+        (L_max - L_cache - |y|) / L_cache * f    L_max - L_cache < |y| <= L_max
+        -f                                       |y| > L_max
+
+    Args:
+        lengths: ``[B]`` int, response token counts ``|y|``.
+        max_len: ``L_max``, the generation budget in tokens, ``> buffer_len``.
+        buffer_len: ``L_cache >= 1`` tokens.
+        factor: ``f > 0``, the penalty at ``|y| = L_max``.
+
+    Returns:
+        ``[B]`` float32 penalties in ``[-f, 0]``, to add to the rewards before the advantages.
+
+    Raises:
+        ValueError: ``buffer_len < 1``, ``buffer_len >= max_len``, ``factor <= 0``, or ``lengths`` not 1-D.
+    """
+    if not 1 <= buffer_len < max_len:
+        raise ValueError(f"buffer_len ({buffer_len}) must be >= 1 and < max_len ({max_len})")
+    if factor <= 0:
+        raise ValueError(f"factor ({factor}) must be > 0")
+    if lengths.dim() != 1:
+        raise ValueError(f"lengths must be [B]; got shape {tuple(lengths.shape)}")
+    exceed = lengths.double() - (max_len - buffer_len)
+    penalty = (-exceed / buffer_len * factor).clamp(min=-factor, max=0.0)
+    return penalty.float()
 
 
 def outcome_token_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 import torch
 
-from learner.advantages import group_advantages
+from learner.advantages import group_advantages, overlong_penalty
 from learner.config import AlgorithmConfig
 from proto.trajectory import validate_table
 
@@ -28,18 +28,19 @@ class TrainBatch:
     """[B, L] int64: 1 on real tokens, 0 on padding."""
 
     response_mask: torch.Tensor
-    """[B, L - 1] bool: True where index ``j`` scores a response token (the loss's valid tokens)."""
+    """[B, L - 1] bool: True where index ``j`` scores a response token (the loss's valid tokens); all False
+    for a truncated row under ``AlgorithmConfig.overlong_filter``."""
 
     behaviour_logprobs: torch.Tensor
     """[B, L - 1] float32: rollout logprob of the token scored at ``j``; 0 where ``response_mask`` is False."""
 
     advantages: torch.Tensor
-    """[B] float32: outcome advantage of each row (``AlgorithmConfig.advantage``), computed within its
-    group (``reinforce_pp`` also whitens over the batch's response tokens); all 0 for ``gae``, whose per-token
-    advantages need the critic's values and are computed in ``learner.engine``."""
+    """[B] float32: outcome advantage of each row (``AlgorithmConfig.advantage``) of its ``shaped_rewards``,
+    computed within its group (``reinforce_pp`` also whitens over the batch's response tokens); all 0 for
+    ``gae``, whose per-token advantages need the critic's values and are computed in ``learner.engine``."""
 
     rewards: torch.Tensor
-    """[B] float32: raw verifier rewards (for metrics)."""
+    """[B] float32: raw verifier rewards (for metrics; ``shaped_rewards`` is what the advantages see)."""
 
     staleness: torch.Tensor
     """[B] int64: ``learner_version - oldest span version`` of each row (policy lag, >= 0 normally)."""
@@ -50,6 +51,18 @@ class TrainBatch:
     group_rows: torch.Tensor
     """[G, n] int64: the row indices of each group (first-appearance order), for advantages that are
     recomputed from per-token rewards in ``learner.engine`` (``kl_placement: reward``)."""
+
+    truncated: torch.Tensor
+    """[B] bool: the row's ``finish_reason`` is ``"length"`` (the rollout cut it at ``max_new_tokens``)."""
+
+    overlong_penalty: torch.Tensor
+    """[B] float32: DAPO's soft overlong punishment of the row (``learner.advantages.overlong_penalty``,
+    ``<= 0``); all 0 when ``AlgorithmConfig.overlong_buffer_len`` is 0."""
+
+    @property
+    def shaped_rewards(self) -> torch.Tensor:
+        """[B] float32: ``rewards + overlong_penalty``, the outcome rewards the advantages are computed from."""
+        return self.rewards + self.overlong_penalty
 
     @property
     def batch_size(self) -> int:
@@ -73,7 +86,9 @@ def build_train_batch(
         table: trajectory rows (``proto.trajectory.TRAJECTORY_SCHEMA``), validated here.
         pad_token_id: token id used for right padding (masked out everywhere).
         learner_version: the learner's current policy version, for staleness.
-        cfg: ``advantage`` (the estimator; ``gae`` leaves ``advantages`` at 0) and ``adv_eps``.
+        cfg: ``advantage`` (``gae`` leaves ``advantages`` at 0), ``adv_eps``; ``overlong_buffer_len`` (DAPO's
+            soft penalty, added to the rewards before the advantages) and ``overlong_filter`` (``"length"``
+            rows get no response tokens and 0 behaviour logprobs, after the advantages).
 
     Raises:
         proto.trajectory.SchemaError: the table does not match the schema.
@@ -95,18 +110,23 @@ def build_train_batch(
             "behaviour_logprobs",
             "reward",
             "version_span_versions",
+            "finish_reason",
         )
     }
     groups = _group_rows(cols["group_id"], cols["sample_index"], cols["prompt_token_ids"])
     rewards = torch.tensor(cols["reward"], dtype=torch.float32)
+    truncated, penalty = _overlong(cols["finish_reason"], cols["response_token_ids"], cfg)
     row_index = torch.tensor([rows for rows in groups.values()], dtype=torch.int64)  # [G, n]
     advantages = torch.zeros_like(rewards)
     if cfg.advantage != "gae":
         lengths = torch.tensor([len(r) for r in cols["response_token_ids"]], dtype=torch.int64)
-        advantages = group_advantages(cfg.advantage, rewards, row_index, cfg.adv_eps, lengths)
+        advantages = group_advantages(cfg.advantage, rewards + penalty, row_index, cfg.adv_eps, lengths)
     input_ids, attention_mask, response_mask, behaviour = _pad_rows(
         cols["prompt_token_ids"], cols["response_token_ids"], cols["behaviour_logprobs"], pad_token_id
     )
+    if cfg.overlong_filter:  # DAPO's overlong filtering: out of the loss, still in the baselines above
+        response_mask[truncated] = False
+        behaviour[truncated] = 0.0
     staleness = torch.tensor(
         [learner_version - spans[0] for spans in cols["version_span_versions"]], dtype=torch.int64
     )
@@ -120,7 +140,31 @@ def build_train_batch(
         staleness=staleness,
         num_groups=len(groups),
         group_rows=row_index,
+        truncated=truncated,
+        overlong_penalty=penalty,
     )
+
+
+def _overlong(finish_reasons: list[str], responses: list[list[int]], cfg: AlgorithmConfig
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(truncated [B] bool: finish reason "length", overlong_penalty [B] float32)``; the penalty is all 0
+    unless ``cfg.overlong_buffer_len > 0``."""
+    truncated = torch.tensor([reason == "length" for reason in finish_reasons], dtype=torch.bool)
+    if cfg.overlong_buffer_len == 0:
+        return truncated, torch.zeros(len(responses), dtype=torch.float32)
+    lengths = torch.tensor([len(r) for r in responses], dtype=torch.int64)
+    penalty = overlong_penalty(lengths, cfg.max_response_tokens, cfg.overlong_buffer_len, cfg.overlong_penalty_factor)
+    return truncated, penalty
+
+
+def truncation_metrics(batch: TrainBatch, cfg: AlgorithmConfig) -> dict[str, float]:
+    """``truncated_frac``: the fraction of the batch's rows with ``finish_reason "length"``; with the soft
+    overlong punishment on (``cfg.overlong_buffer_len > 0``) also ``overlong_penalty_mean``, the rows' mean
+    penalty (``<= 0``; the verifier's ``reward_mean`` leaves it out)."""
+    out = {"truncated_frac": float(batch.truncated.float().mean())}
+    if cfg.overlong_buffer_len > 0:
+        out["overlong_penalty_mean"] = float(batch.overlong_penalty.mean())
+    return out
 
 
 def _group_rows(group_ids: list[str], sample_indices: list[int], prompts: list[list[int]]) -> dict[str, list[int]]:

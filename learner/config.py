@@ -82,9 +82,10 @@ class AlgorithmConfig(BaseModel):
     The KL-in-loss, entropy and value terms are aggregated the same way."""
 
     max_response_tokens: int | None = Field(None, ge=1)
-    """The ``seq-mean-token-sum-norm`` constant's per-sequence length: the rollout's generation budget. A
-    recipe fills it from ``rollout.sampling.max_new_tokens`` when unset; ``seq-mean-token-sum-norm`` refuses
-    ``None`` (the longest response of each batch would not be a constant)."""
+    """The rollout's generation budget: the ``seq-mean-token-sum-norm`` constant's per-sequence length, and
+    ``L_max`` of the soft overlong punishment (``overlong_buffer_len``). A recipe fills it from
+    ``rollout.sampling.max_new_tokens`` when unset; both refuse ``None`` (the longest response of each batch
+    would not be a constant)."""
 
     ppo_epochs: int = Field(1, ge=1)
     """Passes over each sampled batch (verl's ``ppo_epochs``). Each pass makes ``mini_batches`` optimizer
@@ -160,6 +161,46 @@ class AlgorithmConfig(BaseModel):
     """Sampling temperature the rollout used. vLLM reports ``processed_logprobs`` (after temperature),
     so the learner divides its logits by the same value before the log-softmax. The rollout must not
     use top-k/top-p, which would renormalise the behaviour distribution."""
+
+    overlong_filter: bool = False
+    """DAPO's overlong filtering (Yu et al. 2025, "Overlong Filtering"): a row the rollout cut at its budget
+    (``finish_reason == "length"``) is masked out of the loss: its ``TrainBatch.response_mask`` is all False,
+    so it neither trains nor counts in the ``token_mean`` normaliser (the ``token_sum`` constant ``L * B``
+    still counts it in ``B``). It keeps its reward in its group's baseline, as sampled: the baseline estimates
+    the prompt's expected reward under the policy that drew all ``n`` samples, and dropping truncated ones
+    would condition it on finishing (and leave groups ragged). With ``kl_placement: reward`` its return in
+    the baseline is its reward without a KL term (its tokens are masked). Off: truncated rows train like
+    finished ones. The ``truncated_frac`` metric is reported either way."""
+
+    overlong_buffer_len: int = Field(0, ge=0)
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13; verl's ``reward_model.overlong_buffer.len``):
+    the last ``L_cache`` tokens of the generation budget ``L_max = max_response_tokens``. A response of ``|y|``
+    tokens gets ``0`` for ``|y| <= L_max - L_cache``, ``(L_max - L_cache - |y|) / L_cache *
+    overlong_penalty_factor`` for ``L_max - L_cache < |y| <= L_max`` (down to ``-overlong_penalty_factor``), and
+    ``-overlong_penalty_factor`` beyond ``L_max``; this is added to the verifier's reward before the advantages
+    (every estimator; ``gae`` sees it on the last token). ``reward_mean`` / ``reward_std`` stay the verifier's
+    raw reward; ``overlong_penalty_mean`` is the batch's mean penalty. 0: off. When > 0 it needs
+    ``max_response_tokens`` set (a recipe fills it from ``rollout.sampling.max_new_tokens``) and greater than
+    this."""
+
+    overlong_penalty_factor: float = Field(1.0, gt=0.0)
+    """The soft overlong punishment's magnitude at ``|y| = L_max`` (verl's
+    ``overlong_buffer.penalty_factor``; DAPO uses 1.0, the scale of a 0/1 verifier reward). Only with
+    ``overlong_buffer_len > 0``."""
+
+    @model_validator(mode="after")
+    def _check_overlong(self) -> AlgorithmConfig:
+        if self.overlong_buffer_len > 0 and self.max_response_tokens is None:
+            raise ValueError(
+                f"overlong_buffer_len ({self.overlong_buffer_len}) needs the generation budget L_max: set "
+                "max_response_tokens to the rollout's max_new_tokens (a recipe fills it); got max_response_tokens None"
+            )
+        if self.overlong_buffer_len > 0 and self.overlong_buffer_len >= self.max_response_tokens:
+            raise ValueError(
+                f"overlong_buffer_len ({self.overlong_buffer_len}) must be < max_response_tokens "
+                f"({self.max_response_tokens}): the buffer is the last part of the generation budget"
+            )
+        return self
 
     @model_validator(mode="before")
     @classmethod

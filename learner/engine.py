@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from learner import checkpoint as ckpt
 from learner.algorithms import token_logprobs
-from learner.batch import TrainBatch
+from learner.batch import TrainBatch, truncation_metrics
 from learner.comm_timer import CommTimer
 from learner.config import AlgorithmConfig, LearnerConfig
 from learner.ds_setup import _DTYPES, build_ds_config, ensure_distributed
@@ -198,7 +198,9 @@ class LearnerEngine:
         return _Update(loss_total, grad_norm, update_s, parts, rhos)
 
     def _batch_metrics(self, batch: TrainBatch, targets: StepTargets | None) -> dict[str, float]:
-        """Reward, advantage, staleness (and critic, KL-in-reward) metrics of the batch itself."""
+        """Reward, advantage, staleness (and critic, KL-in-reward) metrics of the batch itself, and its
+        ``truncated_frac`` (``overlong_penalty_mean`` with the soft overlong punishment;
+        ``learner.batch.truncation_metrics``). ``reward_mean`` / ``reward_std`` are the verifier's raw rewards."""
         adv, critic = batch.advantages if targets is None else targets.advantages, {}
         adv_abs = float((adv[batch.response_mask] if adv.dim() == 2 else adv).abs().mean())
         if targets is not None and targets.old_values is not None:
@@ -213,6 +215,7 @@ class LearnerEngine:
             "staleness_max": float(batch.staleness.max()),
             **staleness_histogram(batch.staleness),
             **critic,
+            **truncation_metrics(batch, self.algo),
         }
 
     def _forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor):

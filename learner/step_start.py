@@ -60,7 +60,9 @@ def step_targets(learner, batch: TrainBatch) -> StepTargets | None:
     """One no-grad pass over the whole batch (on every rank) with dropout off, when the advantages need the
     model: the critic's ``V_old`` and GAE (``advantage: gae``), and per-token ``x = log pi - log pi_ref`` for
     the KL in the reward (``kl_placement: reward``, ``learner.advantages.kl_shaped_rewards``), whose row sums
-    the outcome estimators regroup (``TrainBatch.group_rows``).
+    the outcome estimators regroup (``TrainBatch.group_rows``). The outcome reward is the batch's
+    ``shaped_rewards`` (the soft overlong penalty included); a row ``overlong_filter`` masked keeps it as its
+    return, without a KL term.
 
     Args:
         learner: a ``learner.engine.LearnerEngine`` (its ``engine``, ``algo``, ``critic``, ``ref_model``,
@@ -89,12 +91,15 @@ def step_targets(learner, batch: TrainBatch) -> StepTargets | None:
                 logprobs = token_logprobs(logits, input_ids, algo.temperature)
                 kl[rows, cols] = (logprobs - learner._ref_logprobs(input_ids, attention_mask)).cpu()
     old_values = old_values * mask
-    rewards = kl_shaped_rewards(batch.rewards, kl, mask, algo.kl_coef if kl_in_reward else 0.0)
+    rewards = kl_shaped_rewards(batch.shaped_rewards, kl, mask, algo.kl_coef if kl_in_reward else 0.0)
     returns, kl_to_ref = None, None
     if learner.critic:
         advantages, returns = gae(rewards, old_values, mask, algo.gamma, algo.lam)
     else:
-        advantages = group_advantages(algo.advantage, rewards.sum(dim=1), batch.group_rows, algo.adv_eps,
+        returns = rewards.sum(dim=1)
+        if algo.overlong_filter:  # a masked truncated row keeps its reward in the baseline (no tokens: no KL)
+            returns = torch.where(batch.truncated, batch.shaped_rewards, returns)
+        advantages = group_advantages(algo.advantage, returns, batch.group_rows, algo.adv_eps,
                                       mask.sum(dim=1))
     if kl_in_reward:
         kl_to_ref = float(kl_penalty(kl, torch.zeros_like(kl), mask, "k3").sum()) / max(float(mask.sum()), 1.0)

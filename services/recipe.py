@@ -14,8 +14,8 @@ from learner.advantages import OUTCOME_ESTIMATORS
 from proto.model_source import DRY_RUN, ModelSourceError, is_hub_id, resolve
 from learner.loop import LearnerLoopConfig
 from replay.config import ReplayConfig
-from rollout.tasks import TaskConfig
 from rollout.config import SamplingConfig
+from rollout.tasks import TaskConfig
 from rollout.worker import RolloutConfig
 from services.security import SecurityConfig
 
@@ -161,21 +161,6 @@ class Recipe(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _share_response_budget(cls, data: Any) -> Any:
-        """``learner.algorithm.max_response_tokens`` defaults to ``rollout.sampling.max_new_tokens`` (the
-        constant of ``loss_agg_mode: seq-mean-token-sum-norm``, Dr.GRPO's default)."""
-        if not isinstance(data, dict) or not isinstance(data.get("learner"), dict):
-            return data
-        algo = data["learner"].get("algorithm", {})
-        if not isinstance(algo, dict) or algo.get("max_response_tokens") is not None:
-            return data
-        rollout = data.get("rollout") if isinstance(data.get("rollout"), dict) else {}
-        sampling = rollout.get("sampling") if isinstance(rollout.get("sampling"), dict) else {}
-        budget = sampling.get("max_new_tokens", SamplingConfig.model_fields["max_new_tokens"].default)
-        return {**data, "learner": {**data["learner"], "algorithm": {**algo, "max_response_tokens": budget}}}
-
-    @model_validator(mode="before")
-    @classmethod
     def _share_lockstep(cls, data: Any) -> Any:
         """``determinism: lockstep`` hands one ``LockstepConfig`` to the rollouts and the learner."""
         if not isinstance(data, dict):
@@ -192,6 +177,32 @@ class Recipe(BaseModel):
             data = {**data, **{section: {**data[section], "lockstep": dict(shared)}
                                for section in ("rollout", "learner") if isinstance(data.get(section), dict)}}
         return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _share_generation_budget(cls, data: Any) -> Any:
+        """``learner.algorithm.max_response_tokens`` defaults to ``rollout.sampling.max_new_tokens``: the
+        generation budget ``L_max`` of Dr.GRPO's constant normaliser and of DAPO's soft overlong punishment."""
+        if not isinstance(data, dict) or not isinstance(data.get("rollout"), dict):
+            return data
+        learner, sampling = data.get("learner"), data["rollout"].get("sampling", {})
+        algo = learner.get("algorithm", {}) if isinstance(learner, dict) else None
+        if not isinstance(algo, dict) or "max_response_tokens" in algo or not isinstance(sampling, dict):
+            return data
+        budget = sampling.get("max_new_tokens", SamplingConfig.model_fields["max_new_tokens"].default)
+        if type(budget) is not int:  # a bad value is reported at rollout.sampling.max_new_tokens alone
+            return data
+        return {**data, "learner": {**learner, "algorithm": {**algo, "max_response_tokens": budget}}}
+
+    @model_validator(mode="after")
+    def _overlong_budget(self) -> "Recipe":
+        algo, budget = self.learner.algorithm, self.rollout.sampling.max_new_tokens
+        if algo.overlong_buffer_len > 0 and algo.max_response_tokens != budget:
+            raise ValueError(f"learner.algorithm.max_response_tokens ({algo.max_response_tokens}) must equal "
+                             f"rollout.sampling.max_new_tokens ({budget}) with overlong_buffer_len "
+                             f"({algo.overlong_buffer_len}) > 0: the soft overlong punishment's L_max is the "
+                             "rollout's generation budget (leave max_response_tokens out to take it)")
+        return self
 
     @model_validator(mode="after")
     def _consistent(self) -> "Recipe":

@@ -138,3 +138,18 @@ def test_the_response_budget_and_mini_batches_reach_the_learner():
         load_recipe(DEFAULT, {"learner.algorithm.mini_batches": 3})
     assert "(32 rows) must be a multiple of learner.algorithm.mini_batches (3)" in str(err.value)
     assert load_recipe(DEFAULT, {"learner.algorithm.mini_batches": 4}).learner.algorithm.updates_per_batch == 4
+
+
+def test_the_generation_budget_reaches_the_learner_and_the_overlong_buffer_must_fit_it():
+    assert load_recipe(DEFAULT).learner.algorithm.max_response_tokens == 32  # rollout.sampling.max_new_tokens
+    ok = load_recipe(DEFAULT, {"learner.algorithm.overlong_buffer_len": 8, "learner.algorithm.overlong_filter": True})
+    assert ok.learner.algorithm.overlong_buffer_len == 8 and ok.learner.algorithm.max_response_tokens == 32
+    with pytest.raises(RecipeError) as err:
+        load_recipe(DEFAULT, {"learner.algorithm.overlong_buffer_len": 32})
+    assert "overlong_buffer_len (32) must be < max_response_tokens (32)" in str(err.value)
+    with pytest.raises(RecipeError) as err:
+        load_recipe(DEFAULT, {"learner.algorithm.overlong_buffer_len": 8, "learner.algorithm.max_response_tokens": 24})
+    assert "max_response_tokens (24) must equal rollout.sampling.max_new_tokens (32)" in str(err.value)
+    with pytest.raises(RecipeError) as err:  # a bad budget is named once, where it was set
+        load_recipe(DEFAULT, {"rollout.sampling.max_new_tokens": "many"})
+    assert "rollout.sampling.max_new_tokens" in str(err.value) and "max_response_tokens" not in str(err.value)
