@@ -165,8 +165,8 @@ class AlgorithmConfig(BaseModel):
     overlong_filter: bool = False
     """DAPO's overlong filtering (Yu et al. 2025, "Overlong Filtering"): a row the rollout cut at its budget
     (``finish_reason == "length"``) is masked out of the loss: its ``TrainBatch.response_mask`` is all False,
-    so it neither trains nor counts in the ``token_mean`` normaliser (the ``token_sum`` constant ``L * B``
-    still counts it in ``B``). It keeps its reward in its group's baseline, as sampled: the baseline estimates
+    so it neither trains nor counts in the ``token-mean`` normaliser (the ``seq-mean-*`` modes still count it in
+    ``B``). It keeps its reward in its group's baseline, as sampled: the baseline estimates
     the prompt's expected reward under the policy that drew all ``n`` samples, and dropping truncated ones
     would condition it on finishing (and leave groups ragged). With ``kl_placement: reward`` its return in
     the baseline is its reward without a KL term (its tokens are masked). Off: truncated rows train like

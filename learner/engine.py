@@ -126,7 +126,8 @@ class LearnerEngine:
             (Kish ESS of ``pi_proximal / pi_behaviour`` over valid tokens, as a fraction), ``entropy``
             (token-mean nats), ``kl_to_ref`` (token-mean k3 estimate of ``KL(pi || pi_ref)``, only with
             ``kl_coef > 0``), ``value_loss`` / ``value_clip_frac`` / ``explained_variance`` (critic only),
-            ``reward_mean``, ``reward_std``, ``advantage_abs_mean``, ``staleness_mean``,
+            ``reward_mean``, ``reward_std`` (the verifier's raw reward), ``truncated_frac`` (and
+            ``overlong_penalty_mean`` with ``overlong_buffer_len``), ``advantage_abs_mean``, ``staleness_mean``,
             ``staleness_max``, ``staleness_hist_0 .. staleness_hist_8`` (trajectory counts per lag,
             the last bucket ``>= 8``), ``step``.
 
