@@ -39,11 +39,17 @@ from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 SCHEMA_VERSION = 2
 """Bumped on any incompatible change of the columns below."""
 
 SCHEMA_VERSION_KEY = b"gyre.schema_version"
+
+FINISH_REASONS = ("stop", "length")
+"""The ``finish_reason`` values a trajectory may carry: ``stop`` (EOS or a stop string) and ``length`` (cut at
+the generation budget; what ``AlgorithmConfig.overlong_filter`` masks). vLLM's ``abort`` never reaches replay:
+the engine raises on it (``rollout.engine``)."""
 
 TRAJECTORY_SCHEMA = pa.schema(
     [
@@ -192,7 +198,8 @@ def _list_lengths(table: pa.Table, name: str) -> np.ndarray:
 def validate_table(table: pa.Table) -> None:
     """Check schema version, columns, dtypes and per-row invariants; raise ``SchemaError`` naming the field.
 
-    Per row: as many behaviour logprobs as response tokens, a finite reward, and version spans as the
+    Per row: as many behaviour logprobs as response tokens, a ``finish_reason`` in ``FINISH_REASONS``, a
+    finite reward, and version spans as the
     module docstring states (as many starts as versions, at least one; starts from 0, strictly increasing,
     inside the response; versions non-decreasing), the bad row named by index, trajectory and group id.
 
@@ -214,6 +221,12 @@ def validate_table(table: pa.Table) -> None:
             f"row {i} ({table.column('trajectory_id')[i].as_py()}): response_token_ids has "
             f"{n_tok[i]} tokens but behaviour_logprobs has {n_lp[i]}"
         )
+    finish = table.column("finish_reason")
+    bad_finish = pc.invert(pc.is_in(finish, value_set=pa.array(FINISH_REASONS)))
+    if pc.any(bad_finish).as_py():
+        i = int(pc.index(bad_finish, True).as_py())
+        raise SchemaError(f"row {i} ({table.column('trajectory_id')[i].as_py()}): finish_reason "
+                          f"{finish[i].as_py()!r}; expected one of {FINISH_REASONS}")
     rewards = table.column("reward").to_numpy()
     if not np.isfinite(rewards).all():
         i = int(np.flatnonzero(~np.isfinite(rewards))[0])

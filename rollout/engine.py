@@ -57,6 +57,7 @@ from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.async_llm import AsyncLLM
 
 from proto.tensor_chunks import DTYPES, VersionManifest
+from proto.trajectory import FINISH_REASONS
 from rollout.config import EngineConfig, SamplingConfig
 from rollout.types import Sample
 from rollout.config import NcclTransportConfig
@@ -339,7 +340,7 @@ class RolloutEngine:
 
     def _to_sample(self, request_id: str, out: CompletionOutput) -> Sample:
         """Convert one vLLM ``CompletionOutput`` into a :class:`Sample`."""
-        if out.finish_reason not in ("stop", "length"):
+        if out.finish_reason not in FINISH_REASONS:
             self._check_alive()
             raise RuntimeError(f"request {request_id} sample {out.index} ended with "
                                f"finish_reason {out.finish_reason!r}")

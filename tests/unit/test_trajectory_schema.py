@@ -104,3 +104,11 @@ def _raw_ipc(table: pa.Table) -> bytes:
     with pa.ipc.new_stream(sink, table.schema) as writer:
         writer.write_table(table)
     return sink.getvalue().to_pybytes()
+
+
+def test_an_unknown_finish_reason_is_named():
+    """The overlong filter counts ``length`` as truncated: any other value than ``stop``/``length`` is refused."""
+    bad = dataclasses.replace(make_group(0)[1], finish_reason="abort")
+    with pytest.raises(SchemaError, match=r"row 0 \(0-1-0\): finish_reason 'abort'; expected one of \('stop', 'length'\)"):
+        to_table([bad])
+    assert to_table([dataclasses.replace(make_group(0)[1], finish_reason="length")]).num_rows == 1
