@@ -203,7 +203,8 @@ class LearnerEngine:
         ``truncated_frac`` (``overlong_penalty_mean`` with the soft overlong punishment;
         ``learner.batch.truncation_metrics``). ``reward_mean`` / ``reward_std`` are the verifier's raw rewards."""
         adv, critic = batch.advantages if targets is None else targets.advantages, {}
-        adv_abs = float((adv[batch.response_mask] if adv.dim() == 2 else adv).abs().mean())
+        valid = adv[batch.response_mask] if adv.dim() == 2 else adv
+        adv_abs = float(valid.abs().mean()) if valid.numel() else 0.0  # 0, not NaN, when every row is filtered
         if targets is not None and targets.old_values is not None:
             critic["explained_variance"] = explained_variance(targets.old_values, targets.returns, batch.response_mask)
         if targets is not None and targets.kl_to_ref is not None:
