@@ -148,3 +148,15 @@ def test_gae_sees_the_penalty_on_the_last_token():
         assert targets.advantages[row][batch.response_mask[row]].tolist() == pytest.approx([reward] * int(
             batch.response_mask[row].sum())), row
     assert batch.shaped_rewards[1] == -1.0
+
+
+def test_a_gae_batch_whose_rows_are_all_filtered_reports_zero_advantage():
+    """Every row truncated and filtered: nothing trains, and ``advantage_abs_mean`` is 0 rather than NaN."""
+    from learner.engine import LearnerEngine
+
+    algo = AlgorithmConfig(advantage="gae", overlong_filter=True)
+    batch = build_train_batch(to_table(_truncated_rows(0, 1, 2, 3)), PAD, 4, algo)
+    assert not batch.response_mask.any()
+    targets = step_targets(_FakeLearner(algo), batch)
+    metrics = LearnerEngine._batch_metrics(types.SimpleNamespace(algo=algo), batch, targets)
+    assert metrics["advantage_abs_mean"] == 0.0 and metrics["truncated_frac"] == 1.0
