@@ -132,6 +132,11 @@ def reinforce_pp_advantages(rewards: torch.Tensor, eps: float, token_counts: tor
     if token_counts.shape != centred.shape or bool((token_counts < 0).any()):
         raise ValueError(f"token_counts must be a [G, n] = {tuple(centred.shape)} count >= 0; got "
                          f"{tuple(token_counts.shape)}")
+    return _token_whiten(centred, token_counts, eps)
+
+
+def _token_whiten(centred: torch.Tensor, token_counts: torch.Tensor, eps: float) -> torch.Tensor:
+    """``(a - mu) / (sigma + eps)`` with ``mu``, ``sigma`` weighted by ``token_counts`` (all-zero counts: 1 each)."""
     w = token_counts.float()
     w = w if float(w.sum()) > 0 else torch.ones_like(w)
     mean = (w * centred).sum() / w.sum()
@@ -195,6 +200,51 @@ def group_advantages(
     out = torch.zeros(returns.shape, dtype=torch.float32)
     out[group_rows.flatten()] = grouped.flatten()
     return out
+
+
+def masked_group_advantages(
+    estimator: str, returns: torch.Tensor, group_rows: torch.Tensor, eps: float, valid: torch.Tensor,
+    token_counts: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``group_advantages`` over each group's ``valid`` rows only: a row whose score failed (``reward_error``)
+    is neither trained nor part of its group's baseline, which is then formed by the other samples.
+
+    A group left with fewer than 2 valid rows has no baseline: none of its rows trains. ``reinforce_pp``
+    centres each group over its valid rows, then whitens over the trained rows' tokens.
+
+    Args:
+        estimator: an outcome estimator (``OUTCOME_ESTIMATORS``).
+        returns: ``[B]`` float, one scalar return per row.
+        group_rows: ``[G, n]`` int64, the row indices of each group.
+        eps: as in ``outcome_advantages``.
+        valid: ``[B]`` bool, the rows that count.
+        token_counts: ``[B]`` each row's response tokens (``reinforce_pp``), or None.
+
+    Returns:
+        ``(advantages [B] float32, trained [B] bool)``: 0 and False outside the trained rows.
+
+    Raises:
+        ValueError: ``valid`` is not ``[B]`` bool, or ``group_advantages``' errors.
+    """
+    if valid.shape != returns.shape or valid.dtype != torch.bool:
+        raise ValueError(f"valid must be a [B] = {tuple(returns.shape)} bool tensor; got {tuple(valid.shape)} "
+                         f"{valid.dtype}")
+    if estimator not in OUTCOME_ESTIMATORS:
+        raise ValueError(f"advantage estimator {estimator!r} is not an outcome estimator; expected one of "
+                         f"{OUTCOME_ESTIMATORS}")
+    adv = torch.zeros(returns.shape, dtype=torch.float32)
+    trained = torch.zeros(returns.shape, dtype=torch.bool)
+    for rows in group_rows:
+        rows = rows[valid[rows]]
+        if rows.numel() < 2:
+            continue
+        r = returns.float()[rows].unsqueeze(0)  # [1, k]
+        part = dr_grpo_advantages(r) if estimator == "reinforce_pp" else outcome_advantages(estimator, r, eps)
+        adv[rows], trained[rows] = part.squeeze(0), True
+    if estimator == "reinforce_pp" and bool(trained.any()):
+        counts = torch.ones_like(adv) if token_counts is None else token_counts.float()
+        adv[trained] = _token_whiten(adv[trained], counts[trained], eps)
+    return adv, trained
 
 
 def kl_shaped_rewards(rewards: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, coef: float) -> torch.Tensor:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 import torch
 
-from learner.advantages import group_advantages, overlong_penalty
+from learner.advantages import group_advantages, masked_group_advantages, overlong_penalty
 from learner.config import AlgorithmConfig
 from proto.trajectory import validate_table
 
@@ -59,6 +59,13 @@ class TrainBatch:
     """[B] float32: DAPO's soft overlong punishment of the row (``learner.advantages.overlong_penalty``,
     ``<= 0``); all 0 when ``AlgorithmConfig.overlong_buffer_len`` is 0."""
 
+    reward_failed: torch.Tensor
+    """[B] bool: the row's ``reward_error`` is set (its reward 0.0 is no verdict)."""
+
+    baseline_rows: torch.Tensor
+    """[B] bool: the rows that trained and formed their group's baseline (``AlgorithmConfig.failed_scores``);
+    all True when no score failed. Rows outside it have no response tokens."""
+
     @property
     def shaped_rewards(self) -> torch.Tensor:
         """[B] float32: ``rewards + overlong_penalty``, the outcome rewards the advantages are computed from."""
@@ -88,7 +95,8 @@ def build_train_batch(
         learner_version: the learner's current policy version, for staleness.
         cfg: ``advantage`` (``gae`` leaves ``advantages`` at 0), ``adv_eps``; ``overlong_buffer_len`` (DAPO's
             soft penalty, added to the rewards before the advantages) and ``overlong_filter`` (``"length"``
-            rows get no response tokens and 0 behaviour logprobs, after the advantages).
+            rows get no response tokens and 0 behaviour logprobs, after the advantages); ``failed_scores``
+            (rows with a ``reward_error`` leave the loss and the baselines, ``scored_rows``).
 
     Raises:
         proto.trajectory.SchemaError: the table does not match the schema.
@@ -111,22 +119,24 @@ def build_train_batch(
             "reward",
             "version_span_versions",
             "finish_reason",
+            "reward_error",
         )
     }
     groups = _group_rows(cols["group_id"], cols["sample_index"], cols["prompt_token_ids"])
     rewards = torch.tensor(cols["reward"], dtype=torch.float32)
     truncated, penalty = _overlong(cols["finish_reason"], cols["response_token_ids"], cfg)
     row_index = torch.tensor([rows for rows in groups.values()], dtype=torch.int64)  # [G, n]
-    advantages = torch.zeros_like(rewards)
-    if cfg.advantage != "gae":
-        lengths = torch.tensor([len(r) for r in cols["response_token_ids"]], dtype=torch.int64)
-        advantages = group_advantages(cfg.advantage, rewards + penalty, row_index, cfg.adv_eps, lengths)
+    failed = torch.tensor([bool(err) for err in cols["reward_error"]], dtype=torch.bool)
+    lengths = torch.tensor([len(r) for r in cols["response_token_ids"]], dtype=torch.int64)
+    advantages, baseline = _advantages(cfg, rewards + penalty, row_index, failed, lengths)
     input_ids, attention_mask, response_mask, behaviour = _pad_rows(
         cols["prompt_token_ids"], cols["response_token_ids"], cols["behaviour_logprobs"], pad_token_id
     )
-    if cfg.overlong_filter:  # DAPO's overlong filtering: out of the loss, still in the baselines above
-        response_mask[truncated] = False
-        behaviour[truncated] = 0.0
+    # out of the loss: truncated rows (DAPO's overlong filtering; still in the baselines above) and rows whose
+    # score failed (out of the baselines too)
+    dropped = (truncated if cfg.overlong_filter else torch.zeros_like(truncated)) | ~baseline
+    response_mask[dropped] = False
+    behaviour[dropped] = 0.0
     staleness = torch.tensor(
         [learner_version - spans[0] for spans in cols["version_span_versions"]], dtype=torch.int64
     )
@@ -142,7 +152,40 @@ def build_train_batch(
         group_rows=row_index,
         truncated=truncated,
         overlong_penalty=penalty,
+        reward_failed=failed,
+        baseline_rows=baseline,
     )
+
+
+def scored_rows(cfg: AlgorithmConfig, failed: torch.Tensor, group_rows: torch.Tensor) -> torch.Tensor:
+    """``[B]`` bool, the rows that may form baselines and train under ``cfg.failed_scores``: every row whose
+    score did not fail (``mask_rows``), or only the rows of groups without a failed row (``drop_groups``)."""
+    valid = ~failed
+    if cfg.failed_scores == "drop_groups":
+        whole = valid[group_rows].all(dim=1, keepdim=True).expand_as(group_rows)  # [G, n]
+        valid = torch.zeros_like(valid)
+        valid[group_rows.flatten()] = whole.flatten()
+    return valid
+
+
+def _advantages(cfg: AlgorithmConfig, returns: torch.Tensor, group_rows: torch.Tensor, failed: torch.Tensor,
+                lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(advantages [B], baseline rows [B] bool)`` of the batch's outcome returns; ``gae`` leaves the advantages
+    at 0 (the engine computes them) and only drops the rows ``scored_rows`` excludes."""
+    valid = scored_rows(cfg, failed, group_rows)
+    if cfg.advantage == "gae":
+        return torch.zeros_like(returns), valid
+    if bool(valid.all()):
+        return group_advantages(cfg.advantage, returns, group_rows, cfg.adv_eps, lengths), valid
+    return masked_group_advantages(cfg.advantage, returns, group_rows, cfg.adv_eps, valid, lengths)
+
+
+def reward_error_metrics(batch: TrainBatch) -> dict[str, float]:
+    """``reward_error_frac``: the fraction of the batch's rows whose score failed; ``reward_error_untrained_frac``:
+    the fraction left out of the loss and the baselines for it (failed rows, their groups under
+    ``drop_groups``, and groups left without a baseline)."""
+    return {"reward_error_frac": float(batch.reward_failed.float().mean()),
+            "reward_error_untrained_frac": float((~batch.baseline_rows).float().mean())}
 
 
 def _overlong(finish_reasons: list[str], responses: list[list[int]], cfg: AlgorithmConfig

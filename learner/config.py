@@ -188,6 +188,16 @@ class AlgorithmConfig(BaseModel):
     ``overlong_buffer.penalty_factor``; DAPO uses 1.0, the scale of a 0/1 verifier reward). Only with
     ``overlong_buffer_len > 0``."""
 
+    failed_scores: Literal["mask_rows", "drop_groups"] = "mask_rows"
+    """What a row whose reward failed (a non-empty ``reward_error``: the scorer raised, returned None or a
+    non-number, timed out, or its sandbox failed; stored reward 0.0) does in training. ``mask_rows``: it is left
+    out of the loss (no response tokens, not in the token normaliser) and out of its group's baseline, which the
+    group's other samples form; a group left with fewer than 2 scored rows has no baseline and none of its rows
+    trains (``advantage: gae`` needs no baseline: only the failed rows are left out). ``drop_groups``: every row
+    of a group with a failed row is left out. Either way the failure is recorded on the trajectory, and the
+    ``reward_error_frac`` (failed rows) and ``reward_error_untrained_frac`` (rows left out for it) metrics
+    count them. A 0 in place of a verdict would train as a real score."""
+
     @model_validator(mode="after")
     def _check_overlong(self) -> AlgorithmConfig:
         if self.overlong_buffer_len > 0 and self.max_response_tokens is None:

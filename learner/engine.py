@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from learner import checkpoint as ckpt
 from learner.algorithms import token_logprobs
-from learner.batch import TrainBatch, truncation_metrics
+from learner.batch import TrainBatch, reward_error_metrics, truncation_metrics
 from learner.comm_timer import CommTimer
 from learner.config import AlgorithmConfig, LearnerConfig
 from learner.ds_setup import _DTYPES, build_ds_config, ensure_distributed
@@ -218,6 +218,7 @@ class LearnerEngine:
             **staleness_histogram(batch.staleness),
             **critic,
             **truncation_metrics(batch, self.algo),
+            **reward_error_metrics(batch),
         }
 
     def _forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor):

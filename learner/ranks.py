@@ -38,7 +38,7 @@ group's collective timeout (gloo's default: 30 min) would otherwise time its fol
 ``receive_command``; a ping to a dead follower also fails rank 0 at once instead of at the next step."""
 _DTYPES = {str(d): d for d in (torch.int64, torch.int32, torch.float32, torch.bfloat16, torch.bool, torch.uint8)}
 _BATCH_TENSORS = ("input_ids", "attention_mask", "response_mask", "behaviour_logprobs", "advantages", "rewards",
-                  "staleness", "group_rows", "truncated", "overlong_penalty")
+                  "staleness", "group_rows", "truncated", "overlong_penalty", "reward_failed", "baseline_rows")
 
 
 class RankProtocolError(RuntimeError):

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from learner.advantages import gae, group_advantages, kl_shaped_rewards
+from learner.advantages import gae, group_advantages, kl_shaped_rewards, masked_group_advantages
 from learner.algorithms import token_logprobs
 from learner.batch import TrainBatch
 from learner.losses import kl_penalty
@@ -99,8 +99,11 @@ def step_targets(learner, batch: TrainBatch) -> StepTargets | None:
         returns = rewards.sum(dim=1)
         if algo.overlong_filter:  # a masked truncated row keeps its reward in the baseline (no tokens: no KL)
             returns = torch.where(batch.truncated, batch.shaped_rewards, returns)
-        advantages = group_advantages(algo.advantage, returns, batch.group_rows, algo.adv_eps,
-                                      mask.sum(dim=1))
+        if bool(batch.baseline_rows.all()):
+            advantages = group_advantages(algo.advantage, returns, batch.group_rows, algo.adv_eps, mask.sum(dim=1))
+        else:  # failed scores: baselines of the scored rows only (``learner.batch.scored_rows``)
+            advantages, _ = masked_group_advantages(algo.advantage, returns, batch.group_rows, algo.adv_eps,
+                                                    batch.baseline_rows, mask.sum(dim=1))
     if kl_in_reward:
         kl_to_ref = float(kl_penalty(kl, torch.zeros_like(kl), mask, "k3").sum()) / max(float(mask.sum()), 1.0)
     return StepTargets(advantages, returns, old_values if learner.critic else None, kl_to_ref)

@@ -32,7 +32,7 @@ class RecordingEngine:
     def train_step(self, batch: TrainBatch) -> dict:
         self.calls.append(["train_step", batch.num_groups, batch.input_ids.tolist(),
                            batch.behaviour_logprobs.tolist(), batch.response_mask.tolist(), batch.truncated.tolist(),
-                           batch.overlong_penalty.tolist()])
+                           batch.overlong_penalty.tolist(), batch.reward_failed.tolist(), batch.baseline_rows.tolist()])
         return {"loss": 0.0}
 
     def named_weights(self, dtype=torch.bfloat16):
@@ -60,7 +60,9 @@ def batch() -> TrainBatch:
                       advantages=torch.randn(4, generator=g), rewards=torch.rand(4, generator=g),
                       staleness=torch.tensor([0, 1, 0, 2]), num_groups=2, group_rows=torch.tensor([[0, 1], [2, 3]]),
                       truncated=torch.tensor([False, True, False, False]),
-                      overlong_penalty=torch.tensor([0.0, -1.0, -0.25, 0.0]))
+                      overlong_penalty=torch.tensor([0.0, -1.0, -0.25, 0.0]),
+                      reward_failed=torch.tensor([False, False, True, False]),
+                      baseline_rows=torch.tensor([True, True, False, False]))
 
 
 def both_started(folder: Path, rank: int, timeout_s: float = 120.0) -> None:
