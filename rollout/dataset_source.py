@@ -86,9 +86,11 @@ class DatasetSource:
                  system_prompt: str | None = None, suffix: str = "", budget: PromptBudget | None = None) -> None:
         self.name, self.config, self.seed = name, config, seed
         self._system, self._suffix = system_prompt, suffix
+        ev = config.eval
+        if ev is not None and ev.path is None and ev.split == config.split:
+            raise DatasetError(f"eval.split ({ev.split!r}) is the training split: the two would not be disjoint")
         self._data = self._load(config.path, config.format, config.split)
         n = len(self._data)
-        ev = config.eval
         if ev is None or ev.heldout_fraction is not None:
             k = heldout_size if ev is None else max(1, round(ev.heldout_fraction * n))
             if k >= n:
@@ -102,8 +104,6 @@ class DatasetSource:
             self._eval_data = self._load(ev.path or config.path, ev.format if ev.path else config.format,
                                          ev.split or "train")
             held = np.arange(len(self._eval_data))
-            if ev.path is None and ev.split == config.split:
-                raise DatasetError(f"eval.split ({ev.split!r}) is the training split: the two would not be disjoint")
         self.too_long = {"train": 0, "eval": 0}
         """Rows skipped because their prompt does not fit the engine's context, per role."""
         self._train = self._fitting(self._data, train, budget and budget.train_max, budget, "train")

@@ -13,6 +13,7 @@ from structlog.testing import capture_logs
 from learner import checkpoint as ckpt
 from rollout.dataset_files import DatasetConfig, data_fingerprint
 from services.controller import task_fingerprint
+from services.plan import describe
 from services.recipe import RecipeError, load_recipe
 from tests.tiny_model import REPO
 from tests.unit.test_learner_checkpoint import save
@@ -78,6 +79,7 @@ def test_a_recipe_with_a_dataset_loads_with_absolute_paths_and_refuses_bad_data_
     ds = recipe.task.dataset
     assert ds.path == str(tmp_path / "train.jsonl") and ds.eval.path == str(tmp_path / "test.jsonl")
     assert recipe.task.components()["dataset"].dataset == ds
+    assert f"task       dataset {tmp_path / 'train.jsonl'} split=train columns=" in describe(recipe)
     with pytest.raises(RecipeError, match="has no column 'question' \\(columns.prompt\\); its columns are "
                                           "\\['prompt', 'answer'\\]"):
         dataset_recipe(relative, columns={"prompt": "question"})

@@ -234,3 +234,15 @@ def test_a_rollout_worker_generates_dataset_prompts_from_their_messages_and_coun
         assert row["task"] == "mine" and row["prompt_token_ids"] == [2, len(problem.entry["problem"])]
         assert row["reward"] == float(problem.entry["solution"] == "12")
     assert result["heldout_size"] == 2
+
+
+def test_a_mixture_component_takes_a_dataset_beside_a_reasoning_gym_task(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl")
+    task = TaskSource(TaskConfig(mixture={
+        "mine": {"weight": 1, "dataset": {"path": str(path), "columns": {"prompt": "problem", "answer": "solution"}}},
+        "basic_arithmetic": 1}, heldout_size=2))
+    problems = [task.problem(i) for i in range(40)]
+    assert {p.task for p in problems} == {"mine", "basic_arithmetic"}
+    mine = [p for p in problems if p.task == "mine"]
+    assert all(task.messages(p) == [{"role": "user", "content": p.entry["problem"]}] for p in mine)  # no suffix
+    assert task.reward_versions()["mine"] == "math-exact-v1" and [p.task for p in task.heldout()].count("mine") == 2
