@@ -247,7 +247,8 @@ def is_hub(path: str, fmt: Format = "auto") -> bool:
 def resolve_paths(task: dict) -> None:
     """Make the local dataset paths of a raw recipe ``task`` mapping absolute (from the CWD), in place: the
     services read them from other working directories. Hub ids and values of the wrong type are left alone."""
-    comps = [task] + [c for c in (task.get("mixture") or {}).values() if isinstance(c, dict)]
+    mixture = task.get("mixture")
+    comps = [task] + [c for c in (mixture.values() if isinstance(mixture, dict) else []) if isinstance(c, dict)]
     for comp in comps:
         ds = comp.get("dataset")
         for cfg in (ds, ds.get("eval") if isinstance(ds, dict) else None):
