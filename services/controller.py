@@ -52,9 +52,20 @@ passed through Ray: a node that fetches a gated model needs its own ``HF_TOKEN``
 
 def task_fingerprint(recipe: Recipe) -> str:
     """The task/dataset configuration as canonical JSON (sorted keys): stored in learner checkpoints, so
-    resuming under another task or dataset is refused unless forced, and the refusal can list exactly
-    which keys differ (``learner.checkpoint.fingerprint_diff``)."""
-    return json.dumps({"task": recipe.task.model_dump(mode="json")}, sort_keys=True, separators=(",", ":"))
+    resuming under another task or dataset is refused unless forced (``--force-resume``), and the refusal can
+    list exactly which keys differ (``learner.checkpoint.fingerprint_diff``). A task with datasets adds
+    ``data: {task: rollout.dataset_files.data_fingerprint}`` (sha256 of each local data file, a tree hash),
+    so an edited, added or removed data file is named too.
+
+    Raises:
+        rollout.dataset_files.DatasetError: a dataset path that does not exist."""
+    from rollout.dataset_files import data_fingerprint
+
+    out: dict = {"task": recipe.task.model_dump(mode="json")}
+    data = {name: data_fingerprint(c.dataset) for name, c in recipe.task.components().items() if c.dataset}
+    if data:
+        out["data"] = data
+    return json.dumps(out, sort_keys=True, separators=(",", ":"))
 
 
 RAY_START_ATTEMPTS = 2

@@ -6,6 +6,16 @@ from proto.model_source import is_hub_id
 from services.recipe import Recipe
 
 
+def _task_line(recipe: Recipe) -> str:
+    """``name params``, ``dataset PATH split=S columns={..}`` or the mixture's tasks and weights."""
+    t = recipe.task
+    if t.dataset is not None:
+        return f"dataset {t.dataset.path} split={t.dataset.split} columns={t.dataset.columns.model_dump()}"
+    if t.mixture is not None:
+        return "mixture " + " ".join(f"{n}={c.weight}" for n, c in t.mixture.items())
+    return f"{t.name} {t.params}"
+
+
 def describe(recipe: Recipe) -> str:
     """Services, their key settings and the derived batch sizes, one screen."""
     r, l, rp = recipe.rollout, recipe.learner, recipe.replay
@@ -13,7 +23,7 @@ def describe(recipe: Recipe) -> str:
     lines = [
         f"run {recipe.name}  →  {recipe.out_dir}",
         f"model      {_model_line(recipe)}",
-        f"task       {recipe.task.name} {recipe.task.params}  (held-out {recipe.task.heldout_size}, seed {recipe.task.heldout_seed})",
+        f"task       {_task_line(recipe)}  (held-out {recipe.task.heldout_size}, seed {recipe.task.heldout_seed})",
         f"ray        address={recipe.ray.address} namespace={recipe.ray.namespace}",
         "services",
         f"  replay    max_staleness={rp.max_staleness} capacity_groups={rp.capacity_groups} lease_ttl_s={rp.lease_ttl_s}",

@@ -15,6 +15,7 @@ from proto.model_source import DRY_RUN, ModelSourceError, is_hub_id, resolve
 from learner.loop import LearnerLoopConfig
 from replay.config import ReplayConfig
 from rollout.config import SamplingConfig
+from rollout.dataset_files import is_hub, resolve_paths
 from rollout.tasks import TaskConfig
 from rollout.worker import RolloutConfig
 from services.security import SecurityConfig
@@ -331,6 +332,8 @@ def load_recipe(path: str | Path, overrides: dict[str, Any] | None = None, dry_r
     if "model_id" in data:
         raise RecipeError(f"recipe {path}: model_id is set by the loader; put the Hub id in model: instead")
     _resolve_model(data, path, dry_run)
+    if isinstance(data.get("task"), dict):
+        resolve_paths(data["task"])  # dataset files: absolute, from the CWD
     if isinstance(data.get("run_dir"), str):
         data["run_dir"] = str(Path(data["run_dir"]).expanduser().resolve())
     try:
@@ -339,7 +342,7 @@ def load_recipe(path: str | Path, overrides: dict[str, Any] | None = None, dry_r
         problems = format_validation_error(exc)
         sep = " " if "\n" not in problems else "\n"  # one problem: one line
         raise RecipeError(f"recipe {path}:{sep}{problems.strip() if sep == ' ' else problems}") from None
-    _check_resources(recipe, path)
+    _check_resources(recipe, path, dry_run)
     return recipe
 
 
@@ -391,15 +394,18 @@ def format_validation_error(exc: ValidationError) -> str:
     return "\n".join(lines)
 
 
-def _check_resources(recipe: Recipe, path: Path) -> None:
+def _check_resources(recipe: Recipe, path: Path, dry_run: bool = False) -> None:
     import reasoning_gym
 
-    from rollout.tasks import validate_task_config
+    from rollout.tasks import TaskSource, validate_task_config
 
     task = recipe.task
     if task.mixture is None and task.name != "humaneval" and task.name not in reasoning_gym.factory.DATASETS:
         raise RecipeError(f"recipe {path}: task.name {task.name!r} is not a reasoning-gym dataset")
     try:
         validate_task_config(task)  # mixture task names, reward names and params
+        datasets = [c.dataset for c in task.components().values() if c.dataset]
+        if datasets and not (dry_run and any(is_hub(d.path, d.format) for d in datasets)):
+            TaskSource(task)  # loads each dataset: files, split, columns, rows, and the reward's fit
     except ValueError as exc:
         raise RecipeError(f"recipe {path}: task: {exc}") from None

@@ -28,6 +28,7 @@ class RolloutActor:
         With ``journal_dir`` it journals every acknowledged insert and applied policy version to
         ``{journal_dir}/{rollout_id}.jsonl`` (``proto.journal``; checked by ``gyre check``)."""
         from proto.journal import Journal
+        from rollout.dataset_source import PromptBudget
         from rollout.tasks import TaskConfig, TaskSource
         from rollout.worker import RolloutConfig, RolloutWorker
         from services.logs import configure_logging
@@ -53,7 +54,9 @@ class RolloutActor:
         self.journaled_version: int | None = None
         self._journal_lock = threading.Lock()  # setup (event loop) and the subscriber thread both journal
         self.replay = TrackedReplay(ReplayClient(replay_address, security=self.security), self.journal)
-        self.worker = RolloutWorker(rollout_id, cfg, TaskSource(TaskConfig(**task_config)), self.engine,
+        budget = PromptBudget.for_tokenizer(tokenizer, cfg.engine.max_model_len, cfg.sampling.max_new_tokens,
+                                            cfg.eval_max_new_tokens)  # dataset prompts that do not fit are skipped
+        self.worker = RolloutWorker(rollout_id, cfg, TaskSource(TaskConfig(**task_config), budget), self.engine,
                                     self.replay, tokenizer, seed)
         self.engine_config, self.subscriber, self.bootstrapped = cfg.engine, None, None
         self.metrics = RolloutMetrics(run_id, rollout_id, source=lambda: self.worker.stats.as_dict(self._version()))
