@@ -25,8 +25,8 @@ __all__ = ["REWARD_FN_VERSION", "MixtureComponent", "Problem", "TaskConfig", "Ta
 
 log = structlog.get_logger("rollout.tasks")
 
-REWARD_FN_VERSION = "rg-last-int-v1"
-"""Version of the default reward (``reasoning_gym:<task>`` with last-integer extraction)."""
+REWARD_FN_VERSION = "rg-last-int-exact-v1"
+"""Version of the default reward (``reasoning_gym:<task>``: last-integer extraction, exact 0/1)."""
 
 
 class MixtureComponent(BaseModel):

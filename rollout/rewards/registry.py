@@ -3,10 +3,16 @@
 Names:
 
 - ``reasoning_gym:<dataset>`` for any reasoning-gym dataset: the dataset's own ``score_answer`` on
-  the answer extracted from the response (param ``extract``: ``last_integer`` — gyre's original rule,
-  version ``rg-last-int-v1`` —, ``answer_tag`` — the last ``<answer>…</answer>``, reasoning-gym's
-  ``extract_answer`` — or ``full`` — the stripped response).
-- ``math_exact``: exact match after normalisation against ``entry["answer"]`` (``math_exact.py``).
+  the answer extracted from the response (param ``extract``: ``last_integer`` — gyre's original rule —,
+  ``answer_tag`` — the last ``<answer>…</answer>``, reasoning-gym's ``extract_answer`` — or ``full`` — the
+  stripped response). Exact by default: 1.0 iff ``score_answer`` gives 1.0, else 0.0 (version
+  ``rg-last-int-exact-v1`` / ``rg-answer-tag-exact-v1`` / ``rg-full-exact-v1``). reasoning-gym's default
+  ``score_answer`` gives partial credit when the oracle is a substring of the answer (``"15"`` or ``"-5"``
+  for oracle ``"5"`` score 0.5), which GRPO's group normalisation turns into a positive advantage for a
+  wrong answer; param ``partial_credit: true`` keeps that score (versions ``rg-last-int-v1``, ...).
+- ``math_exact``: exact match after normalisation against ``entry["answer"]`` (``math_exact.py``); 0 or 1.
+- ``math_verify``: Hugging Face ``math-verify`` on LaTeX/boxed answers, as TRL's ``accuracy_reward``
+  (``verify_math.py``); 0 or 1.
 - ``humaneval``: the completion plus the problem's tests run in the sandbox (``sandbox.py``);
   1.0 iff every test passes.
 - ``char_fraction``: a dense shaping score, the fraction of the response's characters that are in
@@ -48,7 +54,8 @@ class RewardConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     name: str
-    """A registered name: ``reasoning_gym:<dataset>``, ``math_exact``, ``humaneval`` or ``char_fraction``."""
+    """A registered name: ``reasoning_gym:<dataset>``, ``math_exact``, ``math_verify``, ``humaneval`` or
+    ``char_fraction``."""
     params: dict[str, Any] = Field(default_factory=dict)
     """Parameters of that reward (validated by its own model, unknown keys refused)."""
     timeout_s: float = Field(30.0, gt=0)
@@ -110,27 +117,33 @@ def extract_last_integer(text: str) -> str | None:
 class _RGParams(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     extract: Literal["last_integer", "answer_tag", "full"] = "last_integer"
+    partial_credit: bool = False
+    """``False``: 1.0 iff ``score_answer`` is 1.0, else 0.0. ``True``: ``score_answer`` as it is (graded)."""
 
 
 _RG_EXTRACT: dict[str, tuple[str, Callable[[str], str | None]]] = {
-    "last_integer": ("rg-last-int-v1", extract_last_integer),
-    "answer_tag": ("rg-answer-tag-v1", lambda text: reasoning_gym.utils.extract_answer(text)),
-    "full": ("rg-full-v1", lambda text: text.strip() or None),
+    "last_integer": ("rg-last-int", extract_last_integer),
+    "answer_tag": ("rg-answer-tag", lambda text: reasoning_gym.utils.extract_answer(text)),
+    "full": ("rg-full", lambda text: text.strip() or None),
 }
 
 
 class ReasoningGymReward(RewardFn):
-    """``reasoning_gym:<dataset>``: the dataset's ``score_answer`` on the extracted answer."""
+    """``reasoning_gym:<dataset>``: the dataset's ``score_answer`` on the extracted answer; 0/1 unless
+    ``partial_credit``. Version ``rg-<extract>-exact-v1`` (exact) or ``rg-<extract>-v1`` (partial credit)."""
 
     def __init__(self, dataset_name: str, params: _RGParams, dataset=None) -> None:
         self.name = RG_PREFIX + dataset_name
-        self.version, self._extract = _RG_EXTRACT[params.extract]
+        stem, self._extract = _RG_EXTRACT[params.extract]
+        self.partial_credit = params.partial_credit
+        self.version = f"{stem}-v1" if params.partial_credit else f"{stem}-exact-v1"
         self._score_answer = (dataset.score_answer if dataset is not None
                               else reasoning_gym.get_score_answer_fn(dataset_name))
 
     def _score(self, response: str, entry: dict) -> tuple[float, str]:
         answer = self._extract(response)
-        return (0.0 if answer is None else self._score_answer(answer, entry)), ""
+        score = 0.0 if answer is None else float(self._score_answer(answer, entry))
+        return (score if self.partial_credit else float(score == 1.0)), ""
 
 
 class _NoParams(BaseModel):
@@ -212,6 +225,13 @@ def _math_exact(cfg: RewardConfig, dataset) -> RewardFn:
     return MathExactReward()
 
 
+def _math_verify(cfg: RewardConfig, dataset) -> RewardFn:
+    from rollout.rewards.verify_math import MathVerifyReward  # imports sympy: only when asked for
+
+    _params(_NoParams, cfg.name, cfg.params)
+    return MathVerifyReward()
+
+
 def _humaneval(cfg: RewardConfig, dataset) -> RewardFn:
     return HumanEvalReward(_params(_HumanEvalParams, cfg.name, cfg.params))
 
@@ -221,7 +241,7 @@ def _char_fraction(cfg: RewardConfig, dataset) -> RewardFn:
 
 
 _FACTORIES: dict[str, Callable[[RewardConfig, Any], RewardFn]] = {
-    "math_exact": _math_exact, "humaneval": _humaneval, "char_fraction": _char_fraction}
+    "math_exact": _math_exact, "math_verify": _math_verify, "humaneval": _humaneval, "char_fraction": _char_fraction}
 
 
 def register_reward(name: str, factory: Callable[[RewardConfig, Any], RewardFn]) -> None:
