@@ -20,6 +20,10 @@ Names:
   even for a randomly initialised model; gyre's smoke-test recipes (``deploy/recipes/tiny-*.yaml``) use it so
   that every learner step moves the weights.
 
+Plain Python functions with TRL's calling convention are ``{function: "pkg.module:fn"}`` or
+``{function: "path/to/file.py:fn"}`` (``function.py``); several rewards combine as a weighted sum
+(``combined.py``).
+
 A scorer never kills its caller: ``RewardFn.score`` turns an exception into reward 0.0 with a
 ``reward_error`` (``raised: <Type>: <message>``); the sandbox's timeout/memory/forbidden/error
 outcomes of a code reward are reported the same way (``sandbox-<status>: <detail>``).
@@ -49,23 +53,49 @@ class UnknownRewardError(ValueError):
 
 
 class RewardConfig(BaseModel):
-    """Which reward function scores a task, with its parameters. A bare string means ``{name: ...}``."""
+    """Which reward function scores a task, with its parameters. A bare string means ``{name: ...}``.
+
+    Exactly one of ``name`` (a built-in reward) and ``function`` (a plain Python function) is set.
+    """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    name: str
+    name: str | None = None
     """A registered name: ``reasoning_gym:<dataset>``, ``math_exact``, ``math_verify``, ``humaneval`` or
     ``char_fraction``."""
+    function: str | None = None
+    """``"pkg.module:fn"`` (importable in every rollout actor: on a cluster ship it with ``ray.runtime_env``)
+    or ``"path/to/file.py:fn"`` (a recipe resolves a relative path against the recipe's folder) — a function
+    ``fn(completions: list[str], *, prompts, **columns) -> list[float | None]``, sync or async, called once per
+    group (``rollout.rewards.function``)."""
     params: dict[str, Any] = Field(default_factory=dict)
-    """Parameters of that reward (validated by its own model, unknown keys refused)."""
+    """Parameters of that reward (validated by its own model, unknown keys refused); for a ``function``,
+    extra keyword arguments of every call (verl's ``reward_kwargs``; TRL passes none)."""
+    weight: float = 1.0
+    """Factor of this reward in the weighted sum of a task's ``rewards`` (TRL's ``reward_weights``)."""
     timeout_s: float = Field(30.0, gt=0)
-    """Budget in seconds for scoring one response; past it the sample gets reward 0.0 and
-    ``reward_error = "timeout: ..."`` (an in-process scorer's thread cannot be killed and runs on)."""
+    """Budget in seconds for scoring one response (a ``function``: for one call, i.e. one group); past it the
+    sample gets reward 0.0 and ``reward_error = "timeout: ..."`` (an in-process scorer's thread cannot be
+    killed and runs on)."""
 
     @model_validator(mode="before")
     @classmethod
     def _from_name(cls, data: Any) -> Any:
         return {"name": data} if isinstance(data, str) else data
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> "RewardConfig":
+        if (self.name is None) == (self.function is None):
+            raise ValueError("a reward sets exactly one of name (a built-in reward) and function "
+                             f"('pkg.module:fn' or 'file.py:fn'); got name={self.name!r}, function={self.function!r}")
+        if not math.isfinite(self.weight):
+            raise ValueError(f"weight ({self.weight}) must be finite")
+        return self
+
+    @property
+    def label(self) -> str:
+        """Short name of this reward in metrics: the built-in name, or ``module:fn`` / ``file.py:fn``."""
+        return self.name if self.name is not None else self.function.replace("\\", "/").rsplit("/", 1)[-1]
 
 
 @dataclass(frozen=True)
@@ -73,7 +103,8 @@ class RewardResult:
     """The reward of one response and where it came from."""
 
     reward: float
-    """In [0, 1]; 0.0 when ``error`` is set."""
+    """Built-in rewards: in [0, 1]; a ``function`` or a weighted sum: any finite float. 0.0 when ``error`` is
+    set."""
     version: str
     """Version of the reward function (``reward_fn_version`` on the trajectory)."""
     error: str = ""
@@ -106,6 +137,18 @@ class RewardFn(ABC):
         except Exception as exc:  # recovery path: a bad scorer costs one sample, not the worker
             return RewardResult(0.0, self.version, f"raised: {type(exc).__name__}: {exc}"[:500])
         return RewardResult(0.0 if error else reward, self.version, error)
+
+    async def score_groups(self, groups: list) -> list[list[RewardResult]]:
+        """Score every response of each ``rollout.rewards.function.Group`` (one call of ``score`` per
+        response, in the scoring pool: ``scoring.score_many``); results per group, in order."""
+        from rollout.rewards.scoring import score_many
+
+        flat = await score_many([(self, text, g.entry) for g in groups for text in g.completions])
+        out, i = [], 0
+        for g in groups:
+            out.append(flat[i:i + len(g.completions)])
+            i += len(g.completions)
+        return out
 
 
 def extract_last_integer(text: str) -> str | None:
@@ -256,8 +299,10 @@ def known_rewards() -> list[str]:
     return sorted(_FACTORIES) + [RG_PREFIX + "<dataset>"]
 
 
-def make_reward(config: RewardConfig | str | dict, dataset=None) -> RewardFn:
-    """Build the reward function named by ``config``.
+def make_reward(config: RewardConfig | str | dict, dataset=None):
+    """Build the reward function named by ``config``: a ``RewardFn`` (scores one response at a time), or for
+    ``function`` a ``rollout.rewards.function.FunctionReward`` (one call per group). Both have ``name``,
+    ``version``, ``timeout_s``, ``check_entry(entry)`` and ``async score_groups(groups)``.
 
     Args:
         config: a ``RewardConfig`` (or its dict / bare-name form).
@@ -265,9 +310,15 @@ def make_reward(config: RewardConfig | str | dict, dataset=None) -> RewardFn:
             (default: one built with the dataset's default config).
     Raises:
         UnknownRewardError: unknown name (the message lists the known ones / the reasoning-gym datasets).
+        rollout.rewards.function.RewardImportError: a ``function`` that does not load (path, attribute,
+            signature).
         ValueError: params that do not fit the reward.
     """
     cfg = config if isinstance(config, RewardConfig) else RewardConfig.model_validate(config)
+    if cfg.function is not None:
+        from rollout.rewards.function import FunctionReward  # imports this module
+
+        return FunctionReward(cfg)
     if cfg.name.startswith(RG_PREFIX):
         ds_name = cfg.name[len(RG_PREFIX):]
         if ds_name not in reasoning_gym.factory.DATASETS:
