@@ -18,17 +18,24 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rollout.dataset_files import DatasetConfig
 from rollout.dataset_source import DatasetSource, PromptBudget
+from rollout.rewards.combined import RewardSet, make_reward_set
 from rollout.rewards.mixture import HUMANEVAL, Problem, TaskMixture, make_source
-from rollout.rewards.registry import (RG_PREFIX, RewardConfig, RewardFn, RewardResult, extract_last_integer,
-                                      make_reward)
+from rollout.rewards.registry import RG_PREFIX, RewardConfig, extract_last_integer
 
 __all__ = ["REWARD_FN_VERSION", "MixtureComponent", "Problem", "TaskConfig", "TaskSource", "UnknownTaskError",
            "extract_last_integer", "validate_task_config"]
 
 log = structlog.get_logger("rollout.tasks")
 
-REWARD_FN_VERSION = "rg-last-int-v1"
-"""Version of the default reward (``reasoning_gym:<task>`` with last-integer extraction)."""
+REWARD_FN_VERSION = "rg-last-int-exact-v1"
+"""Version of the default reward (``reasoning_gym:<task>``: last-integer extraction, exact 0/1)."""
+
+
+def _one_reward_form(owner: str, reward, rewards) -> None:
+    if reward is not None and rewards is not None:
+        raise ValueError(f"{owner}: set either reward or rewards, not both")
+    if rewards is not None and not rewards:
+        raise ValueError(f"{owner}: rewards must name at least one reward")
 
 
 class MixtureComponent(BaseModel):
@@ -42,6 +49,8 @@ class MixtureComponent(BaseModel):
     """Keyword arguments of the dataset's config class."""
     reward: RewardConfig | None = None
     """Reward function; default ``reasoning_gym:<task>`` (``humaneval`` for the human-eval task)."""
+    rewards: list[RewardConfig] | None = None
+    """Several rewards summed with their ``weight``s (replaces ``reward``)."""
     prompt_suffix: str | None = None
     """Appended to each question; ``None`` uses the task config's ``prompt_suffix`` (none for
     ``humaneval``, whose question already says what to reply)."""
@@ -55,6 +64,11 @@ class MixtureComponent(BaseModel):
     @classmethod
     def _from_weight(cls, data: Any) -> Any:
         return {"weight": data} if isinstance(data, (int, float)) and not isinstance(data, bool) else data
+
+    @model_validator(mode="after")
+    def _one_reward(self) -> "MixtureComponent":
+        _one_reward_form("mixture component", self.reward, self.rewards)
+        return self
 
 
 class TaskConfig(BaseModel):
@@ -80,8 +94,12 @@ class TaskConfig(BaseModel):
     heldout_size: int = Field(128, ge=1)
     """Number of held-out problems per task, scored greedily before and after training."""
     reward: RewardConfig | None = None
-    """Reward of the single task (a bare name works: ``reward: math_exact``); default
-    ``reasoning_gym:<name>`` (``humaneval`` for the human-eval task)."""
+    """Reward of the single task (a bare name works: ``reward: math_exact``; a plain Python function:
+    ``reward: {function: "pkg.module:fn"}`` or ``{function: "file.py:fn"}``); default ``reasoning_gym:<name>``
+    (``humaneval`` for the human-eval task)."""
+    rewards: list[RewardConfig] | None = None
+    """Several rewards of the single task, summed with their ``weight``s (TRL's ``reward_weights``), e.g.
+    ``[{function: reward.py:fmt, weight: 0.2}, {name: math_verify}]``; replaces ``reward``."""
     mixture: dict[str, MixtureComponent] | None = None
     """Weighted tasks, e.g. ``{basic_arithmetic: 0.7, countdown: 0.3}``; replaces ``name/params/reward``."""
     dataset: DatasetConfig | None = None
@@ -91,7 +109,7 @@ class TaskConfig(BaseModel):
     @model_validator(mode="after")
     def _one_form(self) -> "TaskConfig":
         if self.mixture is not None:  # by value, so that a model_dump() round trip (Ray actor args) still loads
-            defaults = {"name": "basic_arithmetic", "params": {}, "reward": None}
+            defaults = {"name": "basic_arithmetic", "params": {}, "reward": None, "rewards": None}
             both = sorted(k for k, v in defaults.items() if getattr(self, k) != v)
             if both:
                 raise ValueError(f"set either mixture or {both}, not both (mixture components carry "
@@ -103,6 +121,7 @@ class TaskConfig(BaseModel):
             if given or self.mixture is not None:
                 raise ValueError(f"set either dataset or {given or ['mixture']}, not both (a mixture component "
                                  "takes its own dataset)")
+        _one_reward_form("task", self.reward, self.rewards)
         return self
 
     def components(self) -> dict[str, MixtureComponent]:
@@ -110,8 +129,8 @@ class TaskConfig(BaseModel):
         if self.mixture is not None:
             return dict(self.mixture)
         if self.dataset is not None:
-            return {self.dataset.name: MixtureComponent(reward=self.reward, dataset=self.dataset)}
-        return {self.name: MixtureComponent(params=self.params, reward=self.reward)}
+            return {self.dataset.name: MixtureComponent(reward=self.reward, rewards=self.rewards, dataset=self.dataset)}
+        return {self.name: MixtureComponent(params=self.params, reward=self.reward, rewards=self.rewards)}
 
 
 class UnknownTaskError(ValueError):
@@ -125,19 +144,28 @@ def default_reward(task: str, comp: MixtureComponent | None = None) -> RewardCon
     return RewardConfig(name=HUMANEVAL if task == HUMANEVAL else RG_PREFIX + task)
 
 
+def reward_configs(task: str, component: MixtureComponent) -> list[RewardConfig]:
+    """The rewards of one task: its ``rewards``, else ``[reward]``, else ``[default_reward(task)]``."""
+    if component.rewards is not None:
+        return list(component.rewards)
+    return [component.reward or default_reward(task, component)]
+
+
 def validate_task_config(config: TaskConfig) -> None:
-    """Cheap checks (no dataset is built): task names and reward names/params.
+    """Cheap checks (no dataset is built): task names and reward names/params; reward functions are
+    imported (and their signatures checked against ``(completions, prompts=...)``).
 
     Raises:
         UnknownTaskError: a task that is neither a reasoning-gym dataset nor ``humaneval``.
-        rollout.rewards.registry.UnknownRewardError / ValueError: a bad reward.
+        rollout.rewards.registry.UnknownRewardError / rollout.rewards.function.RewardImportError /
+            ValueError: a bad reward.
     """
     names = sorted(reasoning_gym.factory.DATASETS)
     for task, comp in config.components().items():
         if comp.dataset is None and task != HUMANEVAL and task not in names:
             raise UnknownTaskError(f"unknown task {task!r}; expected {HUMANEVAL!r} or a reasoning-gym dataset: "
                                    f"{', '.join(names)}")
-        make_reward(comp.reward or default_reward(task, comp))
+        make_reward_set(reward_configs(task, comp))
 
 
 class TaskSource:
@@ -161,8 +189,8 @@ class TaskSource:
         self._suffix = {n: c.prompt_suffix if c.prompt_suffix is not None
                         else "" if n == HUMANEVAL else config.prompt_suffix for n, c in comps.items()}
         self._swap_lock = threading.Lock()
-        self._rewards: dict[str, RewardFn] = self._build_rewards(
-            {n: c.reward or default_reward(n, c) for n, c in comps.items()})
+        self._rewards: dict[str, RewardSet] = self._build_rewards(
+            {n: reward_configs(n, c) for n, c in comps.items()})
 
     def _make_source(self, name: str, comp: MixtureComponent, budget: PromptBudget | None):
         cfg = self.config
@@ -207,8 +235,9 @@ class TaskSource:
         return msgs + [{"role": "user", "content": text + (f" {suffix}" if suffix else "")}]
 
     # ---- rewards ------------------------------------------------------------------------------
-    def reward_for(self, task: str) -> RewardFn:
-        """The reward function scoring ``task`` now; bind it when a group starts so a swap applies to later groups."""
+    def reward_for(self, task: str) -> RewardSet:
+        """The rewards scoring ``task`` now; bind them when a group starts so a swap applies to later groups
+        (score with ``rollout.rewards.scoring.score_groups``)."""
         try:
             return self._rewards[task]
         except KeyError:
@@ -218,47 +247,45 @@ class TaskSource:
         """``{task: reward_fn_version}`` currently in force."""
         return {task: fn.version for task, fn in self._rewards.items()}
 
-    def score_result(self, response_text: str, problem: Problem) -> RewardResult:
-        """Reward, version and failure reason for one response (never raises for a scorer failure)."""
-        return self.reward_for(problem.task).score(response_text, problem.entry)
-
-    def score(self, response_text: str, entry: dict, task: str | None = None) -> float:
-        """Reward in [0, 1] of one response (``task`` defaults to the first task); 0.0 when scoring failed."""
-        return self.reward_for(task or self.mixture.names[0]).score(response_text, entry).reward
-
     def swap_reward(self, config: RewardConfig | str | Mapping[str, Any]) -> dict[str, str]:
         """Replace reward functions at runtime; groups started afterwards use the new ones.
 
         Args:
-            config: one reward (``RewardConfig``, its dict, or a bare name) for a single-task source, or
-                ``{task: reward}`` naming the tasks to change (the others keep theirs).
+            config: one reward (``RewardConfig``, its dict — ``{name: ...}`` or ``{function: ...}`` —, or a bare
+                name) or a list of them (summed with their weights) for a single-task source, or
+                ``{task: reward or list}`` naming the tasks to change (the others keep theirs). A function is
+                imported afresh, so an edited file takes effect with a new version.
         Returns:
             ``{task: reward_fn_version}`` now in force.
         Raises:
-            KeyError / ValueError / UnknownRewardError: invalid config; nothing is changed.
+            KeyError / ValueError / UnknownRewardError / RewardImportError: invalid config; nothing is changed.
         """
-        if isinstance(config, (RewardConfig, str)) or (isinstance(config, Mapping) and "name" in config):
+        if isinstance(config, (RewardConfig, str, list, tuple)) or (
+                isinstance(config, Mapping) and ("name" in config or "function" in config)):
             if len(self.mixture.names) != 1:
                 raise ValueError(f"this source mixes {self.mixture.names}: pass {{task: reward}}")
             config = {self.mixture.names[0]: config}
         for task in config:
             self.reward_for(task)  # unknown task → KeyError before anything changes
-        new = self._build_rewards(dict(config))
+        new = self._build_rewards({task: list(c) if isinstance(c, (list, tuple)) else [c]
+                                   for task, c in config.items()})
         with self._swap_lock:
             old = self.reward_versions()
             self._rewards = {**self._rewards, **new}
         log.info("reward_swapped", old=old, new=self.reward_versions())
         return self.reward_versions()
 
-    def _build_rewards(self, configs: dict[str, Any]) -> dict[str, RewardFn]:
+    def _build_rewards(self, configs: dict[str, list]) -> dict[str, RewardSet]:
         """Build and check each reward against its task's first held-out entry (raises on a misfit)."""
         out = {}
-        for task, cfg in configs.items():
+        for task, cfgs in configs.items():
             source = self.mixture.components[task]
-            fn = make_reward(cfg, dataset=source.dataset)
-            try:
-                fn.check_entry(source.heldout()[0])
-            except KeyError as exc:
-                raise ValueError(f"reward {fn.name!r} does not fit task {task!r}: {exc.args[0]}") from None
-            out[task] = fn
+            rewards = make_reward_set(cfgs, dataset=source.dataset)
+            for part in rewards.parts:
+                try:
+                    part.reward.check_entry(source.heldout()[0])
+                except KeyError as exc:
+                    raise ValueError(f"reward {part.reward.name!r} does not fit task {task!r}: "
+                                     f"{exc.args[0]}") from None
+            out[task] = rewards
         return out

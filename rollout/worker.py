@@ -23,7 +23,8 @@ from proto.trajectory import Trajectory, make_ids, to_table
 from rollout.config import EngineConfig, SamplingConfig
 from rollout.lockstep_gate import LockstepGate
 from rollout.spool import Spool, SpoolFlusher
-from rollout.rewards.scoring import score_many
+from rollout.rewards.function import Group
+from rollout.rewards.scoring import score_groups
 from rollout.tasks import TaskSource
 
 log = structlog.get_logger("rollout")
@@ -94,6 +95,20 @@ class RolloutStats:
     (``rollout.dataset_source.PromptBudget``); they get no prompt index."""
     spool: Spool | None = None
     """The worker's spool, if configured; its gauges (``SpoolStats.as_dict``) join ``as_dict``."""
+    reward_errors: int = 0
+    """Trajectories whose reward reached no verdict (``reward_error`` set; their stored reward is 0.0)."""
+    reward_parts: dict[str, list[float]] = field(default_factory=dict)
+    """``"{task}/{reward label}"`` → ``[sum of scores, number of scores]`` over the verdicts of that reward
+    alone (before weighting; failed scores are not counted)."""
+
+    def count_rewards(self, task: str, parts: dict) -> None:
+        """Add one group's per-reward results (``GroupScore.parts``) to ``reward_parts``."""
+        for label, results in parts.items():
+            acc = self.reward_parts.setdefault(f"{task}/{label}", [0.0, 0])
+            for r in results:
+                if not r.error:
+                    acc[0] += r.reward
+                    acc[1] += 1
 
     def as_dict(self, version: int) -> dict:
         elapsed = max(time.monotonic() - self.started_at, 1e-9)
@@ -103,7 +118,22 @@ class RolloutStats:
                 "weight_updates": self.weight_updates, "last_update_s": self.last_update_s,
                 "insert_retries": self.insert_retries, "groups_in_flight": self.groups_in_flight,
                 "gate_waits": self.gate_waits, "prompts_too_long": self.prompts_too_long,
+                "reward_errors": self.reward_errors,
+                "reward_means": {k: s / n for k, (s, n) in self.reward_parts.items() if n},
+                "reward_counts": {k: n for k, (_, n) in self.reward_parts.items()},
                 **(self.spool.stats().as_dict() if self.spool else {})}
+
+
+def merge_reward_means(stats: list[dict]) -> dict[str, float]:
+    """Per-reward means over several rollouts' ``RolloutStats.as_dict`` (weighted by their counts)."""
+    sums: dict[str, list[float]] = {}
+    for st in stats:
+        for key, n in st.get("reward_counts", {}).items():
+            if n:
+                acc = sums.setdefault(key, [0.0, 0])
+                acc[0] += st["reward_means"][key] * n
+                acc[1] += n
+    return {k: s / n for k, (s, n) in sorted(sums.items())}
 
 
 class RolloutWorker:
@@ -272,7 +302,10 @@ class RolloutWorker:
     async def _finish_group(self, prompt_index: int, attempt: int, problem, reward_fn, prompt_ids: list[int],
                             samples) -> None:
         """Score a generated group, build its trajectories and deliver them (spool or replay)."""
-        scored = await score_many([(reward_fn, s.text, problem.entry) for s in samples])  # off the event loop
+        group = Group([s.text for s in samples], [self.task.messages(problem)] * len(samples), problem.entry,
+                      [list(s.token_ids) for s in samples])
+        score = (await score_groups([(reward_fn, group)]))[0]  # off the event loop
+        scored = score.results
         rows = []
         for i, s in enumerate(samples):
             tid, gid = make_ids(prompt_index, i, attempt)
@@ -288,6 +321,8 @@ class RolloutWorker:
         self.stats.trajectories += len(rows)
         self.stats.tokens += sum(len(r.response_token_ids) for r in rows)
         self.stats.reward_sum += sum(r.reward for r in rows)
+        self.stats.reward_errors += sum(bool(r.reward_error) for r in rows)
+        self.stats.count_rewards(problem.task, score.parts)
 
     async def _start_spool(self, loop) -> asyncio.Task | None:
         """Recover the spool (quarantining corrupt files) and start its flusher task; None without a spool."""
@@ -333,14 +368,16 @@ class RolloutWorker:
         """Greedy accuracy on the task's held-out set with the current weights.
 
         Returns ``heldout_accuracy`` (fraction of exactly correct answers, in [0, 1]), ``heldout_correct``,
-        ``heldout_size``, ``heldout_score_mean`` (mean verifier score, with its partial credit) and ``version``.
+        ``heldout_size``, ``heldout_score_mean`` (mean reward: graded where a reward gives partial credit or a weighted
+        sum) and ``version``. A score counts as correct when it is >= 1.0.
         """
         problems = self.task.heldout()
         prompts = [self._prompt_ids(p) for p in problems]
         samples = await self.engine.generate_greedy(prompts, self.config.eval_max_new_tokens)
-        results = await score_many([(self.task.reward_for(p.task), s.text, p.entry) for s, p in zip(samples, problems)])
-        scores = [r.reward for r in results]
-        correct = sum(score >= 1.0 for score in scores)  # exact answers; the verifier gives partial credit
+        groups = [(self.task.reward_for(p.task), Group([s.text], [self.task.messages(p)], p.entry, [list(s.token_ids)]))
+                  for s, p in zip(samples, problems)]
+        scores = [g.results[0].reward for g in await score_groups(groups)]
+        correct = sum(score >= 1.0 for score in scores)  # exact answers (a reward may give partial credit)
         return {"heldout_accuracy": correct / len(problems), "heldout_correct": correct,
                 "heldout_size": len(problems), "heldout_score_mean": sum(scores) / len(problems),
                 "version": self.engine.version}

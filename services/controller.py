@@ -21,6 +21,7 @@ import structlog
 from ray.exceptions import GetTimeoutError, RayActorError
 from rich.console import Console
 
+from rollout.worker import merge_reward_means
 from services.ops import create_state
 from services.ray_connection import CONNECTION_FILE, record_connection
 from services.progress import RunProgress
@@ -279,7 +280,8 @@ def _supervise_training(recipe: Recipe, sup: Supervisor, metrics: MetricsWriter,
             if generation == 0 and row["step"] <= written:
                 continue
             row.update(rollout_tokens_per_s=tokens_per_s, learner_restarts=sup.learner.restarts,
-                       rollout_versions=[s.info.get("version") for s in sup.rollouts()])
+                       rollout_versions=[s.info.get("version") for s in sup.rollouts()],
+                       rollout_reward_means=merge_reward_means([s.info for s in sup.rollouts()]))
             metrics.write(row)
             progress.update(row)
         cursor += len(rows)

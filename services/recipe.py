@@ -35,6 +35,11 @@ class RayConfig(BaseModel):
     num_cpus: int | None = Field(None, ge=1)
     """CPUs the private head advertises (``None``: all)."""
     namespace: str = "gyre"
+    runtime_env: dict[str, Any] = {}
+    """Ray ``runtime_env`` of the rollout actors, where reward functions are imported: e.g.
+    ``{working_dir: ., py_modules: [rewards/]}`` ships a ``reward: {function: "pkg.module:fn"}``'s code to
+    every node. A relative local ``working_dir`` / ``py_modules`` path is resolved from the working directory;
+    gyre's own ``env_vars`` are added to (and win over) any given here. Checked by Ray when an actor starts."""
 
 
 class RolePlacement(BaseModel):
@@ -312,7 +317,9 @@ def load_recipe(path: str | Path, overrides: dict[str, Any] | None = None, dry_r
 
     Raises:
         RecipeError: missing file, bad YAML, unknown key, wrong type, missing model folder, a Hub id that cannot
-            be had (unknown, gated, offline and not cached), unknown task.
+            be had (unknown, gated, offline and not cached), unknown task, a reward (name, params, or a
+            ``function`` that does not import or cannot take ``(completions, prompts=...)``; the message names
+            its path).
     """
     path = Path(path)
     if not path.is_file():
@@ -334,6 +341,7 @@ def load_recipe(path: str | Path, overrides: dict[str, Any] | None = None, dry_r
     _resolve_model(data, path, dry_run)
     if isinstance(data.get("task"), dict):
         resolve_paths(data["task"])  # dataset files: absolute, from the CWD
+    _resolve_local_paths(data, Path.cwd())  # reward files, runtime_env: from the CWD too
     if isinstance(data.get("run_dir"), str):
         data["run_dir"] = str(Path(data["run_dir"]).expanduser().resolve())
     try:
@@ -368,6 +376,31 @@ def _resolve_model(data: dict, path: Path, dry_run: bool) -> None:
                           "SmolLM2-135M-Instruct in .cache/models/)")
 
 
+def _resolve_local_paths(data: dict, base: Path) -> None:
+    """Make relative local paths absolute against ``base`` (the CWD, as the model path and dataset paths): reward functions
+    given as ``file.py:fn`` (``task.reward``, ``task.rewards``, and those of ``task.mixture``) and local
+    ``ray.runtime_env`` ``working_dir`` / ``py_modules`` entries (not URIs)."""
+    from rollout.rewards.function import resolve_file_spec
+
+    task = data.get("task") if isinstance(data.get("task"), dict) else {}
+    mixture = task.get("mixture") if isinstance(task.get("mixture"), dict) else {}
+    holders = [task, *(c for c in mixture.values() if isinstance(c, dict))]
+    for holder in holders:
+        rewards = holder.get("rewards") if isinstance(holder.get("rewards"), list) else []
+        for reward in [holder.get("reward"), *rewards]:
+            if isinstance(reward, dict) and isinstance(reward.get("function"), str):
+                reward["function"] = resolve_file_spec(reward["function"], base)
+    env = data.get("ray", {}).get("runtime_env") if isinstance(data.get("ray"), dict) else None
+    if not isinstance(env, dict):
+        return
+    local = lambda p: str((base / Path(p).expanduser()).resolve()) if isinstance(p, str) and "://" not in p \
+        and not Path(p).expanduser().is_absolute() else p  # noqa: E731
+    if "working_dir" in env:
+        env["working_dir"] = local(env["working_dir"])
+    if isinstance(env.get("py_modules"), list):
+        env["py_modules"] = [local(p) for p in env["py_modules"]]
+
+
 def _set_dotted(data: dict, dotted: str, value: Any) -> None:
     *parents, leaf = dotted.split(".")
     for i, p in enumerate(parents):
@@ -397,15 +430,18 @@ def format_validation_error(exc: ValidationError) -> str:
 def _check_resources(recipe: Recipe, path: Path, dry_run: bool = False) -> None:
     import reasoning_gym
 
-    from rollout.tasks import TaskSource, validate_task_config
+    from rollout.tasks import TaskSource, reward_configs, validate_task_config
 
     task = recipe.task
     if task.mixture is None and task.name != "humaneval" and task.name not in reasoning_gym.factory.DATASETS:
         raise RecipeError(f"recipe {path}: task.name {task.name!r} is not a reasoning-gym dataset")
     try:
-        validate_task_config(task)  # mixture task names, reward names and params
+        validate_task_config(task)  # mixture task names, reward names and params, reward functions import
         datasets = [c.dataset for c in task.components().values() if c.dataset]
+        functions = any(r.function for c in task.components().items() for r in reward_configs(*c))
         if datasets and not (dry_run and any(is_hub(d.path, d.format) for d in datasets)):
-            TaskSource(task)  # loads each dataset: files, split, columns, rows, and the reward's fit
+            TaskSource(task)  # loads each dataset (files, split, columns, rows), the rewards' fit, functions' signatures
+        elif functions:
+            TaskSource(task)  # a function's signature against the entries' columns
     except ValueError as exc:
         raise RecipeError(f"recipe {path}: task: {exc}") from None

@@ -72,8 +72,15 @@ class ServiceFactory:
         return {**self.env, **faults.armed_env(spec, self.fire_log, service, incarnation)}
 
     def _options(self, role: str, service: str, env: dict | None = None, **extra) -> dict:
+        """``ActorClass.options`` of one service; a rollout also gets the recipe's ``ray.runtime_env`` (reward
+        functions are imported there), its ``env_vars`` merged under gyre's."""
+        env = self.env if env is None else env
+        runtime_env = {"env_vars": env}
+        if role == "rollout" and self.recipe.ray.runtime_env:
+            user = dict(self.recipe.ray.runtime_env)
+            runtime_env = {**user, "env_vars": {**user.get("env_vars", {}), **env}}
         return {"name": actor_name(self.recipe.name, service), "namespace": self.recipe.ray.namespace,
-                "lifetime": "detached", "runtime_env": {"env_vars": self.env if env is None else env},
+                "lifetime": "detached", "runtime_env": runtime_env,
                 **getattr(self.recipe.placement, role).actor_options(), **extra}
 
     def attach(self, service: str) -> ray.actor.ActorHandle | None:

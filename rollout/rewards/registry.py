@@ -3,16 +3,26 @@
 Names:
 
 - ``reasoning_gym:<dataset>`` for any reasoning-gym dataset: the dataset's own ``score_answer`` on
-  the answer extracted from the response (param ``extract``: ``last_integer`` — gyre's original rule,
-  version ``rg-last-int-v1`` —, ``answer_tag`` — the last ``<answer>…</answer>``, reasoning-gym's
-  ``extract_answer`` — or ``full`` — the stripped response).
-- ``math_exact``: exact match after normalisation against ``entry["answer"]`` (``math_exact.py``).
+  the answer extracted from the response (param ``extract``: ``last_integer`` — gyre's original rule —,
+  ``answer_tag`` — the last ``<answer>…</answer>``, reasoning-gym's ``extract_answer`` — or ``full`` — the
+  stripped response). Exact by default: 1.0 iff ``score_answer`` gives 1.0, else 0.0 (version
+  ``rg-last-int-exact-v1`` / ``rg-answer-tag-exact-v1`` / ``rg-full-exact-v1``). reasoning-gym's default
+  ``score_answer`` gives partial credit when the oracle is a substring of the answer (``"15"`` or ``"-5"``
+  for oracle ``"5"`` score 0.5), which GRPO's group normalisation turns into a positive advantage for a
+  wrong answer; param ``partial_credit: true`` keeps that score (versions ``rg-last-int-v1``, ...).
+- ``math_exact``: exact match after normalisation against ``entry["answer"]`` (``math_exact.py``); 0 or 1.
+- ``math_verify``: Hugging Face ``math-verify`` on LaTeX/boxed answers, as TRL's ``accuracy_reward``
+  (``verify_math.py``); 0 or 1.
 - ``humaneval``: the completion plus the problem's tests run in the sandbox (``sandbox.py``);
   1.0 iff every test passes.
 - ``char_fraction``: a dense shaping score, the fraction of the response's characters that are in
   ``params.chars``. Every response earns a graded score, so GRPO's group-normalised advantages are non-zero
   even for a randomly initialised model; gyre's smoke-test recipes (``deploy/recipes/tiny-*.yaml``) use it so
   that every learner step moves the weights.
+
+Plain Python functions with TRL's calling convention are ``{function: "pkg.module:fn"}`` or
+``{function: "path/to/file.py:fn"}`` (``function.py``); several rewards combine as a weighted sum
+(``combined.py``).
 
 A scorer never kills its caller: ``RewardFn.score`` turns an exception into reward 0.0 with a
 ``reward_error`` (``raised: <Type>: <message>``); the sandbox's timeout/memory/forbidden/error
@@ -43,22 +53,49 @@ class UnknownRewardError(ValueError):
 
 
 class RewardConfig(BaseModel):
-    """Which reward function scores a task, with its parameters. A bare string means ``{name: ...}``."""
+    """Which reward function scores a task, with its parameters. A bare string means ``{name: ...}``.
+
+    Exactly one of ``name`` (a built-in reward) and ``function`` (a plain Python function) is set.
+    """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    name: str
-    """A registered name: ``reasoning_gym:<dataset>``, ``math_exact``, ``humaneval`` or ``char_fraction``."""
+    name: str | None = None
+    """A registered name: ``reasoning_gym:<dataset>``, ``math_exact``, ``math_verify``, ``humaneval`` or
+    ``char_fraction``."""
+    function: str | None = None
+    """``"pkg.module:fn"`` (importable in every rollout actor: on a cluster ship it with ``ray.runtime_env``)
+    or ``"path/to/file.py:fn"`` (a recipe resolves a relative path against the recipe's folder) — a function
+    ``fn(completions: list[str], *, prompts, **columns) -> list[float | None]``, sync or async, called once per
+    group (``rollout.rewards.function``)."""
     params: dict[str, Any] = Field(default_factory=dict)
-    """Parameters of that reward (validated by its own model, unknown keys refused)."""
+    """Parameters of that reward (validated by its own model, unknown keys refused); for a ``function``,
+    extra keyword arguments of every call (verl's ``reward_kwargs``; TRL passes none)."""
+    weight: float = 1.0
+    """Factor of this reward in the weighted sum of a task's ``rewards`` (TRL's ``reward_weights``)."""
     timeout_s: float = Field(30.0, gt=0)
-    """Budget in seconds for scoring one response; past it the sample gets reward 0.0 and
-    ``reward_error = "timeout: ..."`` (an in-process scorer's thread cannot be killed and runs on)."""
+    """Budget in seconds for scoring one response (a ``function``: for one call, i.e. one group); past it the
+    sample gets reward 0.0 and ``reward_error = "timeout: ..."`` (an in-process scorer's thread cannot be
+    killed and runs on)."""
 
     @model_validator(mode="before")
     @classmethod
     def _from_name(cls, data: Any) -> Any:
         return {"name": data} if isinstance(data, str) else data
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> "RewardConfig":
+        if (self.name is None) == (self.function is None):
+            raise ValueError("a reward sets exactly one of name (a built-in reward) and function "
+                             f"('pkg.module:fn' or 'file.py:fn'); got name={self.name!r}, function={self.function!r}")
+        if not math.isfinite(self.weight):
+            raise ValueError(f"weight ({self.weight}) must be finite")
+        return self
+
+    @property
+    def label(self) -> str:
+        """Short name of this reward in metrics: the built-in name, or ``module:fn`` / ``file.py:fn``."""
+        return self.name if self.name is not None else self.function.replace("\\", "/").rsplit("/", 1)[-1]
 
 
 @dataclass(frozen=True)
@@ -66,7 +103,8 @@ class RewardResult:
     """The reward of one response and where it came from."""
 
     reward: float
-    """In [0, 1]; 0.0 when ``error`` is set."""
+    """Built-in rewards: in [0, 1]; a ``function`` or a weighted sum: any finite float. 0.0 when ``error`` is
+    set."""
     version: str
     """Version of the reward function (``reward_fn_version`` on the trajectory)."""
     error: str = ""
@@ -100,6 +138,18 @@ class RewardFn(ABC):
             return RewardResult(0.0, self.version, f"raised: {type(exc).__name__}: {exc}"[:500])
         return RewardResult(0.0 if error else reward, self.version, error)
 
+    async def score_groups(self, groups: list) -> list[list[RewardResult]]:
+        """Score every response of each ``rollout.rewards.function.Group`` (one call of ``score`` per
+        response, in the scoring pool: ``scoring.score_many``); results per group, in order."""
+        from rollout.rewards.scoring import score_many
+
+        flat = await score_many([(self, text, g.entry) for g in groups for text in g.completions])
+        out, i = [], 0
+        for g in groups:
+            out.append(flat[i:i + len(g.completions)])
+            i += len(g.completions)
+        return out
+
 
 def extract_last_integer(text: str) -> str | None:
     """The last integer in ``text`` (commas inside numbers are removed first), or ``None``."""
@@ -110,27 +160,33 @@ def extract_last_integer(text: str) -> str | None:
 class _RGParams(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     extract: Literal["last_integer", "answer_tag", "full"] = "last_integer"
+    partial_credit: bool = False
+    """``False``: 1.0 iff ``score_answer`` is 1.0, else 0.0. ``True``: ``score_answer`` as it is (graded)."""
 
 
 _RG_EXTRACT: dict[str, tuple[str, Callable[[str], str | None]]] = {
-    "last_integer": ("rg-last-int-v1", extract_last_integer),
-    "answer_tag": ("rg-answer-tag-v1", lambda text: reasoning_gym.utils.extract_answer(text)),
-    "full": ("rg-full-v1", lambda text: text.strip() or None),
+    "last_integer": ("rg-last-int", extract_last_integer),
+    "answer_tag": ("rg-answer-tag", lambda text: reasoning_gym.utils.extract_answer(text)),
+    "full": ("rg-full", lambda text: text.strip() or None),
 }
 
 
 class ReasoningGymReward(RewardFn):
-    """``reasoning_gym:<dataset>``: the dataset's ``score_answer`` on the extracted answer."""
+    """``reasoning_gym:<dataset>``: the dataset's ``score_answer`` on the extracted answer; 0/1 unless
+    ``partial_credit``. Version ``rg-<extract>-exact-v1`` (exact) or ``rg-<extract>-v1`` (partial credit)."""
 
     def __init__(self, dataset_name: str, params: _RGParams, dataset=None) -> None:
         self.name = RG_PREFIX + dataset_name
-        self.version, self._extract = _RG_EXTRACT[params.extract]
+        stem, self._extract = _RG_EXTRACT[params.extract]
+        self.partial_credit = params.partial_credit
+        self.version = f"{stem}-v1" if params.partial_credit else f"{stem}-exact-v1"
         self._score_answer = (dataset.score_answer if dataset is not None
                               else reasoning_gym.get_score_answer_fn(dataset_name))
 
     def _score(self, response: str, entry: dict) -> tuple[float, str]:
         answer = self._extract(response)
-        return (0.0 if answer is None else self._score_answer(answer, entry)), ""
+        score = 0.0 if answer is None else float(self._score_answer(answer, entry))
+        return (score if self.partial_credit else float(score == 1.0)), ""
 
 
 class _NoParams(BaseModel):
@@ -212,6 +268,13 @@ def _math_exact(cfg: RewardConfig, dataset) -> RewardFn:
     return MathExactReward()
 
 
+def _math_verify(cfg: RewardConfig, dataset) -> RewardFn:
+    from rollout.rewards.verify_math import MathVerifyReward  # imports sympy: only when asked for
+
+    _params(_NoParams, cfg.name, cfg.params)
+    return MathVerifyReward()
+
+
 def _humaneval(cfg: RewardConfig, dataset) -> RewardFn:
     return HumanEvalReward(_params(_HumanEvalParams, cfg.name, cfg.params))
 
@@ -221,7 +284,7 @@ def _char_fraction(cfg: RewardConfig, dataset) -> RewardFn:
 
 
 _FACTORIES: dict[str, Callable[[RewardConfig, Any], RewardFn]] = {
-    "math_exact": _math_exact, "humaneval": _humaneval, "char_fraction": _char_fraction}
+    "math_exact": _math_exact, "math_verify": _math_verify, "humaneval": _humaneval, "char_fraction": _char_fraction}
 
 
 def register_reward(name: str, factory: Callable[[RewardConfig, Any], RewardFn]) -> None:
@@ -236,8 +299,10 @@ def known_rewards() -> list[str]:
     return sorted(_FACTORIES) + [RG_PREFIX + "<dataset>"]
 
 
-def make_reward(config: RewardConfig | str | dict, dataset=None) -> RewardFn:
-    """Build the reward function named by ``config``.
+def make_reward(config: RewardConfig | str | dict, dataset=None):
+    """Build the reward function named by ``config``: a ``RewardFn`` (scores one response at a time), or for
+    ``function`` a ``rollout.rewards.function.FunctionReward`` (one call per group). Both have ``name``,
+    ``version``, ``timeout_s``, ``check_entry(entry)`` and ``async score_groups(groups)``.
 
     Args:
         config: a ``RewardConfig`` (or its dict / bare-name form).
@@ -245,9 +310,15 @@ def make_reward(config: RewardConfig | str | dict, dataset=None) -> RewardFn:
             (default: one built with the dataset's default config).
     Raises:
         UnknownRewardError: unknown name (the message lists the known ones / the reasoning-gym datasets).
+        rollout.rewards.function.RewardImportError: a ``function`` that does not load (path, attribute,
+            signature).
         ValueError: params that do not fit the reward.
     """
     cfg = config if isinstance(config, RewardConfig) else RewardConfig.model_validate(config)
+    if cfg.function is not None:
+        from rollout.rewards.function import FunctionReward  # imports this module
+
+        return FunctionReward(cfg)
     if cfg.name.startswith(RG_PREFIX):
         ds_name = cfg.name[len(RG_PREFIX):]
         if ds_name not in reasoning_gym.factory.DATASETS:

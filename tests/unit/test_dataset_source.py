@@ -79,7 +79,8 @@ def test_string_and_chat_prompts_become_messages_and_every_column_reaches_the_re
     assert task.messages(by_id["sys"]) == [{"role": "system", "content": "Own."}, {"role": "user", "content": "Hi"}]
     entry = by_id["r2"].entry
     assert entry["question"] == "Add 2 and 1." and entry["answer"] == "3" and entry["id"] == "r2"
-    assert task.score("so \\boxed{3}", entry, "dataset") == 1.0  # default reward math_exact reads the mapping
+    math_exact = task.reward_for("dataset").parts[0].reward  # the default reward reads the mapping
+    assert math_exact.name == "math_exact" and math_exact.score("so \\boxed{3}", entry).reward == 1.0
     text = TaskSource(TaskConfig(dataset={"path": str(write_jsonl(tmp_path / "t.jsonl")),
                                           "columns": {"prompt": "problem", "answer": "solution"}},
                                  heldout_size=1, system_prompt="S."))

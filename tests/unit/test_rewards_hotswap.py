@@ -69,7 +69,7 @@ def test_swap_applies_to_groups_started_after_it():
     assert asyncio.run(scenario()) == {"basic_arithmetic": "math-exact-v1"}
     old, new = delivered
     # last-integer extraction reads 99 (wrong); math_exact reads the box (right)
-    assert [(r["reward_fn_version"], r["reward"], r["reward_error"]) for r in old] == [("rg-last-int-v1", 0.0, "")] * 2
+    assert [(r["reward_fn_version"], r["reward"], r["reward_error"]) for r in old] == [("rg-last-int-exact-v1", 0.0, "")] * 2
     assert [(r["reward_fn_version"], r["reward"], r["reward_error"]) for r in new] == [("math-exact-v1", 1.0, "")] * 2
     assert {r["task"] for r in old + new} == {"basic_arithmetic"}
 
@@ -86,7 +86,7 @@ def test_invalid_swap_is_refused_and_the_old_reward_keeps_scoring():
     with pytest.raises(ValueError, match="mixes \\['basic_arithmetic', 'chain_sum'\\]: pass \\{task: reward\\}"):
         task.swap_reward("math_exact")
     assert task.reward_versions() == before  # nothing half-applied
-    assert task.swap_reward({"chain_sum": "math_exact"}) == {"basic_arithmetic": "rg-last-int-v1",
+    assert task.swap_reward({"chain_sum": "math_exact"}) == {"basic_arithmetic": "rg-last-int-exact-v1",
                                                              "chain_sum": "math-exact-v1"}
 
 

@@ -27,7 +27,7 @@ def test_default_task_generates_the_same_prompts_as_before():
     heldout = source.heldout_problems()
     assert (heldout[0]["question"], heldout[127]["question"]) == (
         "Calculate ( -6 + -77 - 8 + -38 ).", "Calculate -( 96 - -71 / 1 + 26 - -92 ).")
-    assert source.reward_versions() == {"basic_arithmetic": "rg-last-int-v1"}
+    assert source.reward_versions() == {"basic_arithmetic": "rg-last-int-exact-v1"}
 
 
 def test_mixture_is_deterministic_in_the_prompt_index():

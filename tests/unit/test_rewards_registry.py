@@ -28,11 +28,11 @@ class Sleeping(RewardFn):
 
 def test_lookup_by_name_gives_versioned_scorers():
     arith = make_reward("reasoning_gym:basic_arithmetic")
-    assert (arith.name, arith.version) == ("reasoning_gym:basic_arithmetic", "rg-last-int-v1")
+    assert (arith.name, arith.version) == ("reasoning_gym:basic_arithmetic", "rg-last-int-exact-v1")
     entry = {"question": "Calculate 2 + 3.", "answer": "5", "metadata": {}}
     assert arith.score("It is 5", entry).reward == 1.0 and arith.score("It is 6", entry).reward == 0.0
     tagged = make_reward({"name": "reasoning_gym:basic_arithmetic", "params": {"extract": "answer_tag"}})
-    assert tagged.version == "rg-answer-tag-v1" and tagged.score("3 <answer>5</answer> 7", entry).reward == 1.0
+    assert tagged.version == "rg-answer-tag-exact-v1" and tagged.score("3 <answer>5</answer> 7", entry).reward == 1.0
     assert make_reward("math_exact").version == "math-exact-v1"
     assert make_reward({"name": "humaneval", "params": {"sandbox": {"timeout_s": 2}}}).sandbox.timeout_s == 2
     countdown = make_reward("reasoning_gym:countdown")  # any reasoning-gym dataset works by name
@@ -133,3 +133,31 @@ def test_registered_reward_is_found_and_names_are_unique():
     assert make_reward(RewardConfig(name="test_registry_raising", timeout_s=3)).timeout_s == 3
     with pytest.raises(ValueError, match="already taken"):
         register_reward("test_registry_raising", lambda cfg, dataset: Raising())
+
+
+def test_reasoning_gym_rewards_are_exact_unless_a_recipe_asks_for_partial_credit():
+    entry = {"question": "Calculate 2 + 3.", "answer": "5", "metadata": {}}
+    exact = make_reward("reasoning_gym:basic_arithmetic")
+    assert exact.version == "rg-last-int-exact-v1"
+    # reasoning-gym's score_answer gives 0.5 when the oracle is a substring: "15" and "-5" for "5"
+    assert [exact.score(t, entry).reward for t in ("It is 15", "It is -5", "It is 5", "6")] == [0.0, 0.0, 1.0, 0.0]
+    partial = make_reward({"name": "reasoning_gym:basic_arithmetic", "params": {"partial_credit": True}})
+    assert partial.version == "rg-last-int-v1"
+    assert [partial.score(t, entry).reward for t in ("It is 15", "It is -5", "It is 5", "6")] == [0.5, 0.5, 1.0, 0.0]
+    tagged = make_reward({"name": "reasoning_gym:basic_arithmetic", "params": {"extract": "full"}})
+    assert tagged.version == "rg-full-exact-v1" and tagged.score("5.0", entry).reward == 0.0
+
+
+def test_math_verify_scores_boxed_latex_in_the_scoring_threads():
+    reward = make_reward("math_verify")
+    assert reward.version == "math-verify-v1"
+    entry = {"answer": "\\frac{1}{3}"}
+    texts = ["so the answer is \\boxed{\\frac{1}{3}}", "\\boxed{\\dfrac{2}{6}}", "$\\boxed{0.5}$", "\\boxed{1/3}",
+             "it is 1/3 I think"]  # last: no LaTeX anchor, as TRL's accuracy_reward
+    results = asyncio.run(score_many([(reward, t, entry) for t in texts]))  # off the main thread
+    assert [(r.reward, r.error) for r in results] == [(1.0, ""), (1.0, ""), (0.0, ""), (1.0, ""), (0.0, "")]
+    assert asyncio.run(score_many([(reward, "\\boxed{5}", {"answer": "5"})]))[0].reward == 1.0
+    (unparsed,) = asyncio.run(score_many([(reward, "\\boxed{5}", {"answer": "no number here"})]))
+    assert (unparsed.reward, unparsed.error) == (0.0, "gold answer 'no number here' does not parse")
+    with pytest.raises(ValueError, match="bad params"):
+        make_reward({"name": "math_verify", "params": {"strict": False}})

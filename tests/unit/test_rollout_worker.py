@@ -43,7 +43,7 @@ def test_worker_streams_whole_scored_groups_until_backpressure():
     assert 3 <= info["size_groups"] <= 3 + 2
     _, table = buf.sample(1, learner_version=0)
     row = table.to_pylist()[0]
-    assert row["version_span_versions"] == [0, 1] and row["reward_fn_version"] == "rg-last-int-v1"
+    assert row["version_span_versions"] == [0, 1] and row["reward_fn_version"] == "rg-last-int-exact-v1"
     assert row["trajectory_id"] == f"{row['prompt_index']}-{row['sample_index']}-0"
 
 

@@ -1,0 +1,293 @@
+"""Rewards as plain Python functions with TRL's calling convention (``reward: {function: ...}``).
+
+A recipe names the function as ``"pkg.module:fn"`` (imported with ``importlib``; on a cluster the module
+travels to the rollout actors with the recipe's ``ray.runtime_env``: ``working_dir`` / ``py_modules``) or
+``"path/to/file.py:fn"`` (executed from that file; a recipe resolves a relative path against its own
+folder, so the file must be readable at that absolute path on every rollout node). It is imported in the
+driver when the recipe loads (a bad path or signature is refused before anything starts) and again in
+each rollout actor.
+
+The call, once per group of ``n`` completions of one prompt::
+
+    fn(completions, prompts=..., completion_ids=..., **columns, **params) -> list[float | None]
+
+- ``completions``: ``list[str]``, the ``n`` response texts.
+- ``prompts``: ``list[list[dict[str, str]]]``, per completion the chat messages it answered (TRL's
+  conversational prompt form; the same list ``n`` times).
+- ``completion_ids``: ``list[list[int]]``, the response token ids (as TRL passes them).
+- ``columns``: every key of the problem entry (reasoning-gym: ``question``, ``answer``, ``metadata``; a
+  dataset: its columns) as a list of ``n`` equal values; entry keys named ``completions``, ``prompts`` or
+  ``completion_ids`` are not passed.
+- ``params``: the reward's ``params``, as plain keyword arguments (verl's ``reward_kwargs``; TRL passes
+  none); a param may not share a name with the above.
+
+The function may be ``async def`` (run on one background event loop per process, never on the rollout's
+loop); a sync one runs in the scoring thread pool. It returns ``n`` scores; a score may be any finite float.
+``None`` ("no verdict"), a non-number, NaN, a wrong count, an exception or overrunning ``timeout_s`` (per
+call) is a failed score: reward 0.0 and a ``reward_error`` on the affected trajectories, never an error of
+the worker.
+
+Version: ``fn:<label>:<sha256 of the source file's bytes + the canonical JSON of {fn, params}, 12 hex>``
+(``label``: ``module:fn`` or ``file.py:fn``), so an edited file or other params give another version. Only
+the file that defines the named module is hashed, not modules it imports. A module already imported whose
+file changed since gyre last loaded it is reloaded (its new source executed into the module, as
+``importlib.reload`` does); a file path is executed afresh on every load (each ``swap_reward``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import json
+import math
+import numbers
+import sys
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from rollout.rewards.registry import RewardConfig, RewardResult
+
+EXPECTED = ("'pkg.module:fn' or 'path/to/file.py:fn' naming a callable "
+            "fn(completions: list[str], *, prompts, **columns) -> list[float | None]")
+RESERVED = ("completions", "prompts", "completion_ids")
+"""Keyword names gyre passes itself; entry columns of these names are not passed."""
+
+
+class RewardImportError(ValueError):
+    """A reward function that cannot be loaded; the message names the path and what was expected."""
+
+
+@dataclass(frozen=True)
+class Group:
+    """What a reward is called with: the ``n`` completions of one prompt."""
+
+    completions: list[str]
+    """``[n]`` response texts."""
+    prompts: list[Any]
+    """``[n]`` chat messages (``list[dict[str, str]]``) each completion answered."""
+    entry: dict
+    """The problem entry (its keys are the reward's columns)."""
+    completion_ids: list[list[int]] = field(default_factory=list)
+    """``[n][T_i]`` response token ids (empty: not known)."""
+
+
+def _fail(spec: str, what: str) -> RewardImportError:
+    return RewardImportError(f"reward function {spec!r}: {what}; expected {EXPECTED}")
+
+
+def split_spec(spec: str) -> tuple[str, str]:
+    """``"a.b:fn"`` → ``("a.b", "fn")``; ``"dir/r.py:fn"`` → ``("dir/r.py", "fn")``.
+
+    Raises:
+        RewardImportError: no ``:``, an empty part, or an attribute that is not a dotted identifier.
+    """
+    target, sep, attr = spec.rpartition(":")
+    if not sep or not target or not attr or not all(p.isidentifier() for p in attr.split(".")):
+        raise _fail(spec, "not of the form target:function")
+    if not target.endswith(".py") and not all(p.isidentifier() for p in target.split(".")):
+        raise _fail(spec, f"{target!r} is neither a dotted module name nor a .py file")
+    return target, attr
+
+
+def resolve_file_spec(spec: str, base: Path) -> str:
+    """``spec`` with a relative ``file.py`` target made absolute against ``base`` (modules unchanged)."""
+    target, sep, attr = spec.rpartition(":")
+    if sep and target.endswith(".py") and not Path(target).expanduser().is_absolute():
+        return f"{(base / Path(target).expanduser()).resolve()}:{attr}"
+    return spec
+
+
+_MODULE_SHA: dict[str, str] = {}
+"""Module name → sha256 of its source file when gyre last (re)loaded it."""
+
+
+def _load_file(spec: str, target: str) -> tuple[Any, bytes]:
+    path = Path(target).expanduser()
+    if not path.is_file():
+        raise _fail(spec, f"file {path} does not exist")
+    source = path.read_bytes()
+    name = "gyre_reward_" + hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:12]
+    module = importlib.util.module_from_spec(importlib.util.spec_from_file_location(name, path))
+    sys.modules[name] = module  # dataclasses/pickle look their module up by name
+    try:
+        exec(compile(source, str(path), "exec"), module.__dict__)  # the bytes that are hashed
+    except Exception as exc:
+        raise _fail(spec, f"importing {path} raised {type(exc).__name__}: {exc}") from None
+    return module, source
+
+
+def _load_module(spec: str, target: str) -> tuple[Any, bytes]:
+    try:
+        module = importlib.import_module(target)
+        origin = getattr(module, "__file__", None)
+        if not origin or not origin.endswith(".py"):
+            raise _fail(spec, f"module {target!r} has no Python source file to hash for the version")
+        source = Path(origin).read_bytes()
+        sha = hashlib.sha256(source).hexdigest()
+        if _MODULE_SHA.get(target, sha) != sha:  # edited since gyre loaded it: run the bytes that are hashed
+            exec(compile(source, origin, "exec"), module.__dict__)  # as importlib.reload, without a stale .pyc
+        _MODULE_SHA[target] = sha
+    except RewardImportError:
+        raise
+    except Exception as exc:
+        raise _fail(spec, f"module {target!r} does not import: {type(exc).__name__}: {exc}") from None
+    return module, source
+
+
+def load_function(spec: str) -> tuple[Callable, bytes]:
+    """Import the function named by ``spec``; returns it and the source bytes of its file.
+
+    Raises:
+        RewardImportError: bad form, missing file, a module or file that does not import, a missing
+            attribute, something not callable, or a signature that cannot take ``(completions, prompts=...)``.
+    """
+    target, attr = split_spec(spec)
+    module, source = (_load_file if target.endswith(".py") else _load_module)(spec, target)
+    fn: Any = module
+    for part in attr.split("."):
+        if not hasattr(fn, part):
+            public = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
+            raise _fail(spec, f"{target} has no attribute {attr!r} (its callables: {', '.join(public) or 'none'})")
+        fn = getattr(fn, part)
+    if not callable(fn):
+        raise _fail(spec, f"{attr!r} is a {type(fn).__name__}, not callable")
+    try:
+        inspect.signature(fn).bind_partial(["completion"], prompts=[[]])
+    except TypeError as exc:
+        raise _fail(spec, f"{attr}{inspect.signature(fn)} cannot be called as fn(completions, prompts=...): "
+                          f"{exc}") from None
+    except ValueError:  # no signature to inspect (some builtins): the call will tell
+        pass
+    return fn, source
+
+
+def is_async(fn: Callable) -> bool:
+    """``async def`` function, or an object whose ``__call__`` is one."""
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+
+
+_ASYNC_LOCK = threading.Lock()
+_ASYNC_LOOP: asyncio.AbstractEventLoop | None = None
+
+
+def _async_loop() -> asyncio.AbstractEventLoop:
+    """One background event loop per process for ``async def`` rewards (created on first use)."""
+    global _ASYNC_LOOP
+    with _ASYNC_LOCK:
+        if _ASYNC_LOOP is None:
+            _ASYNC_LOOP = asyncio.new_event_loop()
+            threading.Thread(target=_ASYNC_LOOP.run_forever, name="gyre-reward-async", daemon=True).start()
+        return _ASYNC_LOOP
+
+
+async def _awaited(awaitable):
+    return await awaitable
+
+
+def check_scores(out: Any, n: int, version: str) -> list[RewardResult]:
+    """A function's return value → ``n`` results; a bad value fails the rows it concerns (all for a bad
+    container or count)."""
+    if isinstance(out, (str, bytes, dict)) or not hasattr(out, "__len__") or not hasattr(out, "__iter__"):
+        return [RewardResult(0.0, version, f"returned: {type(out).__name__}, expected a list of {n} "
+                                           "floats or None")] * n
+    scores = list(out)
+    if len(scores) != n:
+        return [RewardResult(0.0, version, f"returned: {len(scores)} scores for {n} completions")] * n
+    results = []
+    for x in scores:
+        if x is None:
+            results.append(RewardResult(0.0, version, "returned: None (no verdict)"))
+        elif not isinstance(x, numbers.Real):
+            results.append(RewardResult(0.0, version, f"returned: {type(x).__name__} {x!r:.60}, not a number"))
+        elif not math.isfinite(float(x)):
+            results.append(RewardResult(0.0, version, f"returned: {float(x)}, not finite"))
+        else:
+            results.append(RewardResult(float(x), version))
+    return results
+
+
+class FunctionReward:
+    """A reward given as ``{function: spec}``: ``name``, ``version``, ``timeout_s``, ``check_entry`` and
+    ``score_groups`` as a built-in ``RewardFn`` has, but called once per group.
+
+    Raises:
+        RewardImportError: the function does not load (``load_function``).
+        ValueError: a param named like a keyword gyre passes.
+    """
+
+    def __init__(self, config: RewardConfig) -> None:
+        spec = config.function
+        self.fn, source = load_function(spec)
+        self.name, self.params, self.timeout_s = config.label, dict(config.params), config.timeout_s
+        self.spec, self.fn_name = spec, split_spec(spec)[1]
+        clash = sorted(set(self.params) & set(RESERVED))
+        if clash:
+            raise ValueError(f"reward function {spec!r}: params {clash} clash with the keywords gyre passes "
+                             f"({', '.join(RESERVED)})")
+        blob = json.dumps({"fn": split_spec(spec)[1], "params": self.params}, sort_keys=True,
+                          separators=(",", ":"), default=str)
+        digest = hashlib.sha256(source + b"\0" + blob.encode()).hexdigest()[:12]
+        self.version = f"fn:{self.name}:{digest}"
+        self.is_async = is_async(self.fn)
+
+    def kwargs(self, group: Group) -> dict:
+        """Keyword arguments of one call (see the module docstring)."""
+        n = len(group.completions)
+        columns = {k: [v] * n for k, v in group.entry.items() if k not in RESERVED}
+        return {**columns, "prompts": list(group.prompts), "completion_ids": [list(i) for i in group.completion_ids],
+                **self.params}
+
+    def check_entry(self, entry: dict) -> None:
+        """Raise ``KeyError`` if a call with ``entry``'s columns cannot bind to the function's signature."""
+        clash = sorted(set(self.params) & set(entry))
+        if clash:
+            raise KeyError(f"params {clash} clash with entry columns {sorted(entry)}")
+        try:
+            sig = inspect.signature(self.fn)
+        except ValueError:
+            return
+        try:
+            sig.bind(["completion"], **self.kwargs(Group(["completion"], [[]], entry, [[]])))
+        except TypeError as exc:
+            raise KeyError(f"reward function {self.spec!r}: {self.fn_name}{sig} cannot take the keywords prompts, completion_ids and the entry's "
+                           f"columns {sorted(k for k in entry if k not in RESERVED)}: {exc} (add **kwargs)") from None
+
+    async def score_groups(self, groups: list[Group]) -> list[list[RewardResult]]:
+        """One call per group, concurrently; never raises for the function's failure. A sync function's
+        budget is ``timeout_s × ceil(len(groups) / POOL_THREADS)`` (queueing in the pool), an async one's
+        ``timeout_s``."""
+        from rollout.rewards.scoring import POOL_THREADS, _pool
+
+        loop = asyncio.get_running_loop()
+        budget = self.timeout_s * (1 if self.is_async else math.ceil(len(groups) / POOL_THREADS))
+
+        async def one(group: Group) -> list[RewardResult]:
+            n = len(group.completions)
+            kwargs = self.kwargs(group)
+            if self.is_async:
+                future = asyncio.run_coroutine_threadsafe(_awaited(self.fn(group.completions, **kwargs)),
+                                                          _async_loop())
+                waiting = asyncio.wrap_future(future)
+            else:
+                waiting = loop.run_in_executor(_pool(), self._call_sync, group.completions, kwargs)
+            done, _ = await asyncio.wait({waiting}, timeout=budget)
+            if not done:  # an async call is cancelled; a sync one's thread cannot be and runs on
+                waiting.cancel()
+                return [RewardResult(0.0, self.version, f"timeout: not scored within {budget:.1f} s")] * n
+            if waiting.exception() is not None:  # recovery path: a bad reward costs its group, not the worker
+                exc = waiting.exception()
+                return [RewardResult(0.0, self.version, f"raised: {type(exc).__name__}: {exc}"[:500])] * n
+            return check_scores(waiting.result(), n, self.version)
+
+        return list(await asyncio.gather(*(one(g) for g in groups)))
+
+    def _call_sync(self, completions: list[str], kwargs: dict) -> Any:
+        out = self.fn(list(completions), **kwargs)
+        if inspect.isawaitable(out):  # a sync callable that returned a coroutine
+            out = asyncio.run_coroutine_threadsafe(_awaited(out), _async_loop()).result()
+        return out
