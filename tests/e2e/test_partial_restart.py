@@ -1,13 +1,17 @@
-"""Partial restart and live scaling on a tiny random Llama: real vLLM, DeepSpeed, gRPC and a local Ray.
+"""Partial restart and live scaling on a tiny random Llama: real vLLM, DeepSpeed, gRPC and a local Ray, on the
+test's own data and reward (a JSONL file and a ``reward.py`` it writes, code gyre has never seen: ``task.dataset``
+and ``reward: {function: ...}``, issue #22).
 
 While the controller trains, a chaos thread SIGKILLs the process of replay, then of the learner (each
 after training moved on since the previous restart), then scales the rollout fleet 1 → 3 and SIGKILLs
 rollout-0's process while the new rollouts start, and scales back to 1 once all 3 generate. The run must still
 finish every step, with gradients (the final policy is not the initial model); each killed service is restarted
 exactly once; the status the CLI reads shows the restarts; and the invariant checker (``gyre check``) finds no
-lost group, no group trained twice, every prompt completed once, and ``STEPS × groups_per_step`` groups trained.
+lost group, no group trained twice, every prompt completed once, and ``STEPS × groups_per_step`` groups trained;
+through the dataset's prompt-index mapping, every row of the first epoch was completed exactly once.
 """
 
+import json
 import os
 import signal
 import threading
@@ -19,13 +23,40 @@ import ray
 from services import ops
 from services.invariants import check_run
 from services.recipe import load_recipe
+from services.run_records import load_run
 from services.service_factory import actor_name
+from rollout.tasks import TaskSource
 from tests.e2e.chaos_run import run_with_chaos
 from tests.training import assert_trained
 
 pytestmark = pytest.mark.slow
 
 STEPS = 24
+ROWS = 40
+"""Training rows of the test's JSONL: fewer than the STEPS × groups_per_step (48) prompts trained, so the first
+epoch is complete."""
+REWARD = '''
+def digits(completions, *, prompts, completion_ids, answer, id, **columns):
+    """TRL's convention: one score per completion, the share of characters that are digits or spaces (dense: a
+    random model earns graded scores, so every group has non-zero advantages)."""
+    assert len(completions) == len(prompts) == len(answer) == len(id)
+    return [sum(ch in "0123456789 " for ch in c) / max(len(c), 1) for c in completions]
+'''
+
+
+def write_task(folder) -> dict:
+    """The run's own data (JSONL: train and eval) and reward file; returns the recipe's ``task`` overrides."""
+    folder.mkdir()
+    for name, rows in (("train", range(ROWS)), ("eval", range(ROWS, ROWS + 4))):
+        with open(folder / f"{name}.jsonl", "w") as f:
+            for i in rows:
+                f.write(json.dumps({"question": f"What is {i} + {i % 7}?", "solution": str(i + i % 7),
+                                    "id": f"row-{i}"}) + "\n")
+    (folder / "reward.py").write_text(REWARD)
+    return {"task": {"dataset": {"path": str(folder / "train.jsonl"), "columns": {"prompt": "question",
+                                                                                   "answer": "solution"},
+                                 "eval": {"path": str(folder / "eval.jsonl")}},
+                     "reward": {"function": f"{folder / 'reward.py'}:digits"}, "heldout_size": 4}}
 
 
 class Chaos(threading.Thread):
@@ -108,7 +139,8 @@ def test_killed_services_restart_and_the_fleet_scales(tiny_llama, tmp_path, monk
     recipe = load_recipe("deploy/recipes/tiny-test.yaml", {
         "model": str(tiny_llama), "run_dir": str(tmp_path), "ray.num_cpus": 2, "name": "chaos",
         "learner.num_steps": STEPS, "learner.save_interval": 1, "replay.lease_ttl_s": 60,
-        "replay.prompt_lease_ttl_s": 20, "eval_before": False, "eval_after": False})
+        "replay.prompt_lease_ttl_s": 20, "eval_before": False, "eval_after": False, **write_task(tmp_path / "data")})
+    assert recipe.task.reward.function.endswith("reward.py:digits")
     chaos = Chaos(recipe.name, recipe.ray.namespace)
     summary = run_with_chaos(recipe, chaos, monkeypatch)
 
@@ -134,3 +166,11 @@ def test_killed_services_restart_and_the_fleet_scales(tiny_llama, tmp_path, monk
     assert report.counts["lost_groups"] == 0 and report.counts["duplicates_trained"] == 0
     assert report.counts["trained_groups"] == STEPS * recipe.learner.groups_per_step, report.to_json()
     assert summary["replay"]["acked_groups_total"] == STEPS * recipe.learner.groups_per_step
+    # The test's own rows: the ledger's completed prompt indices map (epoch i // N, seeded permutation) to rows;
+    # the first epoch's ROWS prompts all completed, each row exactly once; every trained group is a known row.
+    completed = load_run(out).ledger_completed
+    assert set(range(ROWS)) <= completed, sorted(set(range(ROWS)) - completed)
+    task = TaskSource(recipe.task)
+    first_epoch = [task.problem(i).entry["id"] for i in range(ROWS)]
+    assert sorted(first_epoch) == sorted(f"row-{i}" for i in range(ROWS))
+    assert {task.problem(i).entry["id"] for i in completed} <= set(first_epoch)
