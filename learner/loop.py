@@ -118,7 +118,12 @@ class LearnerLoop:
         log.warning("emergency_checkpoint_requested", signal=signal.Signals(signum).name)
 
     def publish_current(self) -> float:
-        """Publish the engine's current weights under its current version; returns seconds."""
+        """Publish the engine's current weights under its current version; returns seconds.
+
+        Raises:
+            proto.lockstep.VersionMismatchError: lockstep, and this version was stored before (a predecessor's)
+                with other weights: exact resume is broken, so the run stops here, loudly.
+        """
         t0 = time.monotonic()
         named = self.engine.named_weights()
         if self._versions is not None:  # lockstep: rollouts load exact (also older) versions from disk
@@ -266,7 +271,8 @@ class LearnerLoop:
 
     def resume(self) -> Path | None:
         """Apply ``config.resume``: load the chosen checkpoint into the engine; returns its path, or ``None``
-        for a cold start. Call before ``publish_current`` so the restored version is (re-)published. Talks to
+        for a cold start. Call before ``publish_current`` so the restored version is (re-)published. In lockstep,
+        stored versions above the restored one are set aside until re-written and checked. Talks to
         no replay: that is ``rejoin_replay``, which the first ``step`` runs (so a learner restarted while replay
         is down, too, starts at once and its supervisor can restart replay meanwhile).
         Raises ``learner.checkpoint.CheckpointError`` when refused."""
@@ -279,8 +285,10 @@ class LearnerLoop:
             log.info("cold_start", resume=mode, checkpoint_dir=str(self.checkpoint_dir))
             self._journal_resume(None, None)
             self._rejoin = (None,)
+            self._set_versions_aside()
             return None
         meta = self.engine.load_checkpoint(path, fingerprint=self.config.fingerprint, force=self.config.force_resume)
+        self._set_versions_aside()
         self._journal_resume(path, meta)  # before restore acks the checkpoint's leases
         self.acked_lease_count = meta.acked_lease_count
         self._rejoin = (meta,)
@@ -288,6 +296,14 @@ class LearnerLoop:
         log.info("resumed", path=str(path), step=meta.step, version=meta.policy_version,
                  pending_leases=len(meta.pending_lease_ids))
         return path
+
+    def _set_versions_aside(self) -> None:
+        """Lockstep: versions a predecessor wrote above the one this learner starts at are set aside, so no
+        rollout loads them until this learner re-wrote each one and its hash matched (``VersionStore``)."""
+        if self._versions is not None:
+            moved = self._versions.set_aside_after(self.engine.version)
+            if moved:
+                log.warning("lockstep_versions_set_aside", start_version=self.engine.version, versions=moved)
 
     def rejoin_replay(self) -> int:
         """After ``resume``: ack the leases the restored checkpoint committed (``restore``), then ``Rejoin``

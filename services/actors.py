@@ -125,6 +125,7 @@ class LearnerActor:
                  metrics_port: int | None = 0, ranks: dict | None = None) -> None:
         from learner.engine import LearnerEngine
         from learner.loop import LearnerLoop, LearnerLoopConfig
+        from learner.loop_config import prepare_learner_process
         from learner.ranks import LeaderEngine
         from learner.publisher import WeightPublisher
         from services import weight_server
@@ -137,6 +138,7 @@ class LearnerActor:
         sec = _security(security)
         host = host or (sec.bind_host if sec is not None else "127.0.0.1")
         self.config = LearnerLoopConfig(**config)
+        prepare_learner_process(self.config)  # lockstep: deterministic kernels, before CUDA starts
         self.engine = LearnerEngine(self.config.engine, self.config.algorithm)
         if ranks is not None and ranks["world_size"] > 1:  # rank 0 announces each collective call to the others
             self.engine = LeaderEngine(self.engine, on_failure=fail_stop)
@@ -277,6 +279,7 @@ class LearnerRankActor:
     def __init__(self, config: dict, ranks: dict, run_id: str = "run") -> None:
         from learner.engine import LearnerEngine
         from learner.loop import LearnerLoopConfig
+        from learner.loop_config import prepare_learner_process
         from services.logs import configure_logging
 
         if ranks["rank"] < 1:
@@ -285,6 +288,7 @@ class LearnerRankActor:
         set_rank_env(ranks)
         self.rank = ranks["rank"]
         cfg = LearnerLoopConfig(**config)
+        prepare_learner_process(cfg)  # lockstep: deterministic kernels, before CUDA starts
         self.engine = LearnerEngine(cfg.engine, cfg.algorithm)
         self._following = False
 
