@@ -27,6 +27,7 @@ from learner.async_save import BackgroundSaver
 from learner.publisher import WeightPublisher
 from learner.loop_config import LearnerLoopConfig
 from proto.lockstep import VersionStore
+from proto.timeline import label, new_timeline
 from learner.run_journal import LearnerJournal, group_ids_of
 
 log = structlog.get_logger("learner")
@@ -90,6 +91,9 @@ class LearnerLoop:
         """``(checkpoint metadata or None,)`` after ``resume`` until ``rejoin_replay`` ran (first ``step``)."""
         lock = config.lockstep
         self._versions = VersionStore(lock.weights_dir, keep=lock.lag + 2) if lock is not None else None
+        self.timeline = new_timeline(lockstep=lock is not None)
+        """This learner incarnation's timeline (``proto.timeline``): every version it publishes but 0 carries it,
+        so rollouts drop the weights a crashed predecessor published under the same numbers."""
 
     def install_signal_handlers(self) -> dict:
         """SIGUSR1 → checkpoint after the current step and continue; SIGTERM → checkpoint after the
@@ -118,7 +122,8 @@ class LearnerLoop:
         log.warning("emergency_checkpoint_requested", signal=signal.Signals(signum).name)
 
     def publish_current(self) -> float:
-        """Publish the engine's current weights under its current version; returns seconds.
+        """Publish the engine's current weights under its current version and this learner's timeline
+        (``SHARED`` for version 0); returns seconds.
 
         Raises:
             proto.lockstep.VersionMismatchError: lockstep, and this version was stored before (a predecessor's)
@@ -128,7 +133,7 @@ class LearnerLoop:
         named = self.engine.named_weights()
         if self._versions is not None:  # lockstep: rollouts load exact (also older) versions from disk
             self._versions.write(self.engine.version, named)
-        self.publisher.publish(self.engine.version, named)
+        self.publisher.publish(self.engine.version, named, timeline=label(self.engine.version, self.timeline))
         return time.monotonic() - t0
 
     def step(self) -> dict:

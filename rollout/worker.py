@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from faults import fault_point
 from proto.lockstep import LockstepConfig
+from proto.timeline import SHARED, is_new
 from proto.trajectory import Trajectory, make_ids, to_table
 from rollout.config import EngineConfig, SamplingConfig
 from rollout.lockstep_gate import LockstepGate
@@ -86,6 +87,11 @@ class RolloutStats:
     insert_retries: int = 0
     groups_in_flight: int = 0
     """Groups being generated now (generation tasks of ``RolloutWorker.run``)."""
+    timeline_switches: int = 0
+    """Weight loads from another timeline than the engine's (the learner resumed from an older checkpoint)."""
+    groups_dropped_on_switch: int = 0
+    """Groups in generation cancelled by a timeline switch: their tokens came from a dead timeline (their
+    prompt leases expire and the prompts are generated again)."""
     gate_waits: int = 0
     """Passes of the generation loop that found the version gate (``max_groups_per_version``) closed; each
     then waits (up to 0.5 s for a group in flight to finish, else up to 0.2 s for a newer version)."""
@@ -99,7 +105,8 @@ class RolloutStats:
                 "reward_mean": self.reward_sum / max(self.trajectories, 1),
                 "weight_updates": self.weight_updates, "last_update_s": self.last_update_s,
                 "insert_retries": self.insert_retries, "groups_in_flight": self.groups_in_flight,
-                "gate_waits": self.gate_waits,
+                "gate_waits": self.gate_waits, "timeline_switches": self.timeline_switches,
+                "groups_dropped_on_switch": self.groups_dropped_on_switch,
                 **(self.spool.stats().as_dict() if self.spool else {})}
 
 
@@ -128,25 +135,71 @@ class RolloutWorker:
         self.lockstep = LockstepGate(engine, config.lockstep) if config.lockstep is not None else None
         self.newest_offered = -1
         """Newest policy version the learner streamed (lockstep applies versions through its gate instead)."""
+        self.timeline = SHARED
+        """Timeline (``proto.timeline``) of the weights the engine serves: ``SHARED`` for the initial ones."""
+        self._tasks: set[asyncio.Task] = set()
+        """Groups being generated (``run``'s tasks)."""
+        self._switching = False
+        self._steady = asyncio.Event()
+        """Set except while a timeline switch is in progress: a group waits for it before generating."""
+        self._steady.set()
         self._flush_wakeup = asyncio.Event()
         self._puts: set[asyncio.Future] = set()
         self._gate = (-1, 0)  # (policy version, groups started with it) for max_groups_per_version
         self._new_version = asyncio.Event()
 
     # ---- weights ------------------------------------------------------------------------------
-    async def apply_weights(self, version: int, named_tensors) -> None:
-        """Apply a policy version in flight (engine: pause, load, reset prefix cache, resume)."""
+    async def apply_weights(self, version: int, named_tensors, timeline: int = SHARED) -> None:
+        """Apply policy ``version`` of ``timeline`` in flight (engine: pause, load, reset prefix cache, resume)
+        when it is new to the engine (``proto.timeline.is_new``), else ignore it.
+
+        A version of another timeline than the engine's (the learner resumed from an older checkpoint) is
+        applied whatever its number: first the groups in generation are cancelled, since their tokens came
+        from weights no learner will continue (their prompt leases expire and are re-issued), and no group
+        starts until the new weights are in. Raises what ``engine.update_weights`` raises.
+        """
         if self.lockstep is not None:  # exact versions come from the version store, per prompt
             self.newest_offered = max(self.newest_offered, version)
             return
-        if version <= self.engine.version:
+        if not is_new(version, timeline, self.engine.version, self.timeline):
             return
         fault_point("rollout.apply_weights")
-        seconds = await self.engine.update_weights(version, named_tensors)
+        switch = timeline != self.timeline
+        self._switching = switch
+        if switch:
+            self._steady.clear()
+        try:
+            if switch and self.timeline != SHARED:  # SHARED weights (the initial ones) are every timeline's
+                await self._cancel_groups()
+            rewind = {"rewind": True} if version <= self.engine.version else {}
+            seconds = await self.engine.update_weights(version, named_tensors, **rewind)
+        finally:
+            self._switching = False
+            self._steady.set()
+        if switch:
+            self.stats.timeline_switches += 1
+            log.warning("weights_timeline_switched", rollout=self.rollout_id, version=version, timeline=timeline,
+                        from_timeline=self.timeline)
+        self.timeline = timeline
         self.stats.weight_updates += 1
         self.stats.last_update_s = seconds
         self._new_version.set()  # wakes a generation loop waiting at the version gate
         log.info("weights_applied", rollout=self.rollout_id, version=version, seconds=round(seconds, 3))
+
+    def serves(self, version: int, timeline: int) -> bool:
+        """Whether the engine serves ``version`` of ``timeline`` or a newer version of that timeline (lockstep:
+        whether that version was offered)."""
+        if self.lockstep is not None:
+            return self.newest_offered >= version
+        return self.engine.version >= version and self.timeline == timeline
+
+    async def _cancel_groups(self) -> None:
+        """Cancel every group in generation and wait for them (a generated group's delivery still finishes)."""
+        doomed = [t for t in self._tasks if not t.done()]
+        for t in doomed:
+            t.cancel()
+        await asyncio.gather(*doomed, return_exceptions=True)
+        self.stats.groups_dropped_on_switch += len(doomed)
 
     # ---- generation loop ----------------------------------------------------------------------
     async def run(self) -> None:
@@ -159,7 +212,7 @@ class RolloutWorker:
         (or ``self.flusher.drain``). Raises whatever the flusher raised (not a retryable replay error).
         """
         loop = asyncio.get_running_loop()
-        tasks: set[asyncio.Task] = set()
+        tasks = self._tasks
         flusher = await self._start_spool(loop)
         try:
             while not self._stopping.is_set():
@@ -180,10 +233,12 @@ class RolloutWorker:
                         self.stats.groups_in_flight = len(tasks)
                         continue
                 if tasks:
-                    done, tasks = await asyncio.wait(tasks, timeout=0.5, return_when=asyncio.FIRST_COMPLETED)
+                    done, _ = await asyncio.wait(tasks, timeout=0.5, return_when=asyncio.FIRST_COMPLETED)
+                    tasks.difference_update(done)
                     self.stats.groups_in_flight = len(tasks)
                     for t in done:
-                        t.result()
+                        if not t.cancelled():  # cancelled by a timeline switch (``apply_weights``)
+                            t.result()
                 elif not gate_open:  # wait for the next policy version (or re-check after 0.2 s)
                     self._new_version.clear()
                     if not self._gate_open():
@@ -195,6 +250,7 @@ class RolloutWorker:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            tasks.clear()
             self.stats.groups_in_flight = 0
             await asyncio.gather(*self._puts, return_exceptions=True)  # a cancelled group's put still finishes
             if flusher is not None:
@@ -206,6 +262,8 @@ class RolloutWorker:
 
     def _gate_open(self) -> bool:
         """Whether ``max_groups_per_version`` lets another group start with the engine's current version."""
+        if self._switching:  # a timeline switch is cancelling groups: none starts on the dead weights
+            return False
         limit = self.config.max_groups_per_version
         version, started = self._gate
         return limit is None or version != self.engine.version or started < limit
@@ -245,6 +303,7 @@ class RolloutWorker:
         reward_fn = self.task.reward_for(problem.task)  # bound at group start: a reward swap applies to later groups
         prompt_ids = self._prompt_ids(problem)
         _, group_id = make_ids(prompt_index, 0, attempt)
+        await self._steady.wait()  # leased while the weights switched timeline: start on the new ones
         if self.lockstep is None:
             seed = zlib.crc32(f"{self.seed}-{group_id}".encode())
             samples = await self.engine.generate(prompt_ids, self.config.group_size, self.config.sampling,

@@ -237,7 +237,8 @@ class LearnerActor:
         age = time.time() - last.stat().st_mtime if last is not None and last.exists() else None
         return {"pid": os.getpid(), "node": _node_ip(), "address": self.weights_address(),
                 "metrics_port": self.metrics_port,
-                "version": self.engine.version, "running": self._running, "resumed_from": str(self.resumed_from or ""),
+                "version": self.engine.version, "timeline": self.publisher.latest()[1],
+                "running": self._running, "resumed_from": str(self.resumed_from or ""),
                 "last_checkpoint": str(last or ""), "checkpoint_age_s": age,
                 "tokens_per_s": self._rows[-1].get("tokens_per_s") if self._rows else None}
 

@@ -217,6 +217,9 @@ _ROLLOUT_COUNTERS = {
     "insert_retries": ("gyre_rollout_insert_retries", "Inserts re-sent after replay did not ack"),
     "spool_quarantined": ("gyre_rollout_spool_quarantined", "Corrupt spool files moved to quarantine/"),
     "reward_errors": ("gyre_rollout_reward_errors", "Trajectories whose verifier reached no verdict"),
+    "timeline_switches": ("gyre_rollout_timeline_switches", "Weight loads from another learner timeline (a rewind)"),
+    "groups_dropped_on_switch": ("gyre_rollout_groups_dropped_on_switch",
+                                 "Groups in generation cancelled because their weights' timeline died"),
 }
 
 

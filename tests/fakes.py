@@ -66,7 +66,9 @@ class FakeEngine:
     async def generate_greedy(self, prompts, max_new_tokens):
         return [(await self.generate(p, 1, None, "eval"))[0] for p in prompts]
 
-    async def update_weights(self, version, named_tensors):
+    async def update_weights(self, version, named_tensors, rewind=False):
+        if version <= self.version and not rewind:  # as RolloutEngine: StaleVersionError
+            raise ValueError(f"weight version ({version}) must be newer than the current one ({self.version})")
         self.version = version
         self.updates.append(version)
         return 0.01

@@ -145,7 +145,7 @@ def test_a_lockstep_rollout_accepts_a_version_offer_before_its_engine_loaded_any
     class LockstepWorker:
         newest_offered = -1
 
-        async def apply_weights(self, version, named_tensors):
+        async def apply_weights(self, version, named_tensors, timeline=0):
             self.newest_offered = max(self.newest_offered, version)
 
     loop = asyncio.new_event_loop()
@@ -155,7 +155,7 @@ def test_a_lockstep_rollout_accepts_a_version_offer_before_its_engine_loaded_any
     actor = cls.__new__(cls)
     actor.engine, actor.worker, actor.loop, actor.journal = FakeEngine(["7"], version=-1), LockstepWorker(), loop, None
     try:
-        actor._on_version(3, [])
+        actor._on_version(3, [], 0)
         assert logs._policy_version == 3 and actor._version() == 3
     finally:
         loop.call_soon_threadsafe(loop.stop)
