@@ -39,9 +39,10 @@ def kish_ess_fraction(weights: torch.Tensor) -> float:
 
 def staleness_histogram(staleness: torch.Tensor, max_bucket: int = STALENESS_BUCKETS) -> dict[str, float]:
     """Trajectory counts per policy lag: ``staleness_hist_k`` for ``k = 0 .. max_bucket``, the last
-    bucket counting every lag ``>= max_bucket``. Every key is present (0 when empty), so the metric
-    rows have a fixed set of columns. A negative lag (a trajectory newer than the learner: a bug
-    upstream) is counted in bucket 0.
+    bucket counting every lag ``>= max_bucket``, and ``staleness_negative``: trajectories with a negative
+    lag (a version number the learner has not reached: sampled by weights a crashed learner published
+    before this one resumed from an older checkpoint, ``proto.timeline``), which are not on-policy and so
+    are in no bucket. Every key is present (0 when empty), so the metric rows have a fixed set of columns.
 
     Args:
         staleness: ``[B]`` int, ``learner_version - oldest version`` of each trajectory.
@@ -54,8 +55,10 @@ def staleness_histogram(staleness: torch.Tensor, max_bucket: int = STALENESS_BUC
         raise ValueError(f"staleness must be [B]; got shape {tuple(staleness.shape)}")
     if max_bucket < 0:
         raise ValueError(f"max_bucket ({max_bucket}) must be >= 0")
-    counts = torch.bincount(staleness.long().clamp(0, max_bucket), minlength=max_bucket + 1)
-    return {f"staleness_hist_{k}": float(c) for k, c in enumerate(counts.tolist())}
+    lags = staleness.long()
+    counts = torch.bincount(lags[lags >= 0].clamp(max=max_bucket), minlength=max_bucket + 1)
+    return {**{f"staleness_hist_{k}": float(c) for k, c in enumerate(counts.tolist())},
+            "staleness_negative": float((lags < 0).sum())}
 
 
 def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:

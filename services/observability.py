@@ -59,7 +59,10 @@ _LEARNER_GAUGES = {  # row key -> (metric name, help)
     "pending_leases": ("gyre_learner_pending_leases", "Replay leases trained on but not acked (awaiting a checkpoint)"),
 }
 _LEARNER_COUNTERS = {"tokens": ("gyre_learner_tokens", "Non-pad tokens trained on"),
-                     "trajectories": ("gyre_learner_trajectories", "Trajectories trained on")}
+                     "trajectories": ("gyre_learner_trajectories", "Trajectories trained on"),
+                     "staleness_negative": ("gyre_learner_negative_lag_trajectories",
+                                            "Trajectories trained on whose version the learner had not reached "
+                                            "(a crashed learner's weights after a rewind)")}
 
 
 def _number(key: str, value) -> float:
