@@ -29,6 +29,7 @@ from learner.loop_config import LearnerLoopConfig
 from proto.lockstep import VersionStore
 from proto.timeline import label, new_timeline
 from learner.run_journal import LearnerJournal, group_ids_of
+from learner.step_metrics import dead_timeline_rows
 
 log = structlog.get_logger("learner")
 CONSUMER = "learner"
@@ -39,7 +40,7 @@ class ReplaySource(Protocol):
     def sample(self, num_groups: int, learner_version: int, timeout_s: float, consumer: str = "",
                prompt_indices: list[int] | None = None, request_id: str = "") -> tuple[str, pa.Table] | None: ...
     def ack(self, lease_ids: list[str]) -> int: ...
-    def rejoin(self, consumer: str, learner_version: int) -> int: ...
+    def rejoin(self, consumer: str, learner_version: int, timeline: int = 0) -> int: ...
 
 
 class NoDataError(TimeoutError):
@@ -91,6 +92,8 @@ class LearnerLoop:
         """``(checkpoint metadata or None,)`` after ``resume`` until ``rejoin_replay`` ran (first ``step``)."""
         lock = config.lockstep
         self._versions = VersionStore(lock.weights_dir, keep=lock.lag + 2) if lock is not None else None
+        self.start_version = 0
+        """Policy version this learner started at (``resume``): its predecessor's versions above it are dead."""
         self.timeline = new_timeline(lockstep=lock is not None)
         """This learner incarnation's timeline (``proto.timeline``): every version it publishes but 0 carries it,
         so rollouts drop the weights a crashed predecessor published under the same numbers."""
@@ -148,6 +151,7 @@ class LearnerLoop:
         lease_id, table = self._lease_batch()
         t_sampled = time.monotonic()
         batch = build_train_batch(table, self.pad_token_id, self.engine.version, self.config.algorithm)
+        dead = dead_timeline_rows(table, self.timeline, self.start_version)  # before train_step: lag as sampled
         metrics = self.engine.train_step(batch)
         t_trained = time.monotonic()  # train_step advanced engine.version by one
         publish_s = self.publish_current()
@@ -167,7 +171,7 @@ class LearnerLoop:
             **metrics,
             "step": self.engine.version, "version": self.engine.version, "groups": self.config.groups_per_step,
             "trajectories": table.num_rows, "sample_wait_s": t_sampled - t0, "train_s": t_trained - t_sampled,
-            "publish_s": publish_s, "checkpoint_s": save_s, **background, **committed,
+            "publish_s": publish_s, "checkpoint_s": save_s, **background, **committed, "dead_timeline_rows": dead,
             "pending_leases": len(self.pending_lease_ids), "step_s": time.monotonic() - t0, "time": time.time(),
         }
 
@@ -293,6 +297,7 @@ class LearnerLoop:
             self._set_versions_aside()
             return None
         meta = self.engine.load_checkpoint(path, fingerprint=self.config.fingerprint, force=self.config.force_resume)
+        self.start_version = self.engine.version
         self._set_versions_aside()
         self._journal_resume(path, meta)  # before restore acks the checkpoint's leases
         self.acked_lease_count = meta.acked_lease_count
@@ -335,8 +340,10 @@ class LearnerLoop:
     def _rejoin_replay(self) -> int:
         """Tell replay this learner (re)starts at ``engine.version``: leases a crashed predecessor took after
         its last checkpoint go back to the pool now (not at their TTL), and replay's learner version follows
-        the checkpoint down, so fresh groups are not dropped as too stale for a version nobody trains at."""
-        return self.replay.rejoin(CONSUMER, self.engine.version)
+        the checkpoint down, so fresh groups are not dropped as too stale for a version nobody trains at. This
+        learner's timeline retires its predecessor's: replay deletes (and from then on drops) the groups that
+        the predecessor's versions above this one sampled (``proto.timeline``)."""
+        return self.replay.rejoin(CONSUMER, self.engine.version, self.timeline)
 
     def restore(self, meta) -> None:
         """After ``engine.load_checkpoint``: ack the leases that checkpoint committed but may not have

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from faults import fault_point
 from proto.lockstep import LockstepConfig
-from proto.timeline import SHARED, is_new
+from proto.timeline import SHARED, is_new, label
 from proto.trajectory import Trajectory, make_ids, to_table
 from rollout.config import EngineConfig, SamplingConfig
 from rollout.lockstep_gate import LockstepGate
@@ -164,23 +164,28 @@ class RolloutWorker:
         if not is_new(version, timeline, self.engine.version, self.timeline):
             return
         fault_point("rollout.apply_weights")
-        switch = timeline != self.timeline
+        old, switch = self.timeline, timeline != self.timeline
         self._switching = switch
         if switch:
             self._steady.clear()
         try:
-            if switch and self.timeline != SHARED:  # SHARED weights (the initial ones) are every timeline's
+            if switch and old != SHARED:  # SHARED weights (the initial ones) are every timeline's
                 await self._cancel_groups()
+            # before the load: a group finishing meanwhile labels its newest span with the new timeline, which
+            # is right for the new version and harmless for version 0 (``label``: SHARED)
+            self.timeline = timeline
             rewind = {"rewind": True} if version <= self.engine.version else {}
             seconds = await self.engine.update_weights(version, named_tensors, **rewind)
+        except BaseException:
+            self.timeline = old
+            raise
         finally:
             self._switching = False
             self._steady.set()
         if switch:
             self.stats.timeline_switches += 1
             log.warning("weights_timeline_switched", rollout=self.rollout_id, version=version, timeline=timeline,
-                        from_timeline=self.timeline)
-        self.timeline = timeline
+                        from_timeline=old)
         self.stats.weight_updates += 1
         self.stats.last_update_s = seconds
         self._new_version.set()  # wakes a generation loop waiting at the version gate
@@ -314,7 +319,8 @@ class RolloutWorker:
                 samples = await self.engine.generate(prompt_ids, self.config.group_size, self.config.sampling,
                                                      request_id=f"{group_id}@{self.rollout_id}",
                                                      seed=lock.seed_for(prompt_index))
-        finish = self._finish_group(prompt_index, attempt, problem, reward_fn, prompt_ids, samples)
+        timeline = self.timeline  # of the weights that sampled the newest tokens (no await since they did)
+        finish = self._finish_group(prompt_index, attempt, problem, reward_fn, prompt_ids, samples, timeline)
         if self.spool is None:
             await finish
             return
@@ -326,8 +332,9 @@ class RolloutWorker:
         await asyncio.shield(task)
 
     async def _finish_group(self, prompt_index: int, attempt: int, problem, reward_fn, prompt_ids: list[int],
-                            samples) -> None:
-        """Score a generated group, build its trajectories and deliver them (spool or replay)."""
+                            samples, timeline: int = SHARED) -> None:
+        """Score a generated group, build its trajectories (``policy_timeline``: ``timeline``, SHARED for a
+        sample whose newest span is version 0) and deliver them (spool or replay)."""
         scored = await score_many([(reward_fn, s.text, problem.entry) for s in samples])  # off the event loop
         rows = []
         for i, s in enumerate(samples):
@@ -338,7 +345,8 @@ class RolloutWorker:
                 behaviour_logprobs=list(s.logprobs), reward=scored[i].reward, reward_error=scored[i].error,
                 finish_reason=s.finish_reason, version_span_starts=list(s.version_span_starts),
                 version_span_versions=list(s.version_span_versions), reward_fn_version=scored[i].version,
-                rollout_id=self.rollout_id, created_at=time.time()))
+                rollout_id=self.rollout_id, created_at=time.time(),
+                policy_timeline=label(s.version_span_versions[-1], timeline)))
         await self._deliver(to_table(rows))
         self.stats.groups += 1
         self.stats.trajectories += len(rows)

@@ -60,6 +60,9 @@ _LEARNER_GAUGES = {  # row key -> (metric name, help)
 }
 _LEARNER_COUNTERS = {"tokens": ("gyre_learner_tokens", "Non-pad tokens trained on"),
                      "trajectories": ("gyre_learner_trajectories", "Trajectories trained on"),
+                     "dead_timeline_rows": ("gyre_learner_dead_timeline_trajectories",
+                                            "Trajectories trained on that a crashed learner's weights sampled after "
+                                            "the version this learner resumed from"),
                      "staleness_negative": ("gyre_learner_negative_lag_trajectories",
                                             "Trajectories trained on whose version the learner had not reached "
                                             "(a crashed learner's weights after a rewind)")}

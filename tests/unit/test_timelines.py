@@ -6,6 +6,7 @@ import asyncio
 import threading
 import time
 
+import pyarrow as pa
 import torch
 
 from learner.publisher import WeightPublisher
@@ -140,3 +141,52 @@ def test_learner_publishes_version_0_shared_and_later_versions_under_its_incarna
     first.engine.version = 4
     first.publish_current()
     assert first.publisher.latest() == (4, first.timeline)
+
+
+def test_worker_labels_each_trajectory_with_the_timeline_of_the_weights_that_sampled_it():
+    buf = TrajectoryBuffer(ReplayConfig())
+    engine = FakeEngine(["7"])  # spans [v, v + 1]: version 0 samples a newest span of version 1
+    worker = make_worker(FakeReplay(buf), engine=engine, groups_in_flight=1, max_ready_groups=1000)
+
+    async def scenario():
+        await worker.apply_weights(3, [], DEAD)
+        task = asyncio.create_task(worker.run())
+        await until(lambda: buf.info()["prompts_completed"] >= 1, "a group on the dead timeline")
+        await worker.apply_weights(2, [], LIVE)
+        done = buf.info()["prompts_completed"]
+        await until(lambda: buf.info()["prompts_completed"] > done, "a group on the live timeline")
+        worker.stop()
+        await task
+
+    asyncio.run(scenario())
+    _, table = buf.sample(buf.info()["size_groups"], learner_version=0)
+    seen = {(t, v[-1]) for t, v in zip(table.column("policy_timeline").to_pylist(),
+                                        table.column("version_span_versions").to_pylist())}
+    assert (DEAD, 4) in seen and (LIVE, 3) in seen and seen <= {(DEAD, 4), (LIVE, 3)}
+
+
+def test_resumed_learner_rejoins_with_its_timeline_and_counts_dead_rows_it_still_gets(tmp_path):
+    from learner.config import LearnerConfig
+    from learner.loop import LearnerLoop, LearnerLoopConfig
+    from learner.step_metrics import dead_timeline_rows
+    from tests.fakes import group_table
+    from tests.tiny_model import SMOLLM2_DIR
+
+    class Engine:
+        step = version = 0
+
+        def named_weights(self):
+            return [("w", torch.zeros(2))]
+
+    buf = TrajectoryBuffer(ReplayConfig(max_staleness=10))
+    buf.rejoin("learner", 0, timeline=DEAD)  # the crashed learner, cold-started earlier
+    buf.insert(group_table(0, version=6, timeline=DEAD))
+    cfg = LearnerLoopConfig(engine=LearnerConfig(model=str(SMOLLM2_DIR)), groups_per_step=2, resume="none")
+    loop = LearnerLoop(cfg, Engine(), FakeReplay(buf), WeightPublisher(), pad_token_id=0)
+    loop.resume()
+    loop.engine.version = loop.start_version = 4  # as if resumed from the step-4 checkpoint
+    loop.rejoin_replay()
+    assert buf.info()["stored_groups"] == 0 and buf.info()["dead_timeline_total"] == 4
+    rows = pa.concat_tables([group_table(1, version=6, timeline=DEAD), group_table(2, version=3, timeline=DEAD),
+                      group_table(3, version=6, timeline=loop.timeline), group_table(4, version=0)])
+    assert dead_timeline_rows(rows, loop.timeline, loop.start_version) == 4.0  # only prompt 1's rows
