@@ -225,6 +225,7 @@ class ReplayState:
         self.store.delete(key)
         self.counters.dropped_stale_total += rows
         self.counters.dead_timeline_total += rows
+        self.counters.dead_timeline_deleted_total += rows
 
     def _stale(self, key: int) -> None:
         rows = self.store.groups[key].num_rows

@@ -129,6 +129,8 @@ class Counters:
     dead_timeline_total: int = 0
     """Rows dropped because a crashed learner's timeline sampled them after the version the current learner
     resumed from (``ReplayState.dead``); also counted in ``dropped_stale_total``."""
+    dead_timeline_deleted_total: int = 0
+    """The part of ``dead_timeline_total`` deleted after it was stored (at a ``Rejoin``, or a lease's return)."""
     inserted_by_newest_version: dict[int, int] = field(default_factory=dict)
     staleness_at_sample: dict[int, int] = field(default_factory=dict)
     """Policy lag (learner version − oldest token version) → groups sampled at that lag."""

@@ -50,7 +50,8 @@ class RolloutActor:
                              else Engine.start(cfg.engine))
         tokenizer = AutoTokenizer.from_pretrained(cfg.engine.model)
         self.journal = Journal(Path(journal_dir) / f"{rollout_id}.jsonl") if journal_dir is not None else None
-        self.journaled_version: int | None = None
+        self.journaled_version: tuple[int, int] | None = None
+        """``(version, timeline)`` last journaled."""
         self._journal_lock = threading.Lock()  # setup (event loop) and the subscriber thread both journal
         self.replay = TrackedReplay(ReplayClient(replay_address, security=self.security), self.journal)
         self.worker = RolloutWorker(rollout_id, cfg, TaskSource(TaskConfig(**task_config)), self.engine,
@@ -114,10 +115,13 @@ class RolloutActor:
         if self.journal is None:
             return
         with self._journal_lock:
-            version = self._version()  # lockstep: the newest offered (each prompt loads its own exact one)
-            if version != self.journaled_version:
-                self.journal.append({"event": "weights", "version": version, "pid": os.getpid(), "time": time.time()})
-                self.journaled_version = version
+            # lockstep: the newest offered (each prompt loads its own exact one); the timeline: after a learner
+            # rewind the same or a lower number names other weights (proto.timeline)
+            served = (self._version(), self.worker.timeline)
+            if served != self.journaled_version:
+                self.journal.append({"event": "weights", "version": served[0], "timeline": served[1],
+                                     "pid": os.getpid(), "time": time.time()})
+                self.journaled_version = served
 
     async def swap_reward(self, config) -> dict[str, str]:
         """Swap reward functions in flight (``RolloutWorker.swap_reward``: validated first, applies to groups
