@@ -88,10 +88,9 @@ class RolloutStats:
     groups_in_flight: int = 0
     """Groups being generated now (generation tasks of ``RolloutWorker.run``)."""
     timeline_switches: int = 0
-    """Weight loads from another timeline than the engine's (the learner resumed from an older checkpoint)."""
+    """Weight loads from another timeline than the engine's (``proto.timeline``: the learner rewound)."""
     groups_dropped_on_switch: int = 0
-    """Groups in generation cancelled by a timeline switch: their tokens came from a dead timeline (their
-    prompt leases expire and the prompts are generated again)."""
+    """Groups in generation cancelled by a timeline switch (their prompt leases expire and are re-issued)."""
     gate_waits: int = 0
     """Passes of the generation loop that found the version gate (``max_groups_per_version``) closed; each
     then waits (up to 0.5 s for a group in flight to finish, else up to 0.2 s for a newer version)."""
@@ -137,11 +136,8 @@ class RolloutWorker:
         """Newest policy version the learner streamed (lockstep applies versions through its gate instead)."""
         self.timeline = SHARED
         """Timeline (``proto.timeline``) of the weights the engine serves: ``SHARED`` for the initial ones."""
-        self._tasks: set[asyncio.Task] = set()
-        """Groups being generated (``run``'s tasks)."""
-        self._switching = False
-        self._steady = asyncio.Event()
-        """Set except while a timeline switch is in progress: a group waits for it before generating."""
+        self._tasks: set[asyncio.Task] = set()  # groups being generated (run's tasks)
+        self._steady = asyncio.Event()  # cleared while the timeline switches: no group starts meanwhile
         self._steady.set()
         self._flush_wakeup = asyncio.Event()
         self._puts: set[asyncio.Future] = set()
@@ -165,7 +161,6 @@ class RolloutWorker:
             return
         fault_point("rollout.apply_weights")
         old, switch = self.timeline, timeline != self.timeline
-        self._switching = switch
         if switch:
             self._steady.clear()
         try:
@@ -180,7 +175,6 @@ class RolloutWorker:
             self.timeline = old
             raise
         finally:
-            self._switching = False
             self._steady.set()
         if switch:
             self.stats.timeline_switches += 1
@@ -267,7 +261,7 @@ class RolloutWorker:
 
     def _gate_open(self) -> bool:
         """Whether ``max_groups_per_version`` lets another group start with the engine's current version."""
-        if self._switching:  # a timeline switch is cancelling groups: none starts on the dead weights
+        if not self._steady.is_set():  # a timeline switch is cancelling groups: none starts on the dead weights
             return False
         limit = self.config.max_groups_per_version
         version, started = self._gate
