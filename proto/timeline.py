@@ -12,6 +12,10 @@ again, and outside lockstep they are not the weights its predecessor published u
   own version *or* ``t`` differs from its own timeline; so after a rewind it drops weights from the dead
   timeline and takes the learner's, even at a lower or equal number. The learner's publisher, the
   weight server, both transports and ``RolloutWorker.apply_weights`` all use this one rule.
+- **data**: every trajectory records the timeline of the weights that sampled it (``policy_timeline``); a
+  resumed learner's ``Rejoin`` names its timeline, replay retires the previous learner's and deletes (and from
+  then on drops) its groups above the resumed version (``ReplayState.dead``); the learner counts such rows it
+  still gets (``learner.step_metrics.dead_timeline_rows``).
 """
 
 from __future__ import annotations
