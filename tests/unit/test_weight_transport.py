@@ -55,11 +55,11 @@ def test_device_checksum_sees_a_flipped_bit_and_swapped_words():
 
 def test_config_selects_transport_and_nccl_without_cuda_is_a_clear_error():
     assert EngineConfig.model_fields["weight_transport"].default == GrpcTransportConfig()
-    assert isinstance(make_transport(GrpcTransportConfig(), "127.0.0.1:1", lambda v, t: None), GrpcTransport)
+    assert isinstance(make_transport(GrpcTransportConfig(), "127.0.0.1:1", lambda v, t, _tl: None), GrpcTransport)
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
     with pytest.raises(TransportUnavailableError, match="'nccl' needs a CUDA GPU.*is_available\\(\\) is False"):
-        make_transport(NCCL_CFG, "127.0.0.1:1", lambda v, t: None, name="r0")
+        make_transport(NCCL_CFG, "127.0.0.1:1", lambda v, t, _tl: None, name="r0")
 
 
 def test_nccl_config_is_validated_by_name():
