@@ -155,7 +155,12 @@ def test_a_resumed_lockstep_learner_checks_its_predecessors_versions_before_roll
     from learner.publisher import WeightPublisher
     from tests.fakes import FakeReplay
     from tests.tiny_model import SMOLLM2_DIR
-    from tests.unit.test_learner_loop import FakeLearnerEngine
+
+    class Engine:  # what resume (cold start) and publish_current read
+        step = version = 0
+
+        def named_weights(self):
+            return [("w", torch.full((4,), float(self.version)))]
 
     cfg = lock(tmp_path, lag=1, p=2)
     store = VersionStore(cfg.weights_dir, keep=3)
@@ -163,7 +168,7 @@ def test_a_resumed_lockstep_learner_checks_its_predecessors_versions_before_roll
     store.write(1, [("w", torch.full((4,), 9.0))])  # the crashed learner's version 1: not reproducible
     loop_cfg = LearnerLoopConfig(engine=LearnerConfig(model=str(SMOLLM2_DIR)), groups_per_step=2, lockstep=cfg,
                                  resume="none")
-    loop = LearnerLoop(loop_cfg, FakeLearnerEngine(), FakeReplay(TrajectoryBuffer(ReplayConfig())),
+    loop = LearnerLoop(loop_cfg, Engine(), FakeReplay(TrajectoryBuffer(ReplayConfig())),
                        WeightPublisher(), pad_token_id=0, checkpoint_dir=tmp_path / "ckpt")
     assert loop.resume() is None and store.versions() == [0]  # version 1 is set aside at once
     loop.publish_current()  # version 0 matches
