@@ -115,6 +115,9 @@ def test_full_outage_groups_in_flight_land_in_spool_and_nothing_is_lost(tmp_path
         await until(lambda: len(engine.generated) >= 2 and worker.stats.groups_in_flight == 0,
                     "the groups leased before the outage to finish")
         in_outage = worker.spool.stats().pending_groups
+        # the flusher's insert runs in an executor thread: lifting the outage before it ran raced it (flaky
+        # under load: no retry counted); wait until it met the outage
+        await until(lambda: worker.stats.insert_retries > 0, "the flusher to meet the outage")
         replay.down = False
         await until(lambda: len(engine.generated) >= 4, "leasing to resume after the outage")
         worker.stop()
