@@ -119,7 +119,7 @@ def receiver_main(rank: int, world: int, store_port: int, weights_address: str, 
     shapes = model_shapes(MODELS[model])
     bcast = torch_distributed_broadcast()
 
-    def on_version(version, manifest):
+    def on_version(version, manifest, timeline):
         start = time.perf_counter()
         tensors = receive_verified(bcast, manifest.tensors, DEVICE)
         _sync()

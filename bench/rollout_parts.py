@@ -85,7 +85,7 @@ def fetch_main(kind: str, address: str) -> None:
     sys.stdin.readline()
     if kind == "gyre":
         got, nbytes = threading.Event(), []
-        sub = WeightSubscriber(address, lambda v, t: (nbytes.append(sum(x.numel() * x.element_size() for _, x in t)),
+        sub = WeightSubscriber(address, lambda v, t, _tl: (nbytes.append(sum(x.numel() * x.element_size() for _, x in t)),
                                                       got.set()), name="bench").start()
         got.wait()
         sub.stop()
@@ -182,7 +182,7 @@ class WeightFeed:
         self.transport = make_transport(engine._config.weight_transport, f"127.0.0.1:{port}", self._on_version,
                                         have_version=engine.version, name="bench").start()
 
-    def _on_version(self, version: int, tensors) -> None:
+    def _on_version(self, version: int, tensors, timeline: int = 0) -> None:
         self.arrived.append(time.perf_counter())
         future = asyncio.run_coroutine_threadsafe(self.engine.update_weights(version, tensors), self.loop)
         self.applied_s.append(future.result())

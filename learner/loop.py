@@ -27,7 +27,9 @@ from learner.async_save import BackgroundSaver
 from learner.publisher import WeightPublisher
 from learner.loop_config import LearnerLoopConfig
 from proto.lockstep import VersionStore
+from proto.timeline import label, new_timeline
 from learner.run_journal import LearnerJournal, group_ids_of
+from learner.step_metrics import dead_timeline_rows
 
 log = structlog.get_logger("learner")
 CONSUMER = "learner"
@@ -38,7 +40,7 @@ class ReplaySource(Protocol):
     def sample(self, num_groups: int, learner_version: int, timeout_s: float, consumer: str = "",
                prompt_indices: list[int] | None = None, request_id: str = "") -> tuple[str, pa.Table] | None: ...
     def ack(self, lease_ids: list[str]) -> int: ...
-    def rejoin(self, consumer: str, learner_version: int) -> int: ...
+    def rejoin(self, consumer: str, learner_version: int, timeline: int = 0) -> int: ...
 
 
 class NoDataError(TimeoutError):
@@ -90,6 +92,11 @@ class LearnerLoop:
         """``(checkpoint metadata or None,)`` after ``resume`` until ``rejoin_replay`` ran (first ``step``)."""
         lock = config.lockstep
         self._versions = VersionStore(lock.weights_dir, keep=lock.lag + 2) if lock is not None else None
+        self.start_version = 0
+        """Policy version this learner started at (``resume``): its predecessor's versions above it are dead."""
+        self.timeline = new_timeline(lockstep=lock is not None)
+        """This learner incarnation's timeline (``proto.timeline``): every version it publishes but 0 carries it,
+        so rollouts drop the weights a crashed predecessor published under the same numbers."""
 
     def install_signal_handlers(self) -> dict:
         """SIGUSR1 → checkpoint after the current step and continue; SIGTERM → checkpoint after the
@@ -118,12 +125,18 @@ class LearnerLoop:
         log.warning("emergency_checkpoint_requested", signal=signal.Signals(signum).name)
 
     def publish_current(self) -> float:
-        """Publish the engine's current weights under its current version; returns seconds."""
+        """Publish the engine's current weights under its current version and this learner's timeline
+        (``SHARED`` for version 0); returns seconds.
+
+        Raises:
+            proto.lockstep.VersionMismatchError: lockstep, and this version was stored before (a predecessor's)
+                with other weights: exact resume is broken, so the run stops here, loudly.
+        """
         t0 = time.monotonic()
         named = self.engine.named_weights()
         if self._versions is not None:  # lockstep: rollouts load exact (also older) versions from disk
             self._versions.write(self.engine.version, named)
-        self.publisher.publish(self.engine.version, named)
+        self.publisher.publish(self.engine.version, named, timeline=label(self.engine.version, self.timeline))
         return time.monotonic() - t0
 
     def step(self) -> dict:
@@ -138,6 +151,7 @@ class LearnerLoop:
         lease_id, table = self._lease_batch()
         t_sampled = time.monotonic()
         batch = build_train_batch(table, self.pad_token_id, self.engine.version, self.config.algorithm)
+        dead = dead_timeline_rows(table, self.timeline, self.start_version)  # before train_step: lag as sampled
         metrics = self.engine.train_step(batch)
         t_trained = time.monotonic()  # train_step advanced engine.version by one
         publish_s = self.publish_current()
@@ -157,7 +171,7 @@ class LearnerLoop:
             **metrics,
             "step": self.engine.version, "version": self.engine.version, "groups": self.config.groups_per_step,
             "trajectories": table.num_rows, "sample_wait_s": t_sampled - t0, "train_s": t_trained - t_sampled,
-            "publish_s": publish_s, "checkpoint_s": save_s, **background, **committed,
+            "publish_s": publish_s, "checkpoint_s": save_s, **background, **committed, "dead_timeline_rows": dead,
             "pending_leases": len(self.pending_lease_ids), "step_s": time.monotonic() - t0, "time": time.time(),
         }
 
@@ -266,7 +280,8 @@ class LearnerLoop:
 
     def resume(self) -> Path | None:
         """Apply ``config.resume``: load the chosen checkpoint into the engine; returns its path, or ``None``
-        for a cold start. Call before ``publish_current`` so the restored version is (re-)published. Talks to
+        for a cold start. Call before ``publish_current`` so the restored version is (re-)published. In lockstep,
+        stored versions above the restored one are set aside until re-written and checked. Talks to
         no replay: that is ``rejoin_replay``, which the first ``step`` runs (so a learner restarted while replay
         is down, too, starts at once and its supervisor can restart replay meanwhile).
         Raises ``learner.checkpoint.CheckpointError`` when refused."""
@@ -279,8 +294,11 @@ class LearnerLoop:
             log.info("cold_start", resume=mode, checkpoint_dir=str(self.checkpoint_dir))
             self._journal_resume(None, None)
             self._rejoin = (None,)
+            self._set_versions_aside()
             return None
         meta = self.engine.load_checkpoint(path, fingerprint=self.config.fingerprint, force=self.config.force_resume)
+        self.start_version = self.engine.version
+        self._set_versions_aside()
         self._journal_resume(path, meta)  # before restore acks the checkpoint's leases
         self.acked_lease_count = meta.acked_lease_count
         self._rejoin = (meta,)
@@ -288,6 +306,14 @@ class LearnerLoop:
         log.info("resumed", path=str(path), step=meta.step, version=meta.policy_version,
                  pending_leases=len(meta.pending_lease_ids))
         return path
+
+    def _set_versions_aside(self) -> None:
+        """Lockstep: versions a predecessor wrote above the one this learner starts at are set aside, so no
+        rollout loads them until this learner re-wrote each one and its hash matched (``VersionStore``)."""
+        if self._versions is not None:
+            moved = self._versions.set_aside_after(self.engine.version)
+            if moved:
+                log.warning("lockstep_versions_set_aside", start_version=self.engine.version, versions=moved)
 
     def rejoin_replay(self) -> int:
         """After ``resume``: ack the leases the restored checkpoint committed (``restore``), then ``Rejoin``
@@ -314,8 +340,10 @@ class LearnerLoop:
     def _rejoin_replay(self) -> int:
         """Tell replay this learner (re)starts at ``engine.version``: leases a crashed predecessor took after
         its last checkpoint go back to the pool now (not at their TTL), and replay's learner version follows
-        the checkpoint down, so fresh groups are not dropped as too stale for a version nobody trains at."""
-        return self.replay.rejoin(CONSUMER, self.engine.version)
+        the checkpoint down, so fresh groups are not dropped as too stale for a version nobody trains at. This
+        learner's timeline retires its predecessor's: replay deletes (and from then on drops) the groups that
+        the predecessor's versions above this one sampled (``proto.timeline``)."""
+        return self.replay.rejoin(CONSUMER, self.engine.version, self.timeline)
 
     def restore(self, meta) -> None:
         """After ``engine.load_checkpoint``: ack the leases that checkpoint committed but may not have

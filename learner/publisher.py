@@ -8,12 +8,14 @@ import time
 import torch
 
 from proto.tensor_chunks import EncodedTensor, TensorMeta, encode_tensors
+from proto.timeline import SHARED, is_new
 
 
 class WeightPublisher:
-    """Newest-version store behind ``WeightService``: versions only increase.
+    """Newest-version store behind ``WeightService``: versions only increase (within one learner process).
 
-    Thread-safe. ``publish`` encodes the tensors to bytes + CRC-32C once; every subscriber stream
+    Each version carries its ``timeline`` (``proto.timeline``: the learner incarnation; ``SHARED`` by
+    default); a subscriber holding another timeline gets the newest version whatever its number. Thread-safe. ``publish`` encodes the tensors to bytes + CRC-32C once; every subscriber stream
     reads the same ``EncodedTensor`` list. ``announce`` instead records only a version's manifest
     (names, shapes, checksums) for transports whose bytes travel over NCCL
     (``services.weight_transport.nccl``); one publisher holds one kind of version at a time.
@@ -22,6 +24,7 @@ class WeightPublisher:
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._version = -1
+        self._timeline = SHARED
         self._tensors: list[EncodedTensor] = []
         self._manifest: list[TensorMeta] | None = None
         self._closed = False
@@ -33,22 +36,33 @@ class WeightPublisher:
         """Newest published version, -1 before the first."""
         return self._version
 
-    def publish(self, version: int, named: list[tuple[str, torch.Tensor]]) -> None:
-        """Make ``version`` the newest. Raises ``ValueError`` if it is not newer than the current one."""
+    @property
+    def timeline(self) -> int:
+        """Timeline of the newest published version (``SHARED`` before the first)."""
+        return self._timeline
+
+    def latest(self) -> tuple[int, int]:
+        """``(version, timeline)`` of the newest publish, read together (``(-1, SHARED)`` before the first)."""
+        with self._cond:
+            return self._version, self._timeline
+
+    def publish(self, version: int, named: list[tuple[str, torch.Tensor]], timeline: int = SHARED) -> None:
+        """Make ``version`` (of ``timeline``) the newest. Raises ``ValueError`` if it is not newer than the
+        current one."""
         self._check_newer(version)
         encoded = encode_tensors(named)
         with self._cond:
             self._check_newer(version)
-            self._version, self._tensors, self._manifest = version, encoded, None
+            self._version, self._timeline, self._tensors, self._manifest = version, timeline, encoded, None
             self.published_at = time.time()
             self._cond.notify_all()
 
-    def announce(self, version: int, manifest: list[TensorMeta]) -> None:
+    def announce(self, version: int, manifest: list[TensorMeta], timeline: int = SHARED) -> None:
         """Make ``version`` the newest, bytes sent elsewhere (a broadcast that follows); ``Announce``
         streams ``manifest`` to subscribers. Raises ``ValueError`` if it is not newer than the current one."""
         with self._cond:
             self._check_newer(version)
-            self._version, self._tensors, self._manifest = version, [], list(manifest)
+            self._version, self._timeline, self._tensors, self._manifest = version, timeline, [], list(manifest)
             self.published_at = time.time()
             self._cond.notify_all()
 
@@ -56,26 +70,35 @@ class WeightPublisher:
         if version <= self._version:
             raise ValueError(f"version {version} is not newer than published version {self._version}")
 
-    def wait_newer(self, have_version: int, timeout_s: float) -> tuple[int, list[EncodedTensor]] | None:
-        """Block up to ``timeout_s`` seconds for a version newer than ``have_version``; ``None`` on timeout or close."""
-        with self._cond:
-            def ready() -> bool:
-                return self._version > have_version and self._manifest is None
+    def wait_newer(self, have_version: int, timeout_s: float,
+                   have_timeline: int = SHARED) -> tuple[int, list[EncodedTensor]] | None:
+        """Block up to ``timeout_s`` seconds for a published version new to a subscriber holding
+        ``(have_version, have_timeline)`` (``proto.timeline.is_new``); returns ``(version, tensors)`` (its
+        timeline: ``self.timeline`` then), or ``None`` on timeout or close."""
+        got = self._wait(have_version, have_timeline, timeout_s, manifest=False)
+        return (got[0], got[2]) if got is not None else None
 
-            self._cond.wait_for(lambda: self._closed or ready(), timeout=timeout_s)
-            if ready():
-                return self._version, self._tensors
-            return None
-
-    def wait_newer_manifest(self, have_version: int, timeout_s: float) -> tuple[int, list[TensorMeta]] | None:
+    def wait_newer_manifest(self, have_version: int, timeout_s: float,
+                            have_timeline: int = SHARED) -> tuple[int, list[TensorMeta]] | None:
         """Like ``wait_newer`` for announced (manifest-only) versions; ``None`` on timeout or close."""
+        got = self._wait(have_version, have_timeline, timeout_s, manifest=True)
+        return (got[0], got[2]) if got is not None else None
+
+    def wait_offer(self, have_version: int, have_timeline: int, timeout_s: float,
+                   manifest: bool = False) -> tuple[int, int, list] | None:
+        """``(version, timeline, tensors or manifest)`` of the newest version new to a subscriber holding
+        ``(have_version, have_timeline)``, read atomically; ``None`` after ``timeout_s`` seconds or on close."""
+        return self._wait(have_version, have_timeline, timeout_s, manifest)
+
+    def _wait(self, have_version: int, have_timeline: int, timeout_s: float, manifest: bool):
         with self._cond:
             def ready() -> bool:
-                return self._version > have_version and self._manifest is not None
+                return (self._version >= 0 and is_new(self._version, self._timeline, have_version, have_timeline)
+                        and (self._manifest is not None) == manifest)
 
             self._cond.wait_for(lambda: self._closed or ready(), timeout=timeout_s)
             if ready():
-                return self._version, self._manifest
+                return self._version, self._timeline, (self._manifest if manifest else self._tensors)
             return None
 
     def close(self) -> None:

@@ -1,9 +1,12 @@
-"""Per-step learner metrics that are not loss terms: importance-weight ESS, staleness histogram,
-critic explained variance, and merging per-micro-batch metrics. Pure torch, no state."""
+"""Per-step learner metrics that are not loss terms: importance-weight ESS, staleness histogram, rows from a
+crashed learner's timeline, critic explained variance, and merging per-micro-batch metrics. Pure, no state."""
 
 from __future__ import annotations
 
+import pyarrow as pa
 import torch
+
+from proto.timeline import SHARED, UNKNOWN
 
 STALENESS_BUCKETS = 8
 """Largest staleness bucket: lags ``>= STALENESS_BUCKETS`` are counted in ``staleness_hist_{STALENESS_BUCKETS}``."""
@@ -39,9 +42,10 @@ def kish_ess_fraction(weights: torch.Tensor) -> float:
 
 def staleness_histogram(staleness: torch.Tensor, max_bucket: int = STALENESS_BUCKETS) -> dict[str, float]:
     """Trajectory counts per policy lag: ``staleness_hist_k`` for ``k = 0 .. max_bucket``, the last
-    bucket counting every lag ``>= max_bucket``. Every key is present (0 when empty), so the metric
-    rows have a fixed set of columns. A negative lag (a trajectory newer than the learner: a bug
-    upstream) is counted in bucket 0.
+    bucket counting every lag ``>= max_bucket``, and ``staleness_negative``: trajectories with a negative
+    lag (a version number the learner has not reached: sampled by weights a crashed learner published
+    before this one resumed from an older checkpoint, ``proto.timeline``), which are not on-policy and so
+    are in no bucket. Every key is present (0 when empty), so the metric rows have a fixed set of columns.
 
     Args:
         staleness: ``[B]`` int, ``learner_version - oldest version`` of each trajectory.
@@ -54,8 +58,20 @@ def staleness_histogram(staleness: torch.Tensor, max_bucket: int = STALENESS_BUC
         raise ValueError(f"staleness must be [B]; got shape {tuple(staleness.shape)}")
     if max_bucket < 0:
         raise ValueError(f"max_bucket ({max_bucket}) must be >= 0")
-    counts = torch.bincount(staleness.long().clamp(0, max_bucket), minlength=max_bucket + 1)
-    return {f"staleness_hist_{k}": float(c) for k, c in enumerate(counts.tolist())}
+    lags = staleness.long()
+    counts = torch.bincount(lags[lags >= 0].clamp(max=max_bucket), minlength=max_bucket + 1)
+    return {**{f"staleness_hist_{k}": float(c) for k, c in enumerate(counts.tolist())},
+            "staleness_negative": float((lags < 0).sum())}
+
+
+def dead_timeline_rows(table: pa.Table, timeline: int, start_version: int) -> float:
+    """Rows of a batch (``TRAJECTORY_SCHEMA``) that a crashed learner's weights sampled after the version this
+    learner resumed from: ``policy_timeline`` neither ``timeline`` (this learner's), ``SHARED`` nor
+    ``UNKNOWN``, and a newest span version above ``start_version`` (``proto.timeline``). Replay drops such
+    rows once this learner rejoined; a count above 0 means some arrived before (or replay kept them)."""
+    timelines = table.column("policy_timeline").to_pylist()
+    newest = [spans[-1] for spans in table.column("version_span_versions").to_pylist()]
+    return float(sum(t not in (SHARED, UNKNOWN, timeline) and v > start_version for t, v in zip(timelines, newest)))
 
 
 def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:

@@ -18,7 +18,7 @@ Events (what each writer appends; extra keys are allowed, readers ignore what th
   error}]} on every start (cold start: step 0, path null).
 - rollout (``{run}/rollouts/{rollout_id}.jsonl``): ``acked`` {groups: [{group_id, prompt_index, rows,
   newest_version, status}], accepted, duplicates, dropped_stale} after replay acknowledged an insert
-  (counts in rows; ``status``: accepted | duplicate | dropped_stale | mixed); ``weights`` {version, pid}
+  (counts in rows; ``status``: accepted | duplicate | dropped_stale | mixed); ``weights`` {version, timeline, pid}
   at setup and each time a new policy version is applied.
 """
 

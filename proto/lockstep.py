@@ -12,13 +12,18 @@ In lockstep a run is a pure function of its recipe and seed, however often its s
 - **Exact versions.** The learner writes every policy version it publishes to ``VersionStore`` (one
   safetensors file per version, atomically); a rollout loads the exact version a prompt needs from it, older
   than its current one if a re-issued prompt asks for that. A learner resumed from an older checkpoint
-  re-publishes versions bit-identical to the lost ones (exact resume), so nothing downstream can tell.
+  re-publishes versions bit-identical to the lost ones (exact resume), so nothing downstream can tell. That
+  needs deterministic kernels: the learner process calls ``deterministic_kernels`` before CUDA starts. And it
+  is checked, not trusted: on resume the learner sets every stored version above its own aside
+  (``VersionStore.set_aside_after``: rollouts cannot load them) and re-writing one compares the new tensors'
+  sha256 with the set-aside file's; a mismatch is ``VersionMismatchError`` (exact resume broken).
 
 Needs a filesystem every service sees (one node, or NFS/Lustre across nodes).
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import zlib
@@ -31,6 +36,39 @@ from safetensors.torch import load_file, save_file
 from proto.durable import fsync_path
 
 _VERSION_FILE = re.compile(r"^v(\d+)\.safetensors$")
+_ASIDE_FILE = re.compile(r"^v(\d+)\.safetensors\.unverified$")
+CUBLAS_WORKSPACE_CONFIG = ":4096:8"
+"""cuBLAS workspace setting that makes its GEMMs deterministic (CUDA docs, "Results reproducibility")."""
+
+
+def deterministic_kernels() -> None:
+    """Make this process's torch kernels deterministic: ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` (read when cuBLAS
+    starts, so call this before the first CUDA operation) and ``torch.use_deterministic_algorithms(True)``
+    (an op without a deterministic kernel then raises ``RuntimeError`` instead of drifting). Harmless on CPU.
+
+    Raises:
+        RuntimeError: ``CUBLAS_WORKSPACE_CONFIG`` is already set to another value (named).
+    """
+    have = os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE_CONFIG)
+    if have not in (CUBLAS_WORKSPACE_CONFIG, ":16:8"):  # the two settings CUDA documents as deterministic
+        raise RuntimeError(f"CUBLAS_WORKSPACE_CONFIG is {have!r}; lockstep needs {CUBLAS_WORKSPACE_CONFIG!r} "
+                           "(or ':16:8') for deterministic cuBLAS")
+    torch.use_deterministic_algorithms(True)
+
+
+def weights_sha256(named: list[tuple[str, torch.Tensor]]) -> str:
+    """sha256 hex over a version's tensors sorted by name: each name, dtype, shape and raw bytes (CPU copy).
+    Equal for the same tensors whatever their order or device."""
+    h = hashlib.sha256()
+    for name, t in sorted(named, key=lambda nt: nt[0]):
+        t = t.detach().to("cpu").contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+class VersionMismatchError(RuntimeError):
+    """A re-written policy version differs from the one a crashed learner wrote: exact resume is broken."""
 
 
 class LockstepConfig(BaseModel):
@@ -66,8 +104,12 @@ class LockstepConfig(BaseModel):
 
 class VersionStore:
     """Every published policy version as ``{root}/v{version}.safetensors`` (written to a temp name, fsync'd,
-    renamed), keeping the ``keep`` versions up to the one written last (lockstep needs ``lag + 2``). Re-writing a version (a learner resumed from an older
-    checkpoint) replaces the file atomically; readers see the old or the new file, never a torn one."""
+    renamed), keeping the ``keep`` versions up to the one written last (lockstep needs ``lag + 2``).
+
+    A version written again (a learner resumed from an older checkpoint) must be bit-identical to the stored
+    one, or to the one ``set_aside_after`` moved aside: ``write`` compares their ``weights_sha256`` and
+    raises ``VersionMismatchError`` on a difference, leaving the stored file as it was (an equal one is
+    replaced atomically; readers see the old or the new file, never a torn one)."""
 
     def __init__(self, root: str | Path, keep: int = 4) -> None:
         if keep < 1:
@@ -78,6 +120,39 @@ class VersionStore:
     def path(self, version: int) -> Path:
         return self.root / f"v{version}.safetensors"
 
+    def aside_path(self, version: int) -> Path:
+        """Where ``set_aside_after`` keeps an unverified ``version`` (a name ``versions``/``read`` ignore)."""
+        return self.root / f"v{version}.safetensors.unverified"
+
+    def set_aside_after(self, version: int) -> list[int]:
+        """Move every stored version above ``version`` aside (a resumed learner's predecessor wrote them):
+        rollouts wait for them until the learner writes each again and ``write`` has checked it. Returns the
+        versions moved, ascending."""
+        moved = [v for v in self.versions() if v > version]
+        for v in moved:
+            os.replace(self.path(v), self.aside_path(v))
+        if moved:
+            fsync_path(self.root)
+        return moved
+
+    def _check_rewrite(self, version: int, tensors: dict[str, torch.Tensor]) -> Path | None:
+        """Raise ``VersionMismatchError`` if ``version`` is stored (or set aside) with other tensors; returns
+        the set-aside file to delete after the write, if any."""
+        aside = self.aside_path(version)
+        for old in (self.path(version), aside):
+            try:
+                stored = load_file(str(old))
+            except FileNotFoundError:
+                continue
+            want, got = weights_sha256(list(stored.items())), weights_sha256(list(tensors.items()))
+            if want != got:
+                raise VersionMismatchError(
+                    f"policy version {version} re-written with other weights (sha256 {got[:16]}…) than the "
+                    f"stored {old.name} (sha256 {want[:16]}…): the resumed learner is not reproducing the lost "
+                    "versions exactly (lockstep's exact resume is broken; check deterministic kernels, the "
+                    "checkpoint and the data order)")
+        return aside if aside.exists() else None
+
     def versions(self) -> list[int]:
         """Stored versions, ascending."""
         return sorted(int(m.group(1)) for p in self.root.iterdir() if (m := _VERSION_FILE.match(p.name)))
@@ -87,6 +162,7 @@ class VersionStore:
 
         Raises:
             ValueError: ``version < 0`` or a name appears twice.
+            VersionMismatchError: ``version`` is stored or set aside with other tensors (nothing written).
         """
         if version < 0:
             raise ValueError(f"version ({version}) must be >= 0")
@@ -95,15 +171,21 @@ class VersionStore:
             if name in tensors:
                 raise ValueError(f"tensor {name!r} appears twice in version {version}")
             tensors[name] = t.detach().to("cpu").contiguous().clone()
+        aside = self._check_rewrite(version, tensors)
         final = self.path(version)
         tmp = final.with_name(f".{final.name}.{os.getpid()}.tmp")
         save_file(tensors, str(tmp), metadata={"policy_version": str(version)})
         fsync_path(tmp)
         os.replace(tmp, final)
+        if aside is not None:
+            aside.unlink(missing_ok=True)
         fsync_path(self.root)
         for old in self.versions():  # relative to this version: a resumed learner re-writes older ones
             if old <= version - self.keep:
                 self.path(old).unlink(missing_ok=True)
+        for p in self.root.iterdir():  # set-aside versions pruned alike
+            if (m := _ASIDE_FILE.match(p.name)) and int(m.group(1)) <= version - self.keep:
+                p.unlink(missing_ok=True)
         return final
 
     def read(self, version: int) -> list[tuple[str, torch.Tensor]] | None:

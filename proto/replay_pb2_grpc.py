@@ -129,8 +129,11 @@ class ReplayServiceServicer:
     def Rejoin(self, request, context):
         """A consumer restarted from a checkpoint (after re-acking that checkpoint's leases): every lease it
         still holds goes back to the pool now instead of at its TTL, and replay's learner version is set to
-        learner_version, down if the checkpoint is older (Sample only ever raises it). Durable before the
-        response; idempotent. Empty consumer or negative version: INVALID_ARGUMENT.
+        learner_version, down if the checkpoint is older (Sample only ever raises it). A new timeline retires
+        the previous learner's: its versions above learner_version are dead (sampled by weights a crashed
+        learner published under numbers the new one reuses), stored groups of them are deleted and later
+        inserts of them dropped as stale. Durable before the response; idempotent. Empty consumer or negative
+        version: INVALID_ARGUMENT.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

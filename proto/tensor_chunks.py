@@ -73,6 +73,8 @@ class TensorChunk:
     """Number of tensors in the version; set on the version's last chunk."""
     checksum_kind: str = CHUNK_CHECKSUM_KIND
     """Algorithm of ``checksum``, a key of ``CHUNK_CHECKSUMS``; the same on every chunk of a tensor."""
+    timeline: int = 0
+    """Timeline of ``version`` (``proto.timeline``), the same on every chunk of a version."""
 
 
 @dataclass(frozen=True)
@@ -104,8 +106,9 @@ def encode_tensors(named: list[tuple[str, torch.Tensor]]) -> list[EncodedTensor]
     return out
 
 
-def iter_chunks(version: int, tensors: list[EncodedTensor], chunk_bytes: int) -> Iterator[TensorChunk]:
-    """Cut a version into chunks of at most ``chunk_bytes`` bytes, tensors in order."""
+def iter_chunks(version: int, tensors: list[EncodedTensor], chunk_bytes: int,
+                timeline: int = 0) -> Iterator[TensorChunk]:
+    """Cut a version (of ``timeline``) into chunks of at most ``chunk_bytes`` bytes, tensors in order."""
     if chunk_bytes < 1:
         raise ValueError(f"chunk_bytes ({chunk_bytes}) must be >= 1")
     for i, t in enumerate(tensors):
@@ -119,7 +122,7 @@ def iter_chunks(version: int, tensors: list[EncodedTensor], chunk_bytes: int) ->
                 checksum=t.checksum if last else 0,
                 last_of_version=last and i == len(tensors) - 1,
                 num_tensors=len(tensors) if last and i == len(tensors) - 1 else 0,
-                checksum_kind=CHUNK_CHECKSUM_KIND,
+                checksum_kind=CHUNK_CHECKSUM_KIND, timeline=timeline,
             )
 
 
@@ -336,6 +339,8 @@ class VersionManifest:
     version: int
     tensors: tuple[TensorMeta, ...]
     checksum_kind: str = CHECKSUM_KIND
+    timeline: int = 0
+    """Timeline of ``version`` (``proto.timeline``)."""
 
 
 class Broadcast(Protocol):

@@ -31,6 +31,11 @@ policy-version spans):
 - ``created_at`` (float64): unix time in seconds when generation finished.
 - ``reward_error`` (utf8): ``""`` when the reward function reached a verdict; otherwise why it did not
   (``"raised: <Type>: <message>"``, ``"timeout: ..."``, ``"sandbox-<status>: ..."``), and ``reward`` is 0.0.
+- ``policy_timeline`` (int64): timeline (``proto.timeline``: the learner incarnation that published them) of
+  the weights that sampled the newest span; 0 when the version numbers alone name the weights (version 0,
+  lockstep). A trajectory never spans two timelines but 0 and one other (a rollout cancels its groups in
+  flight when it switches timeline), so replay and the learner can tell a crashed learner's versions from the
+  resumed learner's same numbers.
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 """Bumped on any incompatible change of the columns below."""
 
 SCHEMA_VERSION_KEY = b"gyre.schema_version"
@@ -70,6 +75,7 @@ TRAJECTORY_SCHEMA = pa.schema(
         pa.field("rollout_id", pa.utf8(), nullable=False),
         pa.field("created_at", pa.float64(), nullable=False),
         pa.field("reward_error", pa.utf8(), nullable=False),
+        pa.field("policy_timeline", pa.int64(), nullable=False),
     ],
     metadata={SCHEMA_VERSION_KEY: str(SCHEMA_VERSION).encode()},
 )
@@ -104,6 +110,7 @@ class Trajectory:
     rollout_id: str
     created_at: float
     reward_error: str = ""
+    policy_timeline: int = 0
 
     @property
     def oldest_version(self) -> int:

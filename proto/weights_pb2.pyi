@@ -7,15 +7,17 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SubscribeRequest(_message.Message):
-    __slots__ = ("have_version", "subscriber")
+    __slots__ = ("have_version", "subscriber", "have_timeline")
     HAVE_VERSION_FIELD_NUMBER: _ClassVar[int]
     SUBSCRIBER_FIELD_NUMBER: _ClassVar[int]
+    HAVE_TIMELINE_FIELD_NUMBER: _ClassVar[int]
     have_version: int
     subscriber: str
-    def __init__(self, have_version: _Optional[int] = ..., subscriber: _Optional[str] = ...) -> None: ...
+    have_timeline: int
+    def __init__(self, have_version: _Optional[int] = ..., subscriber: _Optional[str] = ..., have_timeline: _Optional[int] = ...) -> None: ...
 
 class WeightChunk(_message.Message):
-    __slots__ = ("version", "name", "dtype", "shape", "offset", "data", "nbytes", "last_of_tensor", "checksum", "last_of_version", "num_tensors", "schema_version", "checksum_kind")
+    __slots__ = ("version", "name", "dtype", "shape", "offset", "data", "nbytes", "last_of_tensor", "checksum", "last_of_version", "num_tensors", "schema_version", "checksum_kind", "timeline")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -29,6 +31,7 @@ class WeightChunk(_message.Message):
     NUM_TENSORS_FIELD_NUMBER: _ClassVar[int]
     SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_KIND_FIELD_NUMBER: _ClassVar[int]
+    TIMELINE_FIELD_NUMBER: _ClassVar[int]
     version: int
     name: str
     dtype: str
@@ -42,7 +45,8 @@ class WeightChunk(_message.Message):
     num_tensors: int
     schema_version: int
     checksum_kind: str
-    def __init__(self, version: _Optional[int] = ..., name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., nbytes: _Optional[int] = ..., last_of_tensor: _Optional[bool] = ..., checksum: _Optional[int] = ..., last_of_version: _Optional[bool] = ..., num_tensors: _Optional[int] = ..., schema_version: _Optional[int] = ..., checksum_kind: _Optional[str] = ...) -> None: ...
+    timeline: int
+    def __init__(self, version: _Optional[int] = ..., name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., nbytes: _Optional[int] = ..., last_of_tensor: _Optional[bool] = ..., checksum: _Optional[int] = ..., last_of_version: _Optional[bool] = ..., num_tensors: _Optional[int] = ..., schema_version: _Optional[int] = ..., checksum_kind: _Optional[str] = ..., timeline: _Optional[int] = ...) -> None: ...
 
 class TensorMeta(_message.Message):
     __slots__ = ("name", "dtype", "shape", "nbytes", "checksum")
@@ -59,23 +63,27 @@ class TensorMeta(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ..., checksum: _Optional[int] = ...) -> None: ...
 
 class VersionManifest(_message.Message):
-    __slots__ = ("version", "tensors", "checksum_kind", "schema_version")
+    __slots__ = ("version", "tensors", "checksum_kind", "schema_version", "timeline")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_KIND_FIELD_NUMBER: _ClassVar[int]
     SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TIMELINE_FIELD_NUMBER: _ClassVar[int]
     version: int
     tensors: _containers.RepeatedCompositeFieldContainer[TensorMeta]
     checksum_kind: str
     schema_version: int
-    def __init__(self, version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., checksum_kind: _Optional[str] = ..., schema_version: _Optional[int] = ...) -> None: ...
+    timeline: int
+    def __init__(self, version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., checksum_kind: _Optional[str] = ..., schema_version: _Optional[int] = ..., timeline: _Optional[int] = ...) -> None: ...
 
 class LatestRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class LatestResponse(_message.Message):
-    __slots__ = ("version",)
+    __slots__ = ("version", "timeline")
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    TIMELINE_FIELD_NUMBER: _ClassVar[int]
     version: int
-    def __init__(self, version: _Optional[int] = ...) -> None: ...
+    timeline: int
+    def __init__(self, version: _Optional[int] = ..., timeline: _Optional[int] = ...) -> None: ...

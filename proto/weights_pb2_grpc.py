@@ -55,10 +55,12 @@ class WeightServiceServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Subscribe(self, request, context):
-        """Server stream. Sends the newest version greater than have_version as soon as one exists, then
-        every later newest version as it is published (intermediate versions may be skipped; versions
-        only increase). Chunks of one version are contiguous and in order. Idempotent: a subscriber
-        that reconnects after either side restarts passes its current version and gets only newer ones.
+        """Server stream. Sends the newest version as soon as it is new to the subscriber (greater than
+        have_version, or of another timeline than have_timeline: a learner resumed from an older checkpoint
+        republishes lower numbers on a new timeline), then every later newest version as it is published
+        (intermediate versions may be skipped; within one timeline versions only increase). Chunks of one
+        version are contiguous and in order. Idempotent: a subscriber that reconnects after either side
+        restarts passes its current version and timeline and gets only new ones.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -75,7 +77,7 @@ class WeightServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Latest(self, request, context):
-        """The newest published version (-1 before the first).
+        """The newest published version (-1 before the first) and its timeline.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

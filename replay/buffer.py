@@ -306,10 +306,13 @@ class TrajectoryBuffer:
         """Return leased groups to the pool untouched; returns how many. Raises ``UnknownLeaseError``."""
         return self._end("release", lease_ids)
 
-    def rejoin(self, consumer: str, learner_version: int) -> int:
+    def rejoin(self, consumer: str, learner_version: int, timeline: int = 0) -> int:
         """``consumer`` restarted from a checkpoint at policy version ``learner_version``: release every
         lease it still holds and set the learner version to ``learner_version`` even if that is lower
         (the ``Sample`` path only ever raises it). Call after re-acking the checkpoint's own leases.
+        ``timeline`` (``proto.timeline``; 0: none) names the learner incarnation: a new one retires the
+        previous learner's timeline, whose versions above ``learner_version`` are then dead: stored groups
+        of them are deleted and later inserts of them dropped (``dead_timeline_total``).
         Returns how many groups were released.
 
         Raises:
@@ -320,7 +323,10 @@ class TrajectoryBuffer:
         if learner_version < 0:
             raise ValueError(f"learner_version ({learner_version}) must be >= 0")
         with self._lock:
-            lsn, n = self._commit(Record("rejoin", {"consumer": consumer, "version": int(learner_version)}))
+            meta = {"consumer": consumer, "version": int(learner_version)}
+            if timeline:
+                meta["timeline"] = int(timeline)
+            lsn, n = self._commit(Record("rejoin", meta))
             self._lock.notify_all()
         self.wait_durable(lsn)
         return n

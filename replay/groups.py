@@ -62,6 +62,12 @@ def _span_ends(table: pa.Table) -> tuple[np.ndarray, np.ndarray]:
     return values[offsets[:-1]], values[offsets[1:] - 1]
 
 
+def group_timeline(rows: pa.Table) -> tuple[int, int]:
+    """``(policy_timeline, newest version)`` of a group's rows: the largest of each over its rows."""
+    _, last = _span_ends(rows)
+    return int(pc.max(rows.column("policy_timeline")).as_py()), int(last.max())
+
+
 def _group_rows(table: pa.Table) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Groups in first-appearance order: ``(group ids, row order, group starts in it, group sizes,
     per-row group index)``; the rows of group ``i`` are ``order[starts[i]: starts[i] + sizes[i]]``,
@@ -148,6 +154,7 @@ def _split(table: pa.Table, per_row: np.ndarray, part_of_row: np.ndarray | None)
             raise _Straddles()
         part = in_part[starts]
     first, last = (x[order] for x in _span_ends(table))
+    table_timelines = table.column("policy_timeline").to_numpy()
     prompts, attempts = ints["prompt_index"][order], ints["attempt"][order]
     uniform = ((np.minimum.reduceat(prompts, starts) == np.maximum.reduceat(prompts, starts))
                & (np.minimum.reduceat(attempts, starts) == np.maximum.reduceat(attempts, starts)))
@@ -174,7 +181,9 @@ def _split(table: pa.Table, per_row: np.ndarray, part_of_row: np.ndarray | None)
                       (sizes * per_row[part]).astype(np.int64).tolist(), newest,
                       np.add.reduceat((first != last).astype(np.int64), starts).tolist(),
                       part=None if part_of_row is None else part.tolist(),
-                      parts=1 if part_of_row is None else len(per_row))
+                      parts=1 if part_of_row is None else len(per_row),
+                      timeline=np.maximum.reduceat(table_timelines[order], starts).tolist(),
+                      newest=np.maximum.reduceat(last, starts).tolist())
     return plan, contiguous
 
 

@@ -24,8 +24,9 @@ Kinds and their ``meta`` (JSON object; keys are group keys, times are clock seco
 ``ack``             ``{"lease_ids": [...]}`` leases consumed
 ``release``         ``{"lease_ids": [...]}`` leases returned untouched
 ``expire``          ``{"lease_ids": [...]}`` leases past their deadline, returned
-``rejoin``          ``{"consumer", "version"}`` a consumer resumed from a checkpoint: its leases are
-                    returned and the learner version is set to ``version`` (it may go down)
+``rejoin``          ``{"consumer", "version", "timeline"?}`` a consumer resumed from a checkpoint: its
+                    leases are returned and the learner version is set to ``version`` (it may go down); a
+                    new ``timeline`` retires the previous learner's and deletes its dead groups
 ``prompt_lease``    ``{"consumer", "items": [[index, attempt], ...], "expires_at"}``
 ``prompt_expire``   ``{"items": [[index, next_attempt], ...]}``
 ``priority``        ``{"keys": [...], "priorities": [...]}``

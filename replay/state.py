@@ -15,7 +15,8 @@ import random
 import pyarrow as pa
 
 from replay.config import ReplayConfig
-from replay.groups import GroupStore, split_groups
+from proto.timeline import SHARED
+from replay.groups import GroupStore, group_timeline, split_groups
 from replay.ledger import PromptLedger
 from replay.rate_limiter import RateLimiter
 from replay.records import Record
@@ -44,6 +45,12 @@ class ReplayState:
         """The last ``ACKED_MEMORY`` acked lease ids, oldest first: an ack repeated after a replay restart (the
         first was logged, its answer lost) is answered 0 instead of "unknown lease"."""
         self.learner_version = -1
+        self.timeline = SHARED
+        """Timeline (``proto.timeline``) of the learner that rejoined last; ``SHARED``: none declared one."""
+        self.timeline_start = -1
+        """Policy version that learner resumed from (``Rejoin``)."""
+        self.retired: list[int] = []
+        """Timelines of the learners that rejoined before it (crashed or replaced), oldest first."""
         self.next_key = 0
         self.counters = Counters()
 
@@ -54,6 +61,13 @@ class ReplayState:
     # ---- queries --------------------------------------------------------------------------------
     def too_stale(self, oldest_version: int) -> bool:
         return self.learner_version - oldest_version > self.config.max_staleness
+
+    def dead(self, timeline: int, newest_version: int) -> bool:
+        """Whether rows of ``timeline`` whose newest span is ``newest_version`` were sampled by weights that the
+        current learner's history does not hold: a retired learner's versions above the one the current
+        learner resumed from (they share a number, not the weights). A timeline replay never saw rejoin counts
+        as live (a learner that has not rejoined yet, or ``SHARED``)."""
+        return newest_version > self.timeline_start and timeline in self.retired
 
     @property
     def size(self) -> int:
@@ -122,7 +136,7 @@ class ReplayState:
         elif rec.kind == "learner_version":
             self._set_learner_version(m["version"])
         elif rec.kind == "rejoin":
-            return self._rejoin(m["consumer"], m["version"])
+            return self._rejoin(m["consumer"], m["version"], m.get("timeline", SHARED))
         elif rec.kind == "lease":
             return self._lease(Lease(m["lease_id"], tuple(m["keys"]), m["consumer"], m["expires_at"],
                                      m.get("request_id", "")))
@@ -152,6 +166,11 @@ class ReplayState:
             if not ok:
                 result.duplicates += n
                 continue
+            if plan.timeline is not None and self.dead(plan.timeline[i], plan.newest[i]):  # never stored
+                result.dropped_stale += n
+                c.dropped_stale_total += n
+                c.dead_timeline_total += n
+                continue
             stale = self.learner_version - oldest > cfg.max_staleness
             if stale:
                 result.dropped_stale += n
@@ -179,16 +198,34 @@ class ReplayState:
         for key in self.store.pooled_older_than(self.learner_version - self.config.max_staleness):
             self._stale(key)
 
-    def _rejoin(self, consumer: str, version: int) -> int:
+    def _rejoin(self, consumer: str, version: int, timeline: int = SHARED) -> int:
         """``consumer`` resumed from a checkpoint at ``version``: the leases it still holds were taken after
         that checkpoint (its committed ones were acked first), so they go back to the pool; the learner
         version follows the checkpoint, down if need be (a learner rolled back to an older checkpoint
-        must not see its fresh groups dropped as stale). Returns how many groups were released."""
+        must not see its fresh groups dropped as stale). A new ``timeline`` (not ``SHARED``) retires the
+        previous learner's, and the stored groups that became ``dead`` are deleted. Returns how many groups
+        were released."""
+        if timeline != SHARED and timeline != self.timeline:
+            if self.timeline != SHARED and self.timeline not in self.retired:
+                self.retired.append(self.timeline)
+            self.timeline, self.timeline_start = timeline, version
         held = [i for i, lease in self.leases.items() if lease.consumer == consumer]
         self.learner_version = version
         released = self._end_leases("release", held)
         self._set_learner_version(version)
+        for key in [k for k, g in self.store.groups.items() if g.state != LEASED and self._group_dead(g)]:
+            self._drop_dead(key)
         return released
+
+    def _group_dead(self, g: Group) -> bool:
+        return bool(self.retired) and self.dead(*group_timeline(g.table))
+
+    def _drop_dead(self, key: int) -> None:
+        rows = self.store.groups[key].num_rows
+        self.store.delete(key)
+        self.counters.dropped_stale_total += rows
+        self.counters.dead_timeline_total += rows
+        self.counters.dead_timeline_deleted_total += rows
 
     def _stale(self, key: int) -> None:
         rows = self.store.groups[key].num_rows
@@ -224,7 +261,9 @@ class ReplayState:
                 else:
                     self.store.set_state(key, POOLED, sampled_delta=-1)
                     self.limiter.on_unsample(1)
-                    if self.too_stale(self.store.groups[key].oldest_version):
+                    if self._group_dead(self.store.groups[key]):
+                        self._drop_dead(key)
+                    elif self.too_stale(self.store.groups[key].oldest_version):
                         self._stale(key)
         c = self.counters
         if how == "ack":
@@ -270,6 +309,7 @@ class ReplayState:
         counters["inserted_by_newest_version"] = [[k, v] for k, v in c.inserted_by_newest_version.items()]
         counters["staleness_at_sample"] = [[k, v] for k, v in c.staleness_at_sample.items()]
         return {"learner_version": self.learner_version, "next_key": self.next_key, "counters": counters,
+                "timeline": self.timeline, "timeline_start": self.timeline_start, "retired": list(self.retired),
                 "limiter": self.limiter.state_dict(), "ledger": self.ledger.state_dict(),
                 "leases": [[x.lease_id, list(x.keys), x.consumer, x.expires_at, x.request_id]
                            for x in self.leases.values()],
@@ -280,6 +320,8 @@ class ReplayState:
         self.store = GroupStore(self.config, self._rng)
         self.store.add_many(groups)
         self.learner_version, self.next_key = int(state["learner_version"]), int(state["next_key"])
+        self.timeline, self.timeline_start = int(state.get("timeline", SHARED)), int(state.get("timeline_start", -1))
+        self.retired = [int(t) for t in state.get("retired", [])]  # snapshots before timelines: none
         raw = dict(state["counters"])
         by_version = {int(k): int(v) for k, v in raw.pop("inserted_by_newest_version")}
         lags = {int(k): int(v) for k, v in raw.pop("staleness_at_sample")}

@@ -76,6 +76,10 @@ class InsertPlan:
     """Per group, the index of the insert it came from (``split_batch``); ``None``: one insert."""
     parts: int = 1
     """Inserts the plan covers."""
+    timeline: list[int] | None = None
+    """Per group: the ``policy_timeline`` of its rows (their largest), ``proto.timeline``."""
+    newest: list[int] | None = None
+    """Per group: the newest version any of its rows' spans names."""
 
     def __len__(self) -> int:
         return len(self.group_ids)
@@ -122,6 +126,11 @@ class Counters:
     released_groups_total: int = 0
     expired_groups_total: int = 0
     inserted_multi_version: int = 0
+    dead_timeline_total: int = 0
+    """Rows dropped because a crashed learner's timeline sampled them after the version the current learner
+    resumed from (``ReplayState.dead``); also counted in ``dropped_stale_total``."""
+    dead_timeline_deleted_total: int = 0
+    """The part of ``dead_timeline_total`` deleted after it was stored (at a ``Rejoin``, or a lease's return)."""
     inserted_by_newest_version: dict[int, int] = field(default_factory=dict)
     staleness_at_sample: dict[int, int] = field(default_factory=dict)
     """Policy lag (learner version − oldest token version) → groups sampled at that lag."""

@@ -196,11 +196,13 @@ class RolloutEngine:
         ``lm_head.weight`` may be left out), on CPU, any float dtype (cast to ``config.dtype``); or,
         with the NCCL transport, the ``VersionManifest`` of tensors the learner is broadcasting.
 
-        ``rewind=True`` (lockstep only, ``rollout.lockstep_gate``) also accepts a version older than the
-        current one: lockstep versions name exact weights, so a re-issued prompt may need an older one.
+        ``rewind=True`` also accepts a version not newer than the current one: lockstep versions name exact
+        weights, so a re-issued prompt may need an older one (``rollout.lockstep_gate``); and a learner that
+        resumed from an older checkpoint publishes on a new timeline (``proto.timeline``), whose version
+        may be lower than or equal to the dead timeline's the engine serves (``RolloutWorker.apply_weights``).
 
         Raises:
-            StaleVersionError: ``version`` <= the current version (and not ``rewind``); nothing changes.
+            StaleVersionError: ``version`` <= the current version and not ``rewind``; nothing changes.
             WeightMismatchError: unknown, missing or duplicate name, wrong shape or non-float dtype
                 (raised before pausing), or a broadcast tensor that fails its checksum (refused
                 before loading); the old weights keep serving. With a ``VersionManifest`` every refusal
@@ -213,7 +215,7 @@ class RolloutEngine:
         async with self._update_lock:
             self._check_alive()
             manifest = isinstance(named_tensors, VersionManifest)
-            if version == self._version or (version < self._version and not rewind):
+            if version <= self._version and not rewind:
                 stale = StaleVersionError(
                     f"weight version ({version}) must be newer than the current one ({self._version})")
                 if manifest and self._nccl_ready is not None:  # its broadcast is coming: take the bytes

@@ -174,12 +174,12 @@ class SimulatedEngine:
             self.generate(p, 1, sampling, f"greedy-{i}", seed=zlib.crc32(np.asarray(p, np.int64).tobytes()))
             for i, p in enumerate(prompts)))]
 
-    async def update_weights(self, version: int, named_tensors) -> float:
+    async def update_weights(self, version: int, named_tensors, rewind: bool = False) -> float:
         """Check a policy version's tensors against the model, pause generation ``apply_s`` seconds and
-        switch to ``version``; returns the seconds the update took.
+        switch to ``version``; returns the seconds the update took. ``rewind`` as in ``RolloutEngine``.
 
         Raises:
-            ValueError: ``version`` is not newer than the current one, the payload is not named tensors
+            ValueError: ``version`` is not newer than the current one (and not ``rewind``), the payload is not named tensors
                 (the simulated engine takes the gRPC transport only), or a tensor is wrong (``check_weights``).
         """
         start = time.perf_counter()
@@ -187,7 +187,7 @@ class SimulatedEngine:
             raise ValueError(f"the simulated engine takes named tensors (gRPC transport), got "
                              f"{type(named_tensors).__name__}; set weight_transport type 'grpc'")
         async with self._update_lock:
-            if version <= self._version:
+            if version <= self._version and not rewind:
                 raise ValueError(f"weight version ({version}) must be newer than the current one ({self._version})")
             nbytes = check_weights(named_tensors, self._expected, self._optional, self._config.model)
             self._resumed.clear()

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from faults import fault_point
 from proto.lockstep import LockstepConfig
+from proto.timeline import SHARED, is_new, label
 from proto.trajectory import Trajectory, make_ids, to_table
 from rollout.config import EngineConfig, SamplingConfig
 from rollout.lockstep_gate import LockstepGate
@@ -87,6 +88,10 @@ class RolloutStats:
     insert_retries: int = 0
     groups_in_flight: int = 0
     """Groups being generated now (generation tasks of ``RolloutWorker.run``)."""
+    timeline_switches: int = 0
+    """Weight loads from another timeline than the engine's (``proto.timeline``: the learner rewound)."""
+    groups_dropped_on_switch: int = 0
+    """Groups in generation cancelled by a timeline switch (their prompt leases expire and are re-issued)."""
     gate_waits: int = 0
     """Passes of the generation loop that found the version gate (``max_groups_per_version``) closed; each
     then waits (up to 0.5 s for a group in flight to finish, else up to 0.2 s for a newer version)."""
@@ -103,8 +108,8 @@ class RolloutStats:
 
     def count_rewards(self, task: str, parts: dict) -> None:
         """Add one group's per-reward results (``GroupScore.parts``) to ``reward_parts``."""
-        for label, results in parts.items():
-            acc = self.reward_parts.setdefault(f"{task}/{label}", [0.0, 0])
+        for name, results in parts.items():
+            acc = self.reward_parts.setdefault(f"{task}/{name}", [0.0, 0])
             for r in results:
                 if not r.error:
                     acc[0] += r.reward
@@ -119,6 +124,7 @@ class RolloutStats:
                 "insert_retries": self.insert_retries, "groups_in_flight": self.groups_in_flight,
                 "gate_waits": self.gate_waits, "prompts_too_long": self.prompts_too_long,
                 "reward_errors": self.reward_errors,
+                "timeline_switches": self.timeline_switches, "groups_dropped_on_switch": self.groups_dropped_on_switch,
                 "reward_means": {k: s / n for k, (s, n) in self.reward_parts.items() if n},
                 "reward_counts": {k: n for k, (_, n) in self.reward_parts.items()},
                 **(self.spool.stats().as_dict() if self.spool else {})}
@@ -161,25 +167,71 @@ class RolloutWorker:
         self.lockstep = LockstepGate(engine, config.lockstep) if config.lockstep is not None else None
         self.newest_offered = -1
         """Newest policy version the learner streamed (lockstep applies versions through its gate instead)."""
+        self.timeline = SHARED
+        """Timeline (``proto.timeline``) of the weights the engine serves: ``SHARED`` for the initial ones."""
+        self._tasks: set[asyncio.Task] = set()  # groups being generated (run's tasks)
+        self._steady = asyncio.Event()  # cleared while the timeline switches: no group starts meanwhile
+        self._steady.set()
         self._flush_wakeup = asyncio.Event()
         self._puts: set[asyncio.Future] = set()
         self._gate = (-1, 0)  # (policy version, groups started with it) for max_groups_per_version
         self._new_version = asyncio.Event()
 
     # ---- weights ------------------------------------------------------------------------------
-    async def apply_weights(self, version: int, named_tensors) -> None:
-        """Apply a policy version in flight (engine: pause, load, reset prefix cache, resume)."""
+    async def apply_weights(self, version: int, named_tensors, timeline: int = SHARED) -> None:
+        """Apply policy ``version`` of ``timeline`` in flight (engine: pause, load, reset prefix cache, resume)
+        when it is new to the engine (``proto.timeline.is_new``), else ignore it.
+
+        A version of another timeline than the engine's (the learner resumed from an older checkpoint) is
+        applied whatever its number: first the groups in generation are cancelled, since their tokens came
+        from weights no learner will continue (their prompt leases expire and are re-issued), and no group
+        starts until the new weights are in. Raises what ``engine.update_weights`` raises.
+        """
         if self.lockstep is not None:  # exact versions come from the version store, per prompt
             self.newest_offered = max(self.newest_offered, version)
             return
-        if version <= self.engine.version:
+        if not is_new(version, timeline, self.engine.version, self.timeline):
             return
         fault_point("rollout.apply_weights")
-        seconds = await self.engine.update_weights(version, named_tensors)
+        old, switch = self.timeline, timeline != self.timeline
+        if switch:
+            self._steady.clear()
+        try:
+            if switch and old != SHARED:  # SHARED weights (the initial ones) are every timeline's
+                await self._cancel_groups()
+            # before the load: a group finishing meanwhile labels its newest span with the new timeline, which
+            # is right for the new version and harmless for version 0 (``label``: SHARED)
+            self.timeline = timeline
+            rewind = {"rewind": True} if version <= self.engine.version else {}
+            seconds = await self.engine.update_weights(version, named_tensors, **rewind)
+        except BaseException:
+            self.timeline = old
+            raise
+        finally:
+            self._steady.set()
+        if switch:
+            self.stats.timeline_switches += 1
+            log.warning("weights_timeline_switched", rollout=self.rollout_id, version=version, timeline=timeline,
+                        from_timeline=old)
         self.stats.weight_updates += 1
         self.stats.last_update_s = seconds
         self._new_version.set()  # wakes a generation loop waiting at the version gate
         log.info("weights_applied", rollout=self.rollout_id, version=version, seconds=round(seconds, 3))
+
+    def serves(self, version: int, timeline: int) -> bool:
+        """Whether the engine serves ``version`` of ``timeline`` or a newer version of that timeline (lockstep:
+        whether that version was offered)."""
+        if self.lockstep is not None:
+            return self.newest_offered >= version
+        return self.engine.version >= version and self.timeline == timeline
+
+    async def _cancel_groups(self) -> None:
+        """Cancel every group in generation and wait for them (a generated group's delivery still finishes)."""
+        doomed = [t for t in self._tasks if not t.done()]
+        for t in doomed:
+            t.cancel()
+        await asyncio.gather(*doomed, return_exceptions=True)
+        self.stats.groups_dropped_on_switch += len(doomed)
 
     # ---- generation loop ----------------------------------------------------------------------
     async def run(self) -> None:
@@ -192,7 +244,7 @@ class RolloutWorker:
         (or ``self.flusher.drain``). Raises whatever the flusher raised (not a retryable replay error).
         """
         loop = asyncio.get_running_loop()
-        tasks: set[asyncio.Task] = set()
+        tasks = self._tasks
         flusher = await self._start_spool(loop)
         try:
             while not self._stopping.is_set():
@@ -213,10 +265,12 @@ class RolloutWorker:
                         self.stats.groups_in_flight = len(tasks)
                         continue
                 if tasks:
-                    done, tasks = await asyncio.wait(tasks, timeout=0.5, return_when=asyncio.FIRST_COMPLETED)
+                    done, _ = await asyncio.wait(tasks, timeout=0.5, return_when=asyncio.FIRST_COMPLETED)
+                    tasks.difference_update(done)
                     self.stats.groups_in_flight = len(tasks)
                     for t in done:
-                        t.result()
+                        if not t.cancelled():  # cancelled by a timeline switch (``apply_weights``)
+                            t.result()
                 elif not gate_open:  # wait for the next policy version (or re-check after 0.2 s)
                     self._new_version.clear()
                     if not self._gate_open():
@@ -228,6 +282,7 @@ class RolloutWorker:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            tasks.clear()
             self.stats.groups_in_flight = 0
             await asyncio.gather(*self._puts, return_exceptions=True)  # a cancelled group's put still finishes
             if flusher is not None:
@@ -239,6 +294,8 @@ class RolloutWorker:
 
     def _gate_open(self) -> bool:
         """Whether ``max_groups_per_version`` lets another group start with the engine's current version."""
+        if not self._steady.is_set():  # a timeline switch is cancelling groups: none starts on the dead weights
+            return False
         limit = self.config.max_groups_per_version
         version, started = self._gate
         return limit is None or version != self.engine.version or started < limit
@@ -278,6 +335,7 @@ class RolloutWorker:
         reward_fn = self.task.reward_for(problem.task)  # bound at group start: a reward swap applies to later groups
         prompt_ids = self._prompt_ids(problem)
         _, group_id = make_ids(prompt_index, 0, attempt)
+        await self._steady.wait()  # leased while the weights switched timeline: start on the new ones
         if self.lockstep is None:
             seed = zlib.crc32(f"{self.seed}-{group_id}".encode())
             samples = await self.engine.generate(prompt_ids, self.config.group_size, self.config.sampling,
@@ -288,7 +346,8 @@ class RolloutWorker:
                 samples = await self.engine.generate(prompt_ids, self.config.group_size, self.config.sampling,
                                                      request_id=f"{group_id}@{self.rollout_id}",
                                                      seed=lock.seed_for(prompt_index))
-        finish = self._finish_group(prompt_index, attempt, problem, reward_fn, prompt_ids, samples)
+        timeline = self.timeline  # of the weights that sampled the newest tokens (no await since they did)
+        finish = self._finish_group(prompt_index, attempt, problem, reward_fn, prompt_ids, samples, timeline)
         if self.spool is None:
             await finish
             return
@@ -300,8 +359,9 @@ class RolloutWorker:
         await asyncio.shield(task)
 
     async def _finish_group(self, prompt_index: int, attempt: int, problem, reward_fn, prompt_ids: list[int],
-                            samples) -> None:
-        """Score a generated group, build its trajectories and deliver them (spool or replay)."""
+                            samples, timeline: int = SHARED) -> None:
+        """Score a generated group, build its trajectories (``policy_timeline``: ``timeline``, SHARED for a
+        sample whose newest span is version 0) and deliver them (spool or replay)."""
         group = Group([s.text for s in samples], [self.task.messages(problem)] * len(samples), problem.entry,
                       [list(s.token_ids) for s in samples])
         score = (await score_groups([(reward_fn, group)]))[0]  # off the event loop
@@ -315,7 +375,8 @@ class RolloutWorker:
                 behaviour_logprobs=list(s.logprobs), reward=scored[i].reward, reward_error=scored[i].error,
                 finish_reason=s.finish_reason, version_span_starts=list(s.version_span_starts),
                 version_span_versions=list(s.version_span_versions), reward_fn_version=scored[i].version,
-                rollout_id=self.rollout_id, created_at=time.time()))
+                rollout_id=self.rollout_id, created_at=time.time(),
+                policy_timeline=label(s.version_span_versions[-1], timeline)))
         await self._deliver(to_table(rows))
         self.stats.groups += 1
         self.stats.trajectories += len(rows)

@@ -125,6 +125,7 @@ class LearnerActor:
                  metrics_port: int | None = 0, ranks: dict | None = None) -> None:
         from learner.engine import LearnerEngine
         from learner.loop import LearnerLoop, LearnerLoopConfig
+        from learner.loop_config import prepare_learner_process
         from learner.ranks import LeaderEngine
         from learner.publisher import WeightPublisher
         from services import weight_server
@@ -137,6 +138,7 @@ class LearnerActor:
         sec = _security(security)
         host = host or (sec.bind_host if sec is not None else "127.0.0.1")
         self.config = LearnerLoopConfig(**config)
+        prepare_learner_process(self.config)  # lockstep: deterministic kernels, before CUDA starts
         self.engine = LearnerEngine(self.config.engine, self.config.algorithm)
         if ranks is not None and ranks["world_size"] > 1:  # rank 0 announces each collective call to the others
             self.engine = LeaderEngine(self.engine, on_failure=fail_stop)
@@ -235,7 +237,8 @@ class LearnerActor:
         age = time.time() - last.stat().st_mtime if last is not None and last.exists() else None
         return {"pid": os.getpid(), "node": _node_ip(), "address": self.weights_address(),
                 "metrics_port": self.metrics_port,
-                "version": self.engine.version, "running": self._running, "resumed_from": str(self.resumed_from or ""),
+                "version": self.engine.version, "timeline": self.publisher.latest()[1],
+                "running": self._running, "resumed_from": str(self.resumed_from or ""),
                 "last_checkpoint": str(last or ""), "checkpoint_age_s": age,
                 "tokens_per_s": self._rows[-1].get("tokens_per_s") if self._rows else None}
 
@@ -277,6 +280,7 @@ class LearnerRankActor:
     def __init__(self, config: dict, ranks: dict, run_id: str = "run") -> None:
         from learner.engine import LearnerEngine
         from learner.loop import LearnerLoopConfig
+        from learner.loop_config import prepare_learner_process
         from services.logs import configure_logging
 
         if ranks["rank"] < 1:
@@ -285,6 +289,7 @@ class LearnerRankActor:
         set_rank_env(ranks)
         self.rank = ranks["rank"]
         cfg = LearnerLoopConfig(**config)
+        prepare_learner_process(cfg)  # lockstep: deterministic kernels, before CUDA starts
         self.engine = LearnerEngine(cfg.engine, cfg.algorithm)
         self._following = False
 

@@ -240,9 +240,13 @@ def _train(recipe: Recipe, sup: Supervisor, metrics: MetricsWriter, console: Con
     if recipe.eval_after:
         lead = sup.rollouts()[0].handle
         with console.status("evaluating the final policy on the held-out set…"):
-            got = ray.get(lead.wait_for_version.remote(final_version, 600))
+            # the learner's timeline too: after a learner crash the rollout may hold the crashed learner's
+            # weights under the same number (proto.timeline)
+            timeline = ray.get(sup.learner.handle.describe.remote(), timeout=30)["timeline"]
+            got = ray.get(lead.wait_for_version.remote(final_version, 600, timeline))
             if got < final_version:
-                raise RuntimeError(f"rollout-0 reached policy version {got}, not {final_version}, within 600 s")
+                raise RuntimeError(f"rollout-0 reached policy version {got}, not {final_version} of the learner's "
+                                   f"timeline {timeline}, within 600 s")
             after = ray.get(lead.evaluate.remote())
         metrics.write({"step": final_version, "time": time.time(), **after})
         summary["heldout_accuracy_after"] = after["heldout_accuracy"]

@@ -19,7 +19,9 @@ Violations (``KINDS``), each with a detail naming the group, prompt, version or 
 - ``lost``: an acknowledged group neither stored nor trained. A group trained only by a rolled-back
   checkpoint is lost (the detail says which commit and which resume). Replay deletes groups without
   naming them in two cases it counts: the staleness gate (``dropped_stale_total``, rows, in ``drop`` mode,
-  minus the rows dropped at insert) and capacity eviction (``evicted_groups_total``). Missing groups are
+  minus the rows dropped at insert; in ``exclude`` mode only ``dead_timeline_deleted_total``, the groups of a
+  crashed learner's timeline deleted at the resumed learner's ``Rejoin``) and capacity eviction
+  (``evicted_groups_total``). Missing groups are
   excused against those counters (staleness first, by rows; then eviction, one group each) and reported in
   ``counts["dropped_stale_groups"]`` / ``counts["evicted_groups"]``; a missing group beyond what the
   counters explain is lost. Rolled-back groups are never excused.
@@ -29,8 +31,9 @@ Violations (``KINDS``), each with a detail naming the group, prompt, version or 
   stale at insert, across rollouts — the same group accepted twice counts twice: replay lost it in between);
   a prompt replay's ledger counts complete with no group evidence at all (no ack of any kind, not stored,
   not trained); or an accepted group whose prompt the ledger does not count complete.
-- ``version_regressed``: within one rollout process (pid), a ``weights`` version below an earlier one
-  (across a restart — a new pid — a lower version is legitimate after a learner rollback).
+- ``version_regressed``: within one rollout process (pid) and one timeline (``proto.timeline``), a
+  ``weights`` version below an earlier one (across a restart — a new pid — or a timeline switch — the
+  learner resumed from an older checkpoint — a lower version is legitimate).
 - ``resume_not_newest``: a resume at a step below the newest valid ``commit`` journaled before it, unless
   that step is listed in the resume's ``rejected`` (it failed verification).
 
@@ -168,8 +171,8 @@ def _check_trained_twice(records: RunRecords, trained: Counter, steps: dict, out
 def _excuse_budget(records: RunRecords, acks: _Acks) -> tuple[int, int]:
     """(stale rows, evicted groups) replay deleted after insert without naming them."""
     c = records.counters
-    stale_rows = 0
-    if records.replay_config.staleness_mode == "drop":
+    stale_rows = c.dead_timeline_deleted_total  # a crashed learner's timeline, deleted at the resumed one's Rejoin
+    if records.replay_config.staleness_mode == "drop":  # dropped_stale_total holds those too
         stale_rows = max(0, c.dropped_stale_total - sum(rows for _, _, rows in acks.stale_at_insert.values()))
     return stale_rows, c.evicted_groups_total
 
@@ -223,16 +226,17 @@ def _check_prompts(records: RunRecords, acks: _Acks, trained: Counter, out: list
 def _check_versions(records: RunRecords, out: list[Violation]) -> int:
     events = 0
     for rollout, journal in records.rollout_events.items():
-        newest: dict[int, int] = {}
+        newest: dict[tuple[int, int], int] = {}
         for event in journal:
             if event["event"] != "weights":
                 continue
             events += 1
             pid, version = int(event["pid"]), int(event["version"])
-            if pid in newest and version < newest[pid]:
+            key = (pid, int(event.get("timeline", 0)))  # journals before timelines: one timeline
+            if key in newest and version < newest[key]:
                 out.append(Violation("version_regressed", f"{rollout} pid {pid} applied policy version {version} "
-                                                          f"after version {newest[pid]}"))
-            newest[pid] = max(version, newest.get(pid, version))
+                                                          f"after version {newest[key]} (timeline {key[1]})"))
+            newest[key] = max(version, newest.get(key, version))
     return events
 
 

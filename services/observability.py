@@ -59,7 +59,13 @@ _LEARNER_GAUGES = {  # row key -> (metric name, help)
     "pending_leases": ("gyre_learner_pending_leases", "Replay leases trained on but not acked (awaiting a checkpoint)"),
 }
 _LEARNER_COUNTERS = {"tokens": ("gyre_learner_tokens", "Non-pad tokens trained on"),
-                     "trajectories": ("gyre_learner_trajectories", "Trajectories trained on")}
+                     "trajectories": ("gyre_learner_trajectories", "Trajectories trained on"),
+                     "dead_timeline_rows": ("gyre_learner_dead_timeline_trajectories",
+                                            "Trajectories trained on that a crashed learner's weights sampled after "
+                                            "the version this learner resumed from"),
+                     "staleness_negative": ("gyre_learner_negative_lag_trajectories",
+                                            "Trajectories trained on whose version the learner had not reached "
+                                            "(a crashed learner's weights after a rewind)")}
 
 
 def _number(key: str, value) -> float:
@@ -217,6 +223,9 @@ _ROLLOUT_COUNTERS = {
     "insert_retries": ("gyre_rollout_insert_retries", "Inserts re-sent after replay did not ack"),
     "spool_quarantined": ("gyre_rollout_spool_quarantined", "Corrupt spool files moved to quarantine/"),
     "reward_errors": ("gyre_rollout_reward_errors", "Trajectories whose verifier reached no verdict"),
+    "timeline_switches": ("gyre_rollout_timeline_switches", "Weight loads from another learner timeline (a rewind)"),
+    "groups_dropped_on_switch": ("gyre_rollout_groups_dropped_on_switch",
+                                 "Groups in generation cancelled because their weights' timeline died"),
 }
 
 

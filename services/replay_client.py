@@ -82,10 +82,10 @@ class ReplayClient:
         return self._stub.Release(replay_pb2.ReleaseRequest(lease_ids=lease_ids), timeout=self.timeout_s).released
 
     @_transient_as_connection_error
-    def rejoin(self, consumer: str, learner_version: int) -> int:
-        """Release every lease ``consumer`` holds and set replay's learner version (see ``Rejoin``)."""
-        return self._stub.Rejoin(replay_pb2.RejoinRequest(consumer=consumer, learner_version=learner_version),
-                                 timeout=self.timeout_s).released
+    def rejoin(self, consumer: str, learner_version: int, timeline: int = 0) -> int:
+        """Release every lease ``consumer`` holds and set replay's learner version and timeline (see ``Rejoin``)."""
+        return self._stub.Rejoin(replay_pb2.RejoinRequest(consumer=consumer, learner_version=learner_version,
+                                                          timeline=timeline), timeout=self.timeout_s).released
 
     @_transient_as_connection_error
     def lease_prompts(self, consumer: str, count: int, ttl_s: float = 0.0, below: int = 0) -> list[tuple[int, int]]:

@@ -45,8 +45,8 @@ class ReroutableReplay:
     def ack(self, lease_ids: list[str]) -> int:
         return self._patiently(lambda: self.client.ack(lease_ids))
 
-    def rejoin(self, consumer: str, learner_version: int) -> int:
-        return self._patiently(lambda: self.client.rejoin(consumer, learner_version))
+    def rejoin(self, consumer: str, learner_version: int, timeline: int = 0) -> int:
+        return self._patiently(lambda: self.client.rejoin(consumer, learner_version, timeline))
 
     def _patiently(self, call):
         deadline = time.monotonic() + self.ack_patience_s

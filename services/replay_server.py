@@ -123,7 +123,8 @@ class ReplayServicer(replay_pb2_grpc.ReplayServiceServicer):
     @_aborting
     def Rejoin(self, request, context):
         try:
-            return replay_pb2.RejoinResponse(released=self.buffer.rejoin(request.consumer, request.learner_version))
+            return replay_pb2.RejoinResponse(released=self.buffer.rejoin(request.consumer, request.learner_version,
+                                                                         request.timeline))
         except ValueError as exc:
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
 

@@ -51,7 +51,8 @@ class RolloutActor:
                              else Engine.start(cfg.engine))
         tokenizer = AutoTokenizer.from_pretrained(cfg.engine.model)
         self.journal = Journal(Path(journal_dir) / f"{rollout_id}.jsonl") if journal_dir is not None else None
-        self.journaled_version: int | None = None
+        self.journaled_version: tuple[int, int] | None = None
+        """``(version, timeline)`` last journaled."""
         self._journal_lock = threading.Lock()  # setup (event loop) and the subscriber thread both journal
         self.replay = TrackedReplay(ReplayClient(replay_address, security=self.security), self.journal)
         budget = PromptBudget.for_tokenizer(tokenizer, cfg.engine.max_model_len, cfg.sampling.max_new_tokens,
@@ -82,13 +83,17 @@ class RolloutActor:
             await asyncio.to_thread(self.subscriber.stop)
         self.subscriber = make_transport(self.engine_config.weight_transport, address, self._on_version,
                                          have_version=self.engine.version, name=self.rollout_id,
-                                         security=self.security)
+                                         security=self.security, have_timeline=self.worker.timeline)
         if self.bootstrapped is None and self.worker.lockstep is not None:
             # lockstep loads each prompt's exact version from the version store: nothing to catch up to
             self.subscriber.start()
             self.bootstrapped = BootstrapResult(self.engine.version, "lockstep", None)
         elif self.bootstrapped is None:
             self.bootstrapped = await bootstrap(self.engine, self.subscriber, self.engine_config)  # starts it
+            if self.bootstrapped.source == "disk":  # an export of unknown timeline: the learner's next offer wins
+                from proto.timeline import UNKNOWN
+
+                self.worker.timeline = UNKNOWN
         else:
             self.subscriber.start()
 
@@ -99,9 +104,9 @@ class RolloutActor:
         if address != self.replay.address:
             self.replay.client = ReplayClient(address, security=self.security)
 
-    def _on_version(self, version, tensors) -> None:
+    def _on_version(self, version, tensors, timeline) -> None:
         # Called in the subscriber thread: apply on the actor's event loop and wait for it.
-        asyncio.run_coroutine_threadsafe(self.worker.apply_weights(version, tensors), self.loop).result()
+        asyncio.run_coroutine_threadsafe(self.worker.apply_weights(version, tensors, timeline), self.loop).result()
         # The served version, not the engine's: in lockstep the engine stays at -1 until a prompt loads its
         # version, and binding -1 raised here, so the subscriber took the offer as refused and sent it again.
         bind_policy_version(self._version())
@@ -113,10 +118,13 @@ class RolloutActor:
         if self.journal is None:
             return
         with self._journal_lock:
-            version = self._version()  # lockstep: the newest offered (each prompt loads its own exact one)
-            if version != self.journaled_version:
-                self.journal.append({"event": "weights", "version": version, "pid": os.getpid(), "time": time.time()})
-                self.journaled_version = version
+            # lockstep: the newest offered (each prompt loads its own exact one); the timeline: after a learner
+            # rewind the same or a lower number names other weights (proto.timeline)
+            served = (self._version(), self.worker.timeline)
+            if served != self.journaled_version:
+                self.journal.append({"event": "weights", "version": served[0], "timeline": served[1],
+                                     "pid": os.getpid(), "time": time.time()})
+                self.journaled_version = served
 
     async def swap_reward(self, config) -> dict[str, str]:
         """Swap reward functions in flight (``RolloutWorker.swap_reward``: validated first, applies to groups
@@ -152,11 +160,19 @@ class RolloutActor:
         loads its own exact version from the version store)."""
         return max(self.engine.version, self.worker.newest_offered)
 
-    async def wait_for_version(self, version: int, timeout_s: float) -> int:
+    async def wait_for_version(self, version: int, timeout_s: float, timeline: int | None = None) -> int:
+        """Wait up to ``timeout_s`` seconds until this rollout serves ``version`` (or newer); with ``timeline``
+        (the learner's, ``proto.timeline``) only weights of that timeline count, so weights a crashed learner
+        published under the same number never pass for it. Returns the version served, ``-1`` when the
+        timeline still differs at the deadline."""
+        def reached() -> bool:
+            return (self._version() >= version if timeline is None
+                    else self.worker.serves(version, timeline))
+
         deadline = self.loop.time() + timeout_s
-        while self._version() < version and self.loop.time() < deadline:
+        while not reached() and self.loop.time() < deadline:
             await asyncio.sleep(0.2)
-        return self._version()
+        return self._version() if timeline is None or reached() else -1
 
     async def evaluate(self) -> dict:
         if self.worker.lockstep is not None:  # score the newest offered version, loaded exactly

@@ -13,38 +13,41 @@ import torch
 
 from proto import weights_pb2, weights_pb2_grpc
 from proto.tensor_chunks import ChunkAssembler, ChunkError, TensorChunk
+from proto.timeline import SHARED, is_new
 from services import grpc_common
 from services.security import SecurityConfig
 
 log = structlog.get_logger("weights")
 
-OnVersion = Callable[[int, list[tuple[str, torch.Tensor]]], None]
+OnVersion = Callable[[int, list[tuple[str, torch.Tensor]], int], None]
 
 
 class WeightSubscriber:
-    """Streams versions newer than ``have_version`` and hands each verified one to ``on_version``.
+    """Streams versions new to ``(have_version, have_timeline)`` and hands each verified one to ``on_version``.
 
     Every chunk must arrive within ``chunk_timeout_s`` seconds of the previous one once a version
     started; a stalled or broken stream is cancelled and retried with exponential backoff
     (``backoff_s`` up to ``max_backoff_s``), so a dead learner never hangs the rollout. Versions
-    only move forward: a version not newer than the last delivered one is ignored.
+    only move forward within a timeline: a version is delivered when it is newer than the last delivered
+    one or of another timeline (``proto.timeline.is_new``: the learner rewound), else ignored.
 
     Args:
         address: ``host:port`` of the learner's WeightService.
-        on_version: called in the subscriber thread with ``(version, [(name, tensor)])``; if it
+        on_version: called in the subscriber thread with ``(version, [(name, tensor)], timeline)``; if it
             raises, the version is not counted as delivered, the stream is retried after backoff and
             the newest version is fetched again (the engine keeps serving the old one meanwhile).
         have_version: newest version the caller already has (-1 for none).
+        have_timeline: its timeline (``proto.timeline``; ``SHARED`` for none or the initial weights).
         security: TLS and token settings for the channel (``None``: plaintext, no token).
     """
 
     def __init__(self, address: str, on_version: OnVersion, have_version: int = -1, name: str = "",
                  chunk_timeout_s: float = 30.0, backoff_s: float = 0.5, max_backoff_s: float = 10.0,
-                 security: SecurityConfig | None = None) -> None:
+                 security: SecurityConfig | None = None, have_timeline: int = SHARED) -> None:
         self.address = address
         self.security = security
         self.on_version = on_version
-        self.have_version = have_version
+        self.have_version, self.have_timeline = have_version, have_timeline
         self.name = name
         self.chunk_timeout_s = chunk_timeout_s
         self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
@@ -82,7 +85,8 @@ class WeightSubscriber:
         with grpc_common.channel(self.address, self.security) as ch:
             subscribe = ch.unary_stream(SUBSCRIBE_METHOD, request_serializer=weights_pb2.SubscribeRequest.SerializeToString,
                                         response_deserializer=parse_chunk)
-            self._call = subscribe(weights_pb2.SubscribeRequest(have_version=self.have_version, subscriber=self.name))
+            self._call = subscribe(weights_pb2.SubscribeRequest(
+                have_version=self.have_version, have_timeline=self.have_timeline, subscriber=self.name))
             watchdog = _Watchdog(self._call, self.chunk_timeout_s)
             assembler = ChunkAssembler()
             try:
@@ -93,20 +97,20 @@ class WeightSubscriber:
                         continue
                     watchdog.kick(in_version=False)
                     version, tensors = done
-                    if version > self.have_version:
-                        self._deliver(version, tensors)
+                    if is_new(version, msg.timeline, self.have_version, self.have_timeline):
+                        self._deliver(version, tensors, msg.timeline)
             finally:
                 watchdog.stop()
             if watchdog.fired:
                 raise TimeoutError(f"no weight chunk for {self.chunk_timeout_s}s; stream abandoned")
 
 
-    def _deliver(self, version: int, tensors) -> None:
+    def _deliver(self, version: int, tensors, timeline: int) -> None:
         try:
-            self.on_version(version, tensors)
+            self.on_version(version, tensors, timeline)
         except Exception as exc:  # the engine refused it (bad weights): keep the old version, retry later
             raise VersionRefusedError(f"version {version} refused by on_version: {exc!r}") from exc
-        self.have_version = version
+        self.have_version, self.have_timeline = version, timeline
 
 
 def latest_version(address: str, timeout_s: float, security: SecurityConfig | None = None) -> int | None:
@@ -176,7 +180,7 @@ def parse_chunk(raw: bytes) -> TensorChunk:
     return TensorChunk(version=msg.version, name=msg.name, dtype=msg.dtype, shape=tuple(msg.shape),
                        offset=msg.offset, data=data, nbytes=msg.nbytes, last_of_tensor=msg.last_of_tensor,
                        checksum=msg.checksum, last_of_version=msg.last_of_version, num_tensors=msg.num_tensors,
-                       checksum_kind=msg.checksum_kind)
+                       checksum_kind=msg.checksum_kind, timeline=msg.timeline)
 
 
 class _Watchdog:

@@ -34,35 +34,38 @@ class WeightServicer(weights_pb2_grpc.WeightServiceServicer):
         self.chunk_bytes = chunk_bytes
 
     def Subscribe(self, request, context):
-        have = request.have_version
-        log.info("subscriber_joined", subscriber=request.subscriber, have_version=have)
+        have, have_timeline = request.have_version, request.have_timeline
+        log.info("subscriber_joined", subscriber=request.subscriber, have_version=have, have_timeline=have_timeline)
         while context.is_active():
-            got = self.publisher.wait_newer(have, timeout_s=1.0)
+            got = self.publisher.wait_offer(have, have_timeline, timeout_s=1.0)
             if got is None:
                 continue
-            version, tensors = got
-            for i, msg in enumerate(map(serialize_chunk, iter_chunks(version, tensors, self.chunk_bytes))):
+            version, timeline, tensors = got
+            chunks = iter_chunks(version, tensors, self.chunk_bytes, timeline=timeline)
+            for i, msg in enumerate(map(serialize_chunk, chunks)):
                 if i == 1:  # the first chunk of a new version is out, the rest not yet
                     fault_point("learner.publish.mid_stream")
                 yield msg
-            have = version
+            have, have_timeline = version, timeline
 
     def Announce(self, request, context):
-        have = request.have_version
-        log.info("announce_subscriber_joined", subscriber=request.subscriber, have_version=have)
+        have, have_timeline = request.have_version, request.have_timeline
+        log.info("announce_subscriber_joined", subscriber=request.subscriber, have_version=have,
+                 have_timeline=have_timeline)
         while context.is_active():
-            got = self.publisher.wait_newer_manifest(have, timeout_s=1.0)
+            got = self.publisher.wait_offer(have, have_timeline, timeout_s=1.0, manifest=True)
             if got is None:
                 continue
-            version, metas = got
+            version, timeline, metas = got
             yield weights_pb2.VersionManifest(
-                version=version, checksum_kind=CHECKSUM_KIND, schema_version=SCHEMA_VERSION,
+                version=version, checksum_kind=CHECKSUM_KIND, schema_version=SCHEMA_VERSION, timeline=timeline,
                 tensors=[weights_pb2.TensorMeta(name=m.name, dtype=m.dtype, shape=m.shape, nbytes=m.nbytes,
                                                 checksum=m.checksum) for m in metas])
-            have = version
+            have, have_timeline = version, timeline
 
     def Latest(self, request, context):
-        return weights_pb2.LatestResponse(version=self.publisher.version)
+        version, timeline = self.publisher.latest()
+        return weights_pb2.LatestResponse(version=version, timeline=timeline)
 
 
 _DATA_TAG = bytes([(6 << 3) | 2])  # WeightChunk.data: field 6, wire type 2 (length-delimited)
@@ -76,7 +79,8 @@ def serialize_chunk(c) -> bytes:
     head = weights_pb2.WeightChunk(
         version=c.version, name=c.name, dtype=c.dtype, shape=c.shape, offset=c.offset, nbytes=c.nbytes,
         last_of_tensor=c.last_of_tensor, checksum=c.checksum, last_of_version=c.last_of_version,
-        num_tensors=c.num_tensors, schema_version=SCHEMA_VERSION, checksum_kind=c.checksum_kind).SerializeToString()
+        num_tensors=c.num_tensors, schema_version=SCHEMA_VERSION, checksum_kind=c.checksum_kind,
+        timeline=c.timeline).SerializeToString()
     n, length = len(c.data), bytearray()
     while True:
         length.append((n & 0x7F) | (0x80 if n > 0x7F else 0))

@@ -7,8 +7,10 @@ from proto.trajectory import Trajectory, make_ids, to_table
 
 
 def make_group(prompt_index: int, n: int = 4, attempt: int = 0, version: int = 0, rewards=None,
-               response_len: int = 3, spans: tuple[list[int], list[int]] | None = None) -> list[Trajectory]:
-    """``n`` trajectories of one prompt (a GRPO group) with simple deterministic contents."""
+               response_len: int = 3, spans: tuple[list[int], list[int]] | None = None,
+               timeline: int = 0) -> list[Trajectory]:
+    """``n`` trajectories of one prompt (a GRPO group) with simple deterministic contents; ``timeline``:
+    their ``policy_timeline``."""
     rewards = rewards if rewards is not None else [float(i % 2) for i in range(n)]
     out = []
     for s in range(n):
@@ -19,7 +21,7 @@ def make_group(prompt_index: int, n: int = 4, attempt: int = 0, version: int = 0
             task="basic_arithmetic", prompt_token_ids=[1, 2, 3], response_token_ids=list(range(10, 10 + response_len)),
             behaviour_logprobs=[-0.5] * response_len, reward=rewards[s], finish_reason="stop",
             version_span_starts=list(starts), version_span_versions=list(versions),
-            reward_fn_version="test", rollout_id="r0", created_at=0.0))
+            reward_fn_version="test", rollout_id="r0", created_at=0.0, policy_timeline=timeline))
     return out
 
 
@@ -66,7 +68,9 @@ class FakeEngine:
     async def generate_greedy(self, prompts, max_new_tokens):
         return [(await self.generate(p, 1, None, "eval"))[0] for p in prompts]
 
-    async def update_weights(self, version, named_tensors):
+    async def update_weights(self, version, named_tensors, rewind=False):
+        if version <= self.version and not rewind:  # as RolloutEngine: StaleVersionError
+            raise ValueError(f"weight version ({version}) must be newer than the current one ({self.version})")
         self.version = version
         self.updates.append(version)
         return 0.01
@@ -99,8 +103,8 @@ class FakeReplay:
     def ack(self, lease_ids):
         return self.buffer.ack(lease_ids)
 
-    def rejoin(self, consumer, learner_version):
-        return self.buffer.rejoin(consumer, learner_version)
+    def rejoin(self, consumer, learner_version, timeline=0):
+        return self.buffer.rejoin(consumer, learner_version, timeline)
 
 
 class FakeTokenizer:

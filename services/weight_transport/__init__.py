@@ -11,14 +11,15 @@ __all__ = ["OnVersion", "Payload", "TransportUnavailableError", "WeightTransport
 
 def make_transport(config: GrpcTransportConfig | NcclTransportConfig, address: str, on_version: OnVersion,
                    have_version: int = -1, name: str = "",
-                   security: SecurityConfig | None = None) -> WeightTransport:
-    """The transport ``config.type`` names, not started. ``address`` is the learner's WeightService.
+                   security: SecurityConfig | None = None, have_timeline: int = 0) -> WeightTransport:
+    """The transport ``config.type`` names, not started. ``address`` is the learner's WeightService;
+    ``(have_version, have_timeline)`` is what the engine serves (``proto.timeline``).
 
     Raises:
         TransportUnavailableError: ``type: nccl`` on a machine without CUDA.
     """
     if config.type == "nccl":
         from services.weight_transport.nccl import NcclTransport
-        return NcclTransport(config, address, on_version, have_version, name, security)
+        return NcclTransport(config, address, on_version, have_version, name, security, have_timeline=have_timeline)
     from services.weight_transport.grpc_transport import GrpcTransport
-    return GrpcTransport(config, address, on_version, have_version, name, security)
+    return GrpcTransport(config, address, on_version, have_version, name, security, have_timeline=have_timeline)

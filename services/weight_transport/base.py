@@ -13,9 +13,10 @@ Payload = Union[list[tuple[str, torch.Tensor]], VersionManifest]
 """What ``on_version`` gets: the named tensors themselves (gRPC), or the manifest of tensors that the
 engine must now receive from a broadcast (NCCL); ``RolloutEngine.update_weights`` takes either."""
 
-OnVersion = Callable[[int, Payload], None]
-"""``on_version(version, payload)``: called in the transport's thread, once per newer version, in
-increasing order. If it raises, the version is not counted as delivered."""
+OnVersion = Callable[[int, Payload, int], None]
+"""``on_version(version, payload, timeline)``: called in the transport's thread, once per new version
+(``proto.timeline.is_new``: newer, or of another timeline), in publish order. If it raises, the version is
+not counted as delivered."""
 
 
 class TransportUnavailableError(RuntimeError):
@@ -26,7 +27,8 @@ class WeightTransport(abc.ABC):
     """Follows the learner's newest policy version and hands each newer one to ``on_version``.
 
     Contract shared by every implementation (``GrpcTransport``, ``NcclTransport``): versions only move
-    forward (a duplicate or older version is dropped); every tensor is verified against its checksum
+    forward within a timeline (a duplicate or older version of the same timeline is dropped; any version of
+    another timeline is delivered: the learner rewound, ``proto.timeline``); every tensor is verified against its checksum
     before ``on_version`` sees it; a stalled or broken transfer is abandoned and retried with backoff,
     never a hang; ``start``/``stop`` are idempotent-safe to call once each.
     """

@@ -10,20 +10,21 @@ from services.weight_transport.base import OnVersion, WeightTransport
 
 class GrpcTransport(WeightTransport):
     """Wraps ``services.weight_client.WeightSubscriber`` (staging, CRC-32C per tensor, chunk deadline,
-    exponential backoff, versions only forward) behind the ``WeightTransport`` ABC.
+    exponential backoff, versions only forward within a timeline) behind the ``WeightTransport`` ABC.
 
     Args:
         address: ``host:port`` of the learner's WeightService.
-        on_version: gets ``(version, [(name, CPU tensor)])`` for each verified newer version.
-        have_version: the version the engine already serves.
+        on_version: gets ``(version, [(name, CPU tensor)], timeline)`` for each verified new version.
+        have_version, have_timeline: the version the engine already serves and its timeline.
     """
 
     def __init__(self, config: GrpcTransportConfig, address: str, on_version: OnVersion, have_version: int = -1,
-                 name: str = "", security: SecurityConfig | None = None) -> None:
+                 name: str = "", security: SecurityConfig | None = None, have_timeline: int = 0) -> None:
         self.address, self.security = address, security
         self._subscriber = WeightSubscriber(
             address, on_version, have_version=have_version, name=name, chunk_timeout_s=config.chunk_timeout_s,
-            backoff_s=config.backoff_s, max_backoff_s=config.max_backoff_s, security=security)
+            backoff_s=config.backoff_s, max_backoff_s=config.max_backoff_s, security=security,
+            have_timeline=have_timeline)
 
     def start(self) -> "GrpcTransport":
         self._subscriber.start()

@@ -33,6 +33,7 @@ from services import grpc_common
 from services.security import SecurityConfig
 from services.weight_client import latest_version
 from services.weight_transport.base import OnVersion, TransportUnavailableError, WeightTransport
+from proto.timeline import SHARED, is_new
 
 log = structlog.get_logger("weights")
 __all__ = ["Broadcast", "NcclTransport", "NcclWeightSender", "open_trainer_broadcast", "receive_verified",
@@ -74,15 +75,15 @@ class NcclWeightSender:
     def __init__(self, publisher: WeightPublisher, broadcast: Broadcast, src: int = 0) -> None:
         self.publisher, self.broadcast, self.src = publisher, broadcast, src
 
-    def send(self, version: int, named: list[tuple[str, torch.Tensor]]) -> list[TensorMeta]:
-        """Publish ``version``: checksums on the tensors' device, manifest, then the broadcast.
+    def send(self, version: int, named: list[tuple[str, torch.Tensor]], timeline: int = SHARED) -> list[TensorMeta]:
+        """Publish ``version`` of ``timeline``: checksums on the tensors' device, manifest, then the broadcast.
 
         Blocks until every rank received every tensor. Raises ``ValueError`` for a version that is not
         newer than the published one (nothing is sent) and ``ChunkError`` for an unsupported dtype.
         """
         contiguous = [(n, t.detach().contiguous()) for n, t in named]
         metas = tensor_metas(contiguous)
-        self.publisher.announce(version, metas)
+        self.publisher.announce(version, metas, timeline)
         for _, t in contiguous:
             self.broadcast(t, self.src)
         return metas
@@ -116,14 +117,15 @@ class NcclTransport(WeightTransport):
     """
 
     def __init__(self, config: NcclTransportConfig, address: str, on_version: OnVersion, have_version: int = -1,
-                 name: str = "", security: SecurityConfig | None = None, require_gpu: bool = True) -> None:
+                 name: str = "", security: SecurityConfig | None = None, require_gpu: bool = True,
+                 have_timeline: int = SHARED) -> None:
         if require_gpu:
             require_cuda(f"rollout {name!r}")
         self.address, self.security, self.name = address, security, name
         self.on_version = on_version
-        self.have_version = have_version
-        self._cursor = have_version
-        """Newest announced version whose broadcast this rank took part in (applied or refused)."""
+        self.have_version, self.have_timeline = have_version, have_timeline
+        self._cursor = (have_version, have_timeline)
+        """Newest announced ``(version, timeline)`` whose broadcast this rank took part in (applied or refused)."""
         self.backoff_s = config.backoff_s
         self._errors = 0
         self._stop = threading.Event()
@@ -169,11 +171,11 @@ class NcclTransport(WeightTransport):
     def _follow(self) -> None:
         with grpc_common.channel(self.address, self.security) as ch:
             stub = weights_pb2_grpc.WeightServiceStub(ch)
-            self._call = stub.Announce(weights_pb2.SubscribeRequest(have_version=self._cursor,
-                                                                    subscriber=self.name))
+            self._call = stub.Announce(weights_pb2.SubscribeRequest(
+                have_version=self._cursor[0], have_timeline=self._cursor[1], subscriber=self.name))
             for msg in self._call:
                 manifest = to_manifest(msg)
-                if manifest.version <= self._cursor:
+                if not is_new(manifest.version, manifest.timeline, *self._cursor):
                     continue
                 self._deliver(manifest)
 
@@ -181,15 +183,15 @@ class NcclTransport(WeightTransport):
         """Hand one announced version to ``on_version`` (which joins its broadcast); a refusal is counted and
         logged, and the cursor moves past the version either way (its bytes cannot be asked for again)."""
         try:
-            self.on_version(manifest.version, manifest)
+            self.on_version(manifest.version, manifest, manifest.timeline)
         except Exception as exc:
             self._errors += 1
             log.warning("weight_version_refused", subscriber=self.name, version=manifest.version,
                         kept_version=self.have_version, error=repr(exc)[:300])
         else:
-            self.have_version = manifest.version
+            self.have_version, self.have_timeline = manifest.version, manifest.timeline
         finally:
-            self._cursor = manifest.version
+            self._cursor = (manifest.version, manifest.timeline)
 
 
 def to_manifest(msg: weights_pb2.VersionManifest) -> VersionManifest:
@@ -197,4 +199,5 @@ def to_manifest(msg: weights_pb2.VersionManifest) -> VersionManifest:
     if msg.checksum_kind != CHECKSUM_KIND:
         raise ChunkError(f"version {msg.version}: checksum kind {msg.checksum_kind!r}, expected {CHECKSUM_KIND!r}")
     return VersionManifest(msg.version, tuple(
-        TensorMeta(t.name, t.dtype, tuple(t.shape), t.nbytes, t.checksum) for t in msg.tensors), msg.checksum_kind)
+        TensorMeta(t.name, t.dtype, tuple(t.shape), t.nbytes, t.checksum) for t in msg.tensors), msg.checksum_kind,
+        msg.timeline)

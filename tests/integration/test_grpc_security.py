@@ -133,7 +133,7 @@ def test_authenticated_unary_and_server_streaming(tls_weights, pki):
     chunks = _subscribe_first_version(tls_weights, client)
     assert [(c.version, c.name) for c in chunks] == [(3, "w"), (3, "b")]
     got = []
-    sub = WeightSubscriber(tls_weights, lambda v, t: got.append((v, t)), name="tls", security=client).start()
+    sub = WeightSubscriber(tls_weights, lambda v, t, _tl: got.append((v, t)), name="tls", security=client).start()
     deadline = time.monotonic() + 10
     while not got and time.monotonic() < deadline:
         time.sleep(0.05)

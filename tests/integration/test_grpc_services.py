@@ -167,7 +167,7 @@ def test_weights_stream_versions_forward_and_resume_after_server_restart():
     pub = WeightPublisher()
     server, port = weight_server.serve(pub)
     got = []
-    sub = WeightSubscriber(f"127.0.0.1:{port}", lambda v, t: got.append((v, t)), name="t", backoff_s=0.1).start()
+    sub = WeightSubscriber(f"127.0.0.1:{port}", lambda v, t, _tl: got.append((v, t)), name="t", backoff_s=0.1).start()
     pub.publish(0, _weights(0))
     pub.publish(1, _weights(1))
     _wait(lambda: got and got[-1][0] == 1)

@@ -20,7 +20,7 @@ from proto.trajectory import Trajectory, make_ids, to_table
 STEP_KEYS = {
     "loss", "grad_norm", "tokens_per_s", "is_ratio_mean", "is_ratio_max", "ppo_clip_frac", "tis_clip_frac",
     "mis_masked_frac", "approx_kl", "is_ess_frac", "entropy", "kl_to_ref",
-    *(f"staleness_hist_{k}" for k in range(9)),
+    *(f"staleness_hist_{k}" for k in range(9)), "staleness_negative",
 }
 CRITIC_KEYS = {"value_loss", "value_clip_frac", "explained_variance"}
 

@@ -87,7 +87,7 @@ def engine_loop(tiny_llama, vllm_worker_process):  # weights cross vLLM's proces
 
 
 def _applier(engine, loop):
-    return lambda v, t: asyncio.run_coroutine_threadsafe(engine.update_weights(v, t), loop).result()
+    return lambda v, t, _tl: asyncio.run_coroutine_threadsafe(engine.update_weights(v, t), loop).result()
 
 
 async def _until(cond, timeout_s: float) -> None:

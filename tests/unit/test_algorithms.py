@@ -165,11 +165,14 @@ def test_kish_ess_fraction():
         kish_ess_fraction(torch.tensor([1.0, -1.0]))
 
 
-def test_staleness_histogram_caps_the_last_bucket():
-    # lags 0, 1, 1, 3, 12, -1 with max bucket 3: bucket 0 <- {0, -1}, 1 <- {1, 1}, 2 <- {}, 3 <- {3, 12}
-    hist = staleness_histogram(torch.tensor([0, 1, 1, 3, 12, -1]), max_bucket=3)
-    assert hist == {"staleness_hist_0": 2.0, "staleness_hist_1": 2.0, "staleness_hist_2": 0.0, "staleness_hist_3": 2.0}
-    assert list(staleness_histogram(torch.tensor([0]))) == [f"staleness_hist_{k}" for k in range(9)]
+def test_staleness_histogram_caps_the_last_bucket_and_counts_negative_lag_on_its_own():
+    # lags 0, 1, 1, 3, 12, -1, -2 with max bucket 3: bucket 0 <- {0}, 1 <- {1, 1}, 2 <- {}, 3 <- {3, 12};
+    # -1, -2 (a crashed learner's versions after a rewind) are not on-policy: counted apart, in no bucket
+    hist = staleness_histogram(torch.tensor([0, 1, 1, 3, 12, -1, -2]), max_bucket=3)
+    assert hist == {"staleness_hist_0": 1.0, "staleness_hist_1": 2.0, "staleness_hist_2": 0.0, "staleness_hist_3": 2.0,
+                    "staleness_negative": 2.0}
+    assert list(staleness_histogram(torch.tensor([0]))) == [*(f"staleness_hist_{k}" for k in range(9)),
+                                                            "staleness_negative"]
 
 
 def test_explained_variance():

@@ -128,7 +128,22 @@ def test_version_regressed_is_reported(tmp_path):
     j.append({"event": "weights", "version": 3, "pid": 100})
     j.append({"event": "weights", "version": 2, "pid": 100})
     j.append({"event": "weights", "version": 1, "pid": 555})  # a restarted process may start lower
-    assert only(check_run(run), "version_regressed") == "rollout-0 pid 100 applied policy version 2 after version 3"
+    assert only(check_run(run), "version_regressed") == ("rollout-0 pid 100 applied policy version 2 after version "
+                                                          "3 (timeline 0)")
+
+
+def test_a_lower_version_of_another_timeline_is_no_regression(tmp_path):
+    """A learner resumed from an older checkpoint publishes on a new timeline: a rollout takes its lower
+    version (proto.timeline). Within that timeline versions still only rise."""
+    run = make_run(tmp_path)
+    j = Journal(run / "rollouts" / "rollout-0.jsonl")
+    j.append({"event": "weights", "version": 7, "timeline": 111, "pid": 100})
+    j.append({"event": "weights", "version": 4, "timeline": 222, "pid": 100})  # the rewind
+    j.append({"event": "weights", "version": 5, "timeline": 222, "pid": 100})
+    assert check_run(run).ok
+    j.append({"event": "weights", "version": 3, "timeline": 222, "pid": 100})
+    assert only(check_run(run), "version_regressed") == ("rollout-0 pid 100 applied policy version 3 after version "
+                                                          "5 (timeline 222)")
 
 
 def test_resume_not_newest_is_reported_unless_the_newer_step_was_rejected(tmp_path):
@@ -150,6 +165,19 @@ def test_groups_dropped_by_the_staleness_gate_are_excused_by_replays_counters(tm
     report = check_run(run)
     assert report.ok, report.to_json()
     assert report.counts["dropped_stale_groups"] == 2 and report.counts["replay_dropped_stale_rows"] == 8
+
+
+def test_groups_of_a_crashed_learners_timeline_deleted_at_rejoin_are_excused_in_exclude_mode(tmp_path):
+    run = make_run(tmp_path, replay_cfg={"staleness_mode": "exclude"})
+    buf = TrajectoryBuffer(ReplayConfig(staleness_mode="exclude", dir=str(run / "replay")))
+    buf.rejoin("learner", 2, timeline=111)
+    table = group_table(6, version=5, timeline=111)  # sampled by timeline 111's version 5
+    Journal(run / "rollouts" / "rollout-1.jsonl").append(acked_event(table, buf.insert(table)))
+    buf.rejoin("learner", 3, timeline=222)  # resumed from step 3: 111's version 5 is dead, deleted
+    buf.close()
+    report = check_run(run)
+    assert report.ok, report.to_json()
+    assert report.counts["dropped_stale_groups"] == 1
 
 
 def test_a_torn_journal_tail_is_tolerated_and_a_garbage_middle_line_is_named(tmp_path):

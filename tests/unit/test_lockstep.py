@@ -2,11 +2,12 @@
 the rollout's version gate, and how a recipe hands the settings to rollouts and the learner."""
 
 import asyncio
+import os
 
 import pytest
 import torch
 
-from proto.lockstep import LockstepConfig, VersionStore
+from proto.lockstep import LockstepConfig, VersionMismatchError, VersionStore, weights_sha256
 from replay.buffer import TrajectoryBuffer
 from replay.config import ReplayConfig
 from rollout.lockstep_gate import LockstepGate
@@ -128,3 +129,71 @@ def test_prompt_leases_stay_below_the_limit_reissues_included():
     time.sleep(0.1)  # the three leases expire and are re-issued with attempt 1, still below the limit only
     assert buf.lease_prompts("r", 2, below=2) == [(0, 1), (1, 1)]
     assert buf.lease_prompts("r", 5, below=5) == [(2, 1), (3, 0), (4, 0)]
+
+
+def test_a_rewritten_version_must_match_the_stored_one_and_later_versions_wait_aside(tmp_path):
+    store = VersionStore(tmp_path, keep=4)
+    for v in range(4):  # a crashed learner's versions 0..3
+        store.write(v, [("w", torch.full((2,), float(v)))])
+    assert store.set_aside_after(1) == [2, 3]  # the resumed learner starts at version 1
+    assert store.versions() == [0, 1] and store.read(2) is None  # no rollout loads an unchecked version
+    store.write(2, [("w", torch.full((2,), 2.0))])  # re-produced exactly: checked, stored, aside copy gone
+    assert store.versions() == [0, 1, 2] and not store.aside_path(2).exists()
+    with pytest.raises(VersionMismatchError, match=r"policy version 3 re-written with other weights"):
+        store.write(3, [("w", torch.full((2,), 3.5))])
+    assert store.read(3) is None and store.aside_path(3).exists()  # the mismatch published nothing
+    with pytest.raises(VersionMismatchError, match=r"than the stored v1.safetensors"):
+        store.write(1, [("w", torch.zeros(2, dtype=torch.bfloat16))])
+    assert torch.equal(store.read(1)[0][1], torch.full((2,), 1.0))
+    assert weights_sha256([("a", torch.ones(1)), ("b", torch.zeros(1))]) == \
+        weights_sha256([("b", torch.zeros(1)), ("a", torch.ones(1))])
+
+
+def test_a_resumed_lockstep_learner_checks_its_predecessors_versions_before_rollouts_see_them(tmp_path):
+    from learner.config import LearnerConfig
+    from learner.loop import LearnerLoop, LearnerLoopConfig
+    from learner.publisher import WeightPublisher
+    from tests.fakes import FakeReplay
+    from tests.tiny_model import SMOLLM2_DIR
+
+    class Engine:  # what resume (cold start) and publish_current read
+        step = version = 0
+
+        def named_weights(self):
+            return [("w", torch.full((4,), float(self.version)))]
+
+    cfg = lock(tmp_path, lag=1, p=2)
+    store = VersionStore(cfg.weights_dir, keep=3)
+    store.write(0, [("w", torch.full((4,), 0.0))])
+    store.write(1, [("w", torch.full((4,), 9.0))])  # the crashed learner's version 1: not reproducible
+    loop_cfg = LearnerLoopConfig(engine=LearnerConfig(model=str(SMOLLM2_DIR)), groups_per_step=2, lockstep=cfg,
+                                 resume="none")
+    loop = LearnerLoop(loop_cfg, Engine(), FakeReplay(TrajectoryBuffer(ReplayConfig())),
+                       WeightPublisher(), pad_token_id=0, checkpoint_dir=tmp_path / "ckpt")
+    assert loop.resume() is None and store.versions() == [0]  # version 1 is set aside at once
+    loop.publish_current()  # version 0 matches
+    loop.engine.version = 1  # what the next step would publish
+    with pytest.raises(VersionMismatchError, match="policy version 1"):
+        loop.publish_current()
+    assert store.versions() == [0] and loop.publisher.version == 0
+
+
+def test_lockstep_learner_process_runs_deterministic_kernels(monkeypatch, tmp_path):
+    from learner.config import LearnerConfig
+    from learner.loop_config import LearnerLoopConfig, prepare_learner_process
+    from tests.tiny_model import SMOLLM2_DIR
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    before = torch.are_deterministic_algorithms_enabled()
+    base = {"engine": LearnerConfig(model=str(SMOLLM2_DIR)), "groups_per_step": 2}
+    try:
+        torch.use_deterministic_algorithms(False)
+        prepare_learner_process(LearnerLoopConfig(**base))  # async: nothing changes
+        assert "CUBLAS_WORKSPACE_CONFIG" not in os.environ and not torch.are_deterministic_algorithms_enabled()
+        prepare_learner_process(LearnerLoopConfig(**base, lockstep=lock(tmp_path)))
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8" and torch.are_deterministic_algorithms_enabled()
+        monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":0:0")
+        with pytest.raises(RuntimeError, match=r"CUBLAS_WORKSPACE_CONFIG is ':0:0'"):
+            prepare_learner_process(LearnerLoopConfig(**base, lockstep=lock(tmp_path)))
+    finally:
+        torch.use_deterministic_algorithms(before)

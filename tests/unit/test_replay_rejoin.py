@@ -88,3 +88,34 @@ def test_an_ack_repeated_after_a_restart_is_idempotent(tmp_path):
     with pytest.raises(KeyError, match="unknown lease id"):
         restored.release([lease])  # a release of an acked lease is still an error
     restored.close()
+
+
+def test_a_new_learner_timeline_drops_the_crashed_learners_later_versions_durably(tmp_path):
+    """Learner A (timeline 111) crashes after version 7; B (222) resumes from A's step-4 checkpoint. A's groups
+    above version 4 were sampled by weights B never had (same numbers, other weights): deleted at B's rejoin and
+    dropped when they arrive late; A's groups up to 4 (B's history), version 0 and B's own are kept. The
+    retirement survives a replay restart (snapshot, then WAL)."""
+    A, B, NEXT = 111, 222, 333
+    cfg = ReplayConfig(dir=str(tmp_path), seed=0, max_staleness=10, snapshot=NO_AUTO)
+    buf = TrajectoryBuffer(cfg)
+    buf.rejoin("learner", 0, timeline=A)
+    for prompt, version, timeline in [(0, 2, A), (1, 5, A), (2, 0, 0), (3, 7, A)]:
+        buf.insert(group_table(prompt, version=version, timeline=timeline))
+    buf.snapshot()
+    buf.rejoin("learner", 4, timeline=B)
+    rows = group_table(0).num_rows
+    assert buf.info()["dead_timeline_total"] == 2 * rows and buf.info()["stored_groups"] == 2  # prompts 1, 3 gone
+    late = buf.insert(group_table(4, version=6, timeline=A))
+    assert (late.accepted, late.dropped_stale) == (0, rows)
+    for prompt, version, timeline in [(5, 3, A), (6, 5, B), (7, 9, NEXT)]:  # ancestor, current, not yet rejoined
+        assert buf.insert(group_table(prompt, version=version, timeline=timeline)).accepted == rows
+    buf.close()
+    restored = TrajectoryBuffer(cfg)  # the snapshot (A current), then the WAL: B's rejoin retires A again
+    assert restored.info()["stored_groups"] == 5 and restored.info()["dead_timeline_total"] == 3 * rows
+    assert restored.insert(group_table(8, version=5, timeline=A)).dropped_stale == rows
+    restored.snapshot()
+    restored.close()
+    again = TrajectoryBuffer(cfg)  # from the snapshot alone
+    assert again.insert(group_table(9, version=5, timeline=A)).dropped_stale == rows
+    assert again.insert(group_table(10, version=4, timeline=A)).accepted == rows
+    again.close()

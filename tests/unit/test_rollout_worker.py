@@ -115,6 +115,9 @@ def test_full_outage_groups_in_flight_land_in_spool_and_nothing_is_lost(tmp_path
         await until(lambda: len(engine.generated) >= 2 and worker.stats.groups_in_flight == 0,
                     "the groups leased before the outage to finish")
         in_outage = worker.spool.stats().pending_groups
+        # the flusher's insert runs in an executor thread: lifting the outage before it ran raced it (flaky
+        # under load: no retry counted); wait until it met the outage
+        await until(lambda: worker.stats.insert_retries > 0, "the flusher to meet the outage")
         replay.down = False
         await until(lambda: len(engine.generated) >= 4, "leasing to resume after the outage")
         worker.stop()
@@ -145,7 +148,7 @@ def test_a_lockstep_rollout_accepts_a_version_offer_before_its_engine_loaded_any
     class LockstepWorker:
         newest_offered = -1
 
-        async def apply_weights(self, version, named_tensors):
+        async def apply_weights(self, version, named_tensors, timeline=0):
             self.newest_offered = max(self.newest_offered, version)
 
     loop = asyncio.new_event_loop()
@@ -155,7 +158,7 @@ def test_a_lockstep_rollout_accepts_a_version_offer_before_its_engine_loaded_any
     actor = cls.__new__(cls)
     actor.engine, actor.worker, actor.loop, actor.journal = FakeEngine(["7"], version=-1), LockstepWorker(), loop, None
     try:
-        actor._on_version(3, [])
+        actor._on_version(3, [], 0)
         assert logs._policy_version == 3 and actor._version() == 3
     finally:
         loop.call_soon_threadsafe(loop.stop)

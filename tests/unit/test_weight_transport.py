@@ -55,11 +55,11 @@ def test_device_checksum_sees_a_flipped_bit_and_swapped_words():
 
 def test_config_selects_transport_and_nccl_without_cuda_is_a_clear_error():
     assert EngineConfig.model_fields["weight_transport"].default == GrpcTransportConfig()
-    assert isinstance(make_transport(GrpcTransportConfig(), "127.0.0.1:1", lambda v, t: None), GrpcTransport)
+    assert isinstance(make_transport(GrpcTransportConfig(), "127.0.0.1:1", lambda v, t, _tl: None), GrpcTransport)
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
     with pytest.raises(TransportUnavailableError, match="'nccl' needs a CUDA GPU.*is_available\\(\\) is False"):
-        make_transport(NCCL_CFG, "127.0.0.1:1", lambda v, t: None, name="r0")
+        make_transport(NCCL_CFG, "127.0.0.1:1", lambda v, t, _tl: None, name="r0")
 
 
 def test_nccl_config_is_validated_by_name():
@@ -96,7 +96,7 @@ def learner():
 
 def _nccl_rollout(address, group, got, have_version=-1):
     """The rollout half: on each manifest, join the broadcast and verify (what the vLLM worker does)."""
-    def on_version(version, manifest):
+    def on_version(version, manifest, timeline):
         got.append((version, receive_verified(torch_distributed_broadcast(group), manifest.tensors, "cpu")))
     return NcclTransport(NCCL_CFG, address, on_version, have_version, name="r0", require_gpu=False)
 
@@ -186,7 +186,7 @@ def test_subscriber_ignores_a_version_from_the_past():
     weight_server.add_servicer(servicer, server)
     port = grpc_common.start(server, health, weight_server.SERVICE_NAME)
     got = []
-    sub = WeightSubscriber(f"127.0.0.1:{port}", lambda v, t: got.append(v), have_version=3, backoff_s=0.1).start()
+    sub = WeightSubscriber(f"127.0.0.1:{port}", lambda v, t, _tl: got.append(v), have_version=3, backoff_s=0.1).start()
     _wait(lambda: len(servicer.requests) >= 2)
     sub.stop()
     server.stop(0)
@@ -198,7 +198,7 @@ def test_refused_version_is_retried_and_the_subscriber_survives(learner):
     pub, address = learner
     calls = []
 
-    def on_version(version, tensors):
+    def on_version(version, tensors, timeline):
         calls.append(version)
         if version == 1:
             raise ValueError("tensor 'a.weight' has shape (3, 5); the model expects (4, 5)")
