@@ -155,11 +155,21 @@ class RolloutActor:
             await asyncio.sleep(0.2)
         return self._version()
 
-    async def evaluate(self) -> dict:
+    async def evaluate(self, config: dict | None = None, min_version: int = -1, wait_s: float = 0.0):
+        """``RolloutWorker.evaluate`` (an ``EvalResult``) with the ``rollout.evaluation.EvalConfig`` fields in
+        ``config``, once this rollout serves ``min_version`` or ``wait_s`` seconds passed (it then evaluates the
+        version it has; ``EvalResult.metrics["version"]`` says which). Generation goes on meanwhile; in
+        lockstep the newest offered version is loaded exactly and held for the evaluation (groups needing
+        another version wait for it to end)."""
+        from rollout.evaluation import EvalConfig
+
+        cfg = EvalConfig(**(config or {}))
+        if min_version > self._version():
+            await self.wait_for_version(min_version, wait_s)
         if self.worker.lockstep is not None:  # score the newest offered version, loaded exactly
             async with self.worker.lockstep.hold(self._version()):
-                return await self.worker.evaluate()
-        return await self.worker.evaluate()
+                return await self.worker.evaluate(cfg)
+        return await self.worker.evaluate(cfg)
 
     async def stats(self) -> dict:
         return self.worker.stats.as_dict(self._version())

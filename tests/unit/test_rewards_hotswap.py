@@ -5,6 +5,7 @@ import asyncio
 import pytest
 
 from rollout.config import SamplingConfig
+from rollout.evaluation import EvalConfig
 from rollout.rewards.registry import RewardFn, UnknownRewardError, known_rewards, register_reward
 from rollout.tasks import TaskConfig, TaskSource
 from rollout.worker import RolloutConfig, RolloutWorker
@@ -110,6 +111,6 @@ def test_evaluate_scores_each_task_with_its_own_reward():
 
     engine.generate_greedy = greedy
     worker, _ = make_worker(task, engine)
-    result = asyncio.run(worker.evaluate())
+    result = asyncio.run(worker.evaluate(EvalConfig(n_samples=0))).metrics
     # arithmetic answers score 1.0; the chain_sum scorer raises, which costs those samples only
     assert (result["heldout_size"], result["heldout_correct"], result["heldout_accuracy"]) == (4, 2, 0.5)

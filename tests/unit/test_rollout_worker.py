@@ -3,6 +3,7 @@ import asyncio
 from replay.buffer import TrajectoryBuffer
 from replay.config import ReplayConfig
 from rollout.config import SamplingConfig
+from rollout.evaluation import EvalConfig
 from rollout.tasks import TaskConfig, TaskSource
 from rollout.worker import RolloutConfig, RolloutWorker
 from rollout.types import Sample
@@ -73,7 +74,7 @@ def test_evaluate_counts_exact_answers_only():
             return [Sample([1], [-0.1], "stop", [0], [0], text=f"It is {a}") for a in answers]
 
     worker = make_worker(FakeReplay(TrajectoryBuffer(ReplayConfig())), engine=ScriptedEngine([]))
-    result = asyncio.run(worker.evaluate())
+    result = asyncio.run(worker.evaluate(EvalConfig(n_samples=0))).metrics
     assert result["heldout_correct"] == 2 and result["heldout_accuracy"] == 0.5
 
 
