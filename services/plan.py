@@ -81,6 +81,6 @@ def _eval_line(recipe: Recipe) -> str:
     e = recipe.eval
     when = [w for w, on in (("before", e.before), (f"every {e.every_steps} steps", e.every_steps), ("after", e.after))
             if on]
-    how = f"greedy + {e.n_samples} samples at T={e.temperature:g} (mean@k, pass@k)" if e.n_samples else "greedy"
+    how = f"greedy + k={e.n_samples} samples at T={e.temperature:g} (mean@k, pass@k)" if e.n_samples else "greedy"
     return (f"evaluation {', '.join(when) or 'never'} on {', '.join(e.sets) if e.sets else 'all held-out sets'}: "
             f"{how}, max_new_tokens={e.max_new_tokens}; completions in eval/step_N.jsonl")
