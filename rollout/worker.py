@@ -22,6 +22,7 @@ from proto.lockstep import LockstepConfig
 from proto.timeline import SHARED, is_new, label
 from proto.trajectory import Trajectory, make_ids, to_table
 from rollout.config import EngineConfig, SamplingConfig
+from rollout.evaluation import EvalConfig, EvalResult, evaluate
 from rollout.lockstep_gate import LockstepGate
 from rollout.spool import Spool, SpoolFlusher
 from rollout.rewards.function import Group
@@ -46,8 +47,6 @@ class RolloutConfig(BaseModel):
     """Backpressure: no new prompt is leased while replay holds at least this many ready groups."""
     engine: EngineConfig
     sampling: SamplingConfig = SamplingConfig()
-    eval_max_new_tokens: int = Field(16, ge=1)
-    """Greedy token budget for held-out evaluation."""
     retry_backoff_s: float = Field(1.0, gt=0)
     """First wait (seconds) before re-sending a batch replay did not acknowledge; doubles up to 30 s."""
     spool_dir: str | None = None
@@ -425,20 +424,10 @@ class RolloutWorker:
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
     # ---- evaluation ---------------------------------------------------------------------------
-    async def evaluate(self) -> dict:
-        """Greedy accuracy on the task's held-out set with the current weights.
-
-        Returns ``heldout_accuracy`` (fraction of exactly correct answers, in [0, 1]), ``heldout_correct``,
-        ``heldout_size``, ``heldout_score_mean`` (mean reward: graded where a reward gives partial credit or a weighted
-        sum) and ``version``. A score counts as correct when it is >= 1.0.
-        """
-        problems = self.task.heldout()
-        prompts = [self._prompt_ids(p) for p in problems]
-        samples = await self.engine.generate_greedy(prompts, self.config.eval_max_new_tokens)
-        groups = [(self.task.reward_for(p.task), Group([s.text], [self.task.messages(p)], p.entry, [list(s.token_ids)]))
-                  for s, p in zip(samples, problems)]
-        scores = [g.results[0].reward for g in await score_groups(groups)]
-        correct = sum(score >= 1.0 for score in scores)  # exact answers (a reward may give partial credit)
-        return {"heldout_accuracy": correct / len(problems), "heldout_correct": correct,
-                "heldout_size": len(problems), "heldout_score_mean": sum(scores) / len(problems),
-                "version": self.engine.version}
+    async def evaluate(self, config: EvalConfig | None = None) -> EvalResult:
+        """Evaluate the current weights on the task's held-out sets (``rollout.evaluation.evaluate``): greedy
+        accuracy and, with ``config.n_samples = k > 0``, mean@k and pass@k per set, plus every completion.
+        ``config`` ``None``: ``EvalConfig()`` (all sets, k = 1). A budget left unset is the training one
+        (``sampling.max_new_tokens``). Raises ``ValueError`` for a set the task does not have."""
+        return await evaluate(self.task, self.engine, self._prompt_ids, config or EvalConfig(),
+                              self.config.sampling.max_new_tokens)

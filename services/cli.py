@@ -1,7 +1,8 @@
 """``gyre`` command line.
 
 ``gyre run RECIPE [--dry-run] [--set key=value ...] [--resume auto|none|PATH] [--force-resume]``,
-``gyre export CHECKPOINT OUT_DIR``, ``gyre report RUN``, ``gyre check RUN_DIR``, and against a running run:
+``gyre export CHECKPOINT OUT_DIR``, ``gyre eval MODEL_OR_CHECKPOINT RECIPE [--set key=value ...] [--out DIR]``,
+``gyre report RUN``, ``gyre check RUN_DIR``, and against a running run:
 ``gyre status RUN``, ``gyre scale rollout N``, ``gyre restart SERVICE``, ``gyre checkpoint``.
 """
 
@@ -56,6 +57,12 @@ def build_parser() -> argparse.ArgumentParser:
     export = sub.add_parser("export", help="write a learner checkpoint as a Hugging Face model folder")
     export.add_argument("checkpoint", help="a checkpoints/global_step_N directory")
     export.add_argument("out_dir")
+    ev = sub.add_parser("eval", help="the recipe's held-out evaluation of a model folder or learner checkpoint")
+    ev.add_argument("model", metavar="MODEL_OR_CHECKPOINT", help="an HF model folder or checkpoints/global_step_N")
+    ev.add_argument("recipe", help="the recipe whose task, eval: section and engine settings to use")
+    ev.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a recipe value, e.g. eval.n_samples=8; repeatable")
+    ev.add_argument("--out", help="output folder (default: {run_dir}/{name}/standalone-eval)")
     report = sub.add_parser("report", help="PNG plots of reward, accuracy, staleness, throughput of a run")
     report.add_argument("run")
     report.add_argument("--run-dir", default="runs")
@@ -81,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     console = Console()
     if args.command == "export":
         return _export(args.checkpoint, args.out_dir, console)
+    if args.command == "eval":
+        return _eval(args, console)
     if args.command == "report":
         return _report(Path(args.run_dir) / args.run, console)
     if args.command == "check":
@@ -134,6 +143,22 @@ def _ops(args: argparse.Namespace, console: Console) -> int:
             console.print(f"run {name}: emergency checkpoint requested (after the current step)", highlight=False)
     except ops.OpsError as exc:
         console.print(f"[red]error:[/red] {exc}", highlight=False)
+        return 2
+    return 0
+
+
+def _eval(args: argparse.Namespace, console: Console) -> int:
+    """``gyre eval``: exit 0 with the table printed, 2 for a bad recipe, target or checkpoint."""
+    from learner.checkpoint import CheckpointError
+    from services.standalone_eval import EvalTargetError, run_standalone
+
+    try:
+        overrides = _parse_sets(args.set)
+        load_recipe(args.recipe, overrides, dry_run=True)  # a bad recipe is refused before any export
+        run_standalone(args.model, lambda folder: load_recipe(args.recipe, overrides | {"model": folder, "model_revision": None}),
+                       args.out, console)
+    except (RecipeError, EvalTargetError, CheckpointError) as exc:
+        console.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
         return 2
     return 0
 

@@ -22,6 +22,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from rich.console import Console
 
 from rollout.worker import merge_reward_means
+from services.evaluation import PeriodicEval, eval_line, record_eval
 from services.ops import create_state
 from services.ray_connection import CONNECTION_FILE, record_connection
 from services.progress import RunProgress
@@ -226,18 +227,20 @@ def _last_step(path: Path) -> int:
 def _train(recipe: Recipe, sup: Supervisor, metrics: MetricsWriter, console: Console, written: int = -1) -> dict:
     summary: dict = {"run": recipe.name}
     start_version = ray.get(sup.learner.handle.version.remote())
-    if recipe.eval_before and start_version == 0:
+    if recipe.eval.before and start_version == 0:
         with console.status("evaluating the initial policy on the held-out set…"):
-            before = ray.get(sup.rollouts()[0].handle.evaluate.remote())
-        metrics.write({"step": 0, "time": time.time(), **before})
-        summary["heldout_accuracy_before"] = before["heldout_accuracy"]
-        console.print(f"held-out accuracy before training: {before['heldout_accuracy']:.3f}")
+            before = ray.get(sup.rollouts()[0].handle.evaluate.remote(recipe.eval.model_dump()))
+        summary["heldout_accuracy_before"] = record_eval(before, recipe.out_dir, metrics, "before")["heldout_accuracy"]
+        console.print(f"held-out accuracy before training: {before.metrics['heldout_accuracy']:.3f} "
+                      f"({eval_line(before.metrics)})", highlight=False)
     sup.start_generation()
     with RunProgress(console, recipe.learner.num_steps) as progress:
-        final_version = _supervise_training(recipe, sup, metrics, progress, written)
+        evals = PeriodicEval(recipe.eval, recipe.learner.num_steps, start_version, recipe.out_dir, metrics, progress)
+        final_version = _supervise_training(recipe, sup, metrics, progress, written, evals=evals)
+        evals.drain()
     ray.get([r.handle.pause.remote() for r in sup.rollouts()])
     summary["final_version"] = final_version
-    if recipe.eval_after:
+    if recipe.eval.after:
         lead = sup.rollouts()[0].handle
         with console.status("evaluating the final policy on the held-out set…"):
             # the learner's timeline too: after a learner crash the rollout may hold the crashed learner's
@@ -247,21 +250,22 @@ def _train(recipe: Recipe, sup: Supervisor, metrics: MetricsWriter, console: Con
             if got < final_version:
                 raise RuntimeError(f"rollout-0 reached policy version {got}, not {final_version} of the learner's "
                                    f"timeline {timeline}, within 600 s")
-            after = ray.get(lead.evaluate.remote())
-        metrics.write({"step": final_version, "time": time.time(), **after})
-        summary["heldout_accuracy_after"] = after["heldout_accuracy"]
-        console.print(f"held-out accuracy after training: {after['heldout_accuracy']:.3f}")
+            after = ray.get(lead.evaluate.remote(recipe.eval.model_dump()))
+        summary["heldout_accuracy_after"] = record_eval(after, recipe.out_dir, metrics, "after")["heldout_accuracy"]
+        console.print(f"held-out accuracy after training: {after.metrics['heldout_accuracy']:.3f} "
+                      f"({eval_line(after.metrics)})", highlight=False)
     summary["rollout_stats"] = ray.get([r.handle.stats.remote() for r in sup.rollouts()])
     return summary
 
 
 def _supervise_training(recipe: Recipe, sup: Supervisor, metrics: MetricsWriter, progress: RunProgress,
-                        written: int = -1, poll_s: float = 1.0) -> int:
+                        written: int = -1, poll_s: float = 1.0, evals: PeriodicEval | None = None) -> int:
     """Poll the learner's progress and tick the supervisor until ``num_steps`` versions exist; after a
     learner restart (it resumed from its newest checkpoint) re-issue ``run(remaining steps)``. Rows of the
-    first learner generation up to step ``written`` are not written again (re-attached learner). Returns
-    the final policy version. Raises ``RuntimeError`` with the learner's traceback if training failed."""
-    steps, generation, cursor = recipe.learner.num_steps, None, 0
+    first learner generation up to step ``written`` are not written again (re-attached learner). ``evals``
+    is polled each round with the newest learner step (periodic evaluations). Returns the final policy
+    version. Raises ``RuntimeError`` with the learner's traceback if training failed."""
+    steps, generation, cursor, newest = recipe.learner.num_steps, None, 0, -1
     while True:
         sup.tick()
         learner = sup.learner.handle
@@ -288,7 +292,10 @@ def _supervise_training(recipe: Recipe, sup: Supervisor, metrics: MetricsWriter,
                        rollout_reward_means=merge_reward_means([s.info for s in sup.rollouts()]))
             metrics.write(row)
             progress.update(row)
+        newest = max([newest, *(r["step"] for r in rows)])
         cursor += len(rows)
+        if evals is not None:
+            evals.poll(sup, newest)
         if error is not None:
             raise RuntimeError(f"the learner failed:\n{error}")
         if done:

@@ -35,7 +35,7 @@ def describe(recipe: Recipe) -> str:
         f"  rollout×{r.num_workers} vLLM {r.engine.dtype} max_model_len={r.engine.max_model_len} "
         f"{_kv_line(r.engine)}; n={r.group_size}, {r.groups_in_flight} groups in flight, "
         f"T={r.sampling.temperature} max_new_tokens={r.sampling.max_new_tokens}",
-        f"evaluation greedy on held-out set: before={recipe.eval_before} after={recipe.eval_after}",
+        _eval_line(recipe),
         f"outputs    metrics.jsonl, reward_accuracy.png, checkpoints/global_step_{l.num_steps}/, final_policy/",
         f"resume     {l.resume}{' (forced)' if l.force_resume else ''}",
         (f"determinism lockstep: prompt i generated with policy version max(0, i // {l.groups_per_step} - "
@@ -84,3 +84,13 @@ def placement_lines(recipe: Recipe) -> list[str]:
             + (f"  spool {recipe.rollout.spool_dir}/rollout-i" if recipe.rollout.spool_dir else ""),
             f"security   bind {recipe.security.bind_host} tls={recipe.security.tls} "
             f"token={'yes' if recipe.security.has_token else 'no'}"]
+
+
+def _eval_line(recipe: Recipe) -> str:
+    """When and how the held-out sets are evaluated (``recipe.eval``)."""
+    e = recipe.eval
+    when = [w for w, on in (("before", e.before), (f"every {e.every_steps} steps", e.every_steps), ("after", e.after))
+            if on]
+    how = f"greedy + k={e.n_samples} samples at T={e.temperature:g} (mean@k, pass@k)" if e.n_samples else "greedy"
+    return (f"evaluation {', '.join(when) or 'never'} on {', '.join(e.sets) if e.sets else 'all held-out sets'}: "
+            f"{how}, max_new_tokens={e.max_new_tokens}; completions in eval/step_N.jsonl")

@@ -16,6 +16,7 @@ from learner.loop import LearnerLoopConfig
 from replay.config import ReplayConfig
 from rollout.config import SamplingConfig
 from rollout.dataset_files import is_hub, resolve_paths
+from rollout.evaluation import EvalConfig, resolve_recipe_eval
 from rollout.tasks import TaskConfig
 from rollout.worker import RolloutConfig
 from services.security import SecurityConfig
@@ -125,10 +126,10 @@ class Recipe(BaseModel):
     placement: PlacementConfig = PlacementConfig()
     security: SecurityConfig = SecurityConfig()
     """TLS/token settings every service's gRPC servers and clients use (default: loopback plaintext)."""
-    eval_before: bool = True
-    """Score the held-out set greedily before training."""
-    eval_after: bool = True
-    """Score it again with the final policy version."""
+    eval: EvalConfig = EvalConfig()
+    """Held-out evaluation before, during (``every_steps``) and after training (``rollout.evaluation``). The old
+    keys ``eval_before``, ``eval_after`` and ``rollout.eval_max_new_tokens`` still load, as aliases of
+    ``eval.before``, ``eval.after`` and ``eval.max_new_tokens``."""
     determinism: Literal["async", "lockstep"] = "async"
     """``lockstep`` (``proto.lockstep``): prompt i is generated with exactly policy version
     ``max(0, i // groups_per_step - lockstep_lag)`` and a seed of its own, and step s trains exactly prompts
@@ -164,6 +165,11 @@ class Recipe(BaseModel):
                                              f"{sorted(set(MODEL_KEYS) & set(sub))[0]}")
                         data[section] = {**part, key: {**sub, **shared}}
         return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _eval_section(cls, data: Any) -> Any:
+        return resolve_recipe_eval(data) if isinstance(data, dict) else data
 
     @model_validator(mode="before")
     @classmethod
@@ -230,6 +236,10 @@ class Recipe(BaseModel):
         if self.determinism == "lockstep" and self.replay.max_staleness < self.lockstep_lag:
             raise ValueError(f"replay.max_staleness ({self.replay.max_staleness}) must be >= lockstep_lag "
                              f"({self.lockstep_lag}): lockstep trains every group at exactly that lag")
+        unknown_sets = sorted(set(self.eval.sets or []) - set(self.task.components()))
+        if unknown_sets:
+            raise ValueError(f"eval.sets {unknown_sets} are not held-out sets of the task; expected some of "
+                             f"{sorted(self.task.components())}")
         tp, gpus = self.rollout.engine.tensor_parallel_size, self.placement.rollout.num_gpus
         if tp > 1 and tp > gpus:
             raise ValueError(f"rollout.engine.tensor_parallel_size ({tp}) is larger than the GPUs each rollout is "

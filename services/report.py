@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import math
 from pathlib import Path
@@ -37,7 +38,8 @@ def read_metrics(path: Path) -> list[dict]:
 
 
 def plot_run(metrics_path: Path, out_png: Path) -> Path:
-    """Reward mean per step and held-out accuracy (before/after) against step, as a PNG."""
+    """Reward mean per step and the evaluations against step, as a PNG: held-out greedy accuracy, pass@k
+    (with sampled evaluations) and each eval set's greedy accuracy (with more than one set)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -45,7 +47,7 @@ def plot_run(metrics_path: Path, out_png: Path) -> Path:
 
     rows = read_metrics(metrics_path)
     train = [r for r in rows if "reward_mean" in r and "heldout_accuracy" not in r]
-    evals = [r for r in rows if "heldout_accuracy" in r]
+    evals = sorted((r for r in rows if "heldout_accuracy" in r), key=lambda r: r["step"])
     fig, ax = plt.subplots(figsize=(7, 4))
     steps, rewards = [r["step"] for r in train], [r["reward_mean"] for r in train]
     ax.plot(steps, rewards, alpha=0.35, label="train reward (batch mean)")
@@ -53,7 +55,12 @@ def plot_run(metrics_path: Path, out_png: Path) -> Path:
     if len(rewards) >= window:
         smooth = [sum(rewards[i - window:i]) / window for i in range(window, len(rewards) + 1)]
         ax.plot(steps[window - 1:], smooth, label=f"train reward ({window}-step mean)")
-    ax.plot([r["step"] for r in evals], [r["heldout_accuracy"] for r in evals], "o--", label="held-out accuracy")
+    ax.plot([r["step"] for r in evals], [r["heldout_accuracy"] for r in evals], "o--", label="held-out accuracy (greedy)")
+    for key in expand_keys(["heldout_pass@*", "eval/*/greedy_accuracy"], evals):
+        if key.startswith("eval/") and len(expand_keys(["eval/*/greedy_accuracy"], evals)) < 2:
+            continue  # one set: its greedy accuracy is the line above
+        points = [(r["step"], r[key]) for r in evals if isinstance(r.get(key), (int, float))]
+        ax.plot(*zip(*points), "o:", label=key.replace("/greedy_accuracy", " greedy").removeprefix("eval/"))
     ax.set_xlabel("learner step (policy version)")
     ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)
@@ -67,11 +74,36 @@ def plot_run(metrics_path: Path, out_png: Path) -> Path:
 
 REPORT_PANELS = {
     "reward": ("train reward (batch mean)", ["reward_mean"]),
-    "accuracy": ("held-out accuracy", ["heldout_accuracy"]),
+    "accuracy": ("held-out accuracy", ["heldout_accuracy", "heldout_mean@*", "heldout_pass@*",
+                                       "eval/*/greedy_accuracy", "eval/*/mean@*", "eval/*/pass@*"]),
     "staleness": ("policy lag of trained tokens (versions)", ["staleness_mean", "staleness_max"]),
     "throughput": ("tokens per second", ["tokens_per_s", "rollout_tokens_per_s"]),
 }
-"""``gyre report`` PNGs: file stem → (title, metrics.jsonl keys plotted against ``step``)."""
+"""``gyre report`` PNGs: file stem → (title, metrics.jsonl keys plotted against ``step``; a ``*`` matches any
+characters, ``fnmatch`` style: ``eval/*/pass@*`` is every eval set's pass@k)."""
+
+
+def expand_keys(patterns: list[str], rows: list[dict]) -> list[str]:
+    """The keys of ``rows`` matching each pattern (``fnmatch``), in pattern order, each once, sorted within a
+    pattern; a pattern without ``*`` is kept as is."""
+    present = sorted({k for r in rows for k in r})
+    out: list[str] = []
+    for pattern in patterns:
+        for key in ([pattern] if "*" not in pattern else [k for k in present if fnmatch.fnmatchcase(k, pattern)]):
+            if key not in out:
+                out.append(key)
+    return out
+
+
+def panel_points(keys: list[str], rows: list[dict]) -> dict[str, list[tuple[int, float]]]:
+    """The lines of one ``gyre report`` panel: each key ``keys`` names (``expand_keys``) that some row holds as a
+    number → its ``(step, value)`` points, sorted by step."""
+    out = {}
+    for key in expand_keys(keys, rows):
+        points = sorted((r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float)))
+        if points:
+            out[key] = points
+    return out
 
 
 def plot_report(metrics_path: Path, out_dir: Path) -> list[Path]:
@@ -97,10 +129,8 @@ def plot_report(metrics_path: Path, out_dir: Path) -> list[Path]:
     paths = []
     for stem, (title, keys) in REPORT_PANELS.items():
         fig, ax = plt.subplots(figsize=(7, 4))
-        for key in keys:
-            points = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
-            if points:
-                ax.plot(*zip(*points), "o-" if len(points) < 20 else "-", label=key)
+        for key, points in panel_points(keys, rows).items():
+            ax.plot(*zip(*points), "o-" if len(points) < 20 else "-", label=key)
         ax.set_xlabel("learner step (policy version)")
         ax.set_title(f"{metrics_path.parent.name}: {title}")
         ax.grid(alpha=0.3)

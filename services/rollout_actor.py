@@ -55,8 +55,9 @@ class RolloutActor:
         """``(version, timeline)`` last journaled."""
         self._journal_lock = threading.Lock()  # setup (event loop) and the subscriber thread both journal
         self.replay = TrackedReplay(ReplayClient(replay_address, security=self.security), self.journal)
+        # dataset prompts that do not fit are skipped; evaluation's budget defaults to the training one (eval:)
         budget = PromptBudget.for_tokenizer(tokenizer, cfg.engine.max_model_len, cfg.sampling.max_new_tokens,
-                                            cfg.eval_max_new_tokens)  # dataset prompts that do not fit are skipped
+                                            cfg.sampling.max_new_tokens)
         self.worker = RolloutWorker(rollout_id, cfg, TaskSource(TaskConfig(**task_config), budget), self.engine,
                                     self.replay, tokenizer, seed)
         self.engine_config, self.subscriber, self.bootstrapped = cfg.engine, None, None
@@ -174,11 +175,21 @@ class RolloutActor:
             await asyncio.sleep(0.2)
         return self._version() if timeline is None or reached() else -1
 
-    async def evaluate(self) -> dict:
+    async def evaluate(self, config: dict | None = None, min_version: int = -1, wait_s: float = 0.0):
+        """``RolloutWorker.evaluate`` (an ``EvalResult``) with the ``rollout.evaluation.EvalConfig`` fields in
+        ``config``, once this rollout serves ``min_version`` or ``wait_s`` seconds passed (it then evaluates the
+        version it has; ``EvalResult.metrics["version"]`` says which). Generation goes on meanwhile; in
+        lockstep the newest offered version is loaded exactly and held for the evaluation (groups needing
+        another version wait for it to end)."""
+        from rollout.evaluation import EvalConfig
+
+        cfg = EvalConfig(**(config or {}))
+        if min_version > self._version():
+            await self.wait_for_version(min_version, wait_s)
         if self.worker.lockstep is not None:  # score the newest offered version, loaded exactly
             async with self.worker.lockstep.hold(self._version()):
-                return await self.worker.evaluate()
-        return await self.worker.evaluate()
+                return await self.worker.evaluate(cfg)
+        return await self.worker.evaluate(cfg)
 
     async def stats(self) -> dict:
         return self.worker.stats.as_dict(self._version())

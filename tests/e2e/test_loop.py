@@ -2,8 +2,8 @@
 offline HF cache; real vLLM, DeepSpeed, gRPC, a local Ray), then
 `gyre run --resume auto` on its directory: it continues the run, a finished run says so.
 
-One directory, three runs: a 3-step run with held-out evaluations before and after, its resume to 5
-steps, and a third start that finds the run finished (one test: a whole run costs ~45 s to start).
+One directory, three runs: a 3-step run with held-out evaluations before, during (``eval.every_steps: 2``)
+and after, its resume to 5 steps (a periodic evaluation again), and a third start that finds the run finished (one test: a whole run costs ~45 s to start).
 """
 
 import io
@@ -26,7 +26,7 @@ def _recipe(tmp_path, steps, eval_after=True):
     """The tiny Llama by Hub id (``model: gyre-test/tiny-llama``), resolved from the pre-populated HF cache."""
     return load_recipe("deploy/recipes/tiny-test.yaml", {
         "model": TINY_ID, "run_dir": str(tmp_path), "ray.num_cpus": 2, "learner.num_steps": steps,
-        "learner.save_interval": 1, "learner.resume": "auto", "eval_after": eval_after})
+        "learner.save_interval": 1, "learner.resume": "auto", "eval_after": eval_after, "eval.every_steps": 2})
 
 
 @pytest.fixture
@@ -43,7 +43,15 @@ def _check_first_run(summary, recipe, out, initial_model):
     steps = [r for r in rows if "loss" in r]
     evals = [r for r in rows if "heldout_accuracy" in r]
     assert [r["step"] for r in steps] == [1, 2, 3]
-    assert [e["version"] for e in evals] == [0, 3]
+    # before, one periodic evaluation (eval.every_steps 2: triggered at learner step 2, run at the version
+    # rollout-0 then held) and after; each wrote its completions: 8 problems × (greedy + 1 sample)
+    assert [e["eval"] for e in evals] == ["before", "periodic", "after"], evals
+    assert evals[0]["version"] == 0 and 2 <= evals[1]["version"] <= 3 and evals[2]["version"] == 3
+    for e in evals:
+        assert e["eval/basic_arithmetic/size"] == 8 and 0 <= e["heldout_pass@1"] <= 1 and e["step"] == e["version"]
+        completions = [json.loads(line) for line in (out / "eval" / f"step_{e['step']}.jsonl").read_text().splitlines()]
+        assert len(completions) == 16 and sum(c["greedy"] for c in completions) == 8
+        assert {c["set"] for c in completions} == {"basic_arithmetic"} and all(c["prompt"] for c in completions)
     assert all(r["loss"] == r["loss"] for r in steps)  # finite, not NaN
 
     # At least two new policy versions reached the rollout engine, which ended on the final one.
@@ -83,7 +91,9 @@ def test_three_learner_steps_reach_the_rollout_and_resume_auto_continues_the_run
     assert "replay restored" in printed
     rows = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4, 5]  # appended, nothing re-done
-    assert [r["version"] for r in rows if "heldout_accuracy" in r] == [0, 3]  # no second "before" evaluation
+    evals = [r for r in rows if "heldout_accuracy" in r]  # no second "before"; the periodic one resumes at 4
+    assert [e["eval"] for e in evals] == ["before", "periodic", "after", "periodic"], evals
+    assert 4 <= evals[3]["version"] <= 5 and (out / "eval" / f"step_{evals[3]['version']}.jsonl").is_file()
     assert second["replay"]["acked_groups_total"] == 5 * 2  # replay's counters survived the restart
 
     console = Console(file=io.StringIO(), width=300)

@@ -124,7 +124,7 @@ def make_worker(args, engine, tokenizer, sampling, log: EventLog):
 
     config = RolloutConfig.model_construct(
         engine=None, sampling=sampling, group_size=GROUP_SIZE, groups_in_flight=3,
-        max_ready_groups=100_000, eval_max_new_tokens=8, retry_backoff_s=0.05, num_workers=1,
+        max_ready_groups=100_000, retry_backoff_s=0.05, num_workers=1,
         spool_dir=args.spool, spool_max_groups=1000, spool_max_bytes=10**9)
     task = TaskSource(TaskConfig(params=TASK_PARAMS, heldout_size=4))
     client = ReplayClient(args.replay, timeout_s=10.0)

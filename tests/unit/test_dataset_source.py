@@ -214,7 +214,7 @@ def test_a_rollout_worker_generates_dataset_prompts_from_their_messages_and_coun
                                           "columns": {"prompt": "problem", "answer": "solution"}},
                                  heldout_size=2, system_prompt="S."), budget)
     config = RolloutConfig.model_construct(engine=None, sampling=SamplingConfig(), group_size=2, groups_in_flight=2,
-                                           max_ready_groups=4, eval_max_new_tokens=8, retry_backoff_s=0.01,
+                                           max_ready_groups=4, retry_backoff_s=0.01,
                                            num_workers=1)
     buf = TrajectoryBuffer(ReplayConfig())
     worker = RolloutWorker("r0", config, task, FakeEngine(["12"]), FakeReplay(buf), FakeTokenizer(), seed=3)
@@ -226,7 +226,7 @@ def test_a_rollout_worker_generates_dataset_prompts_from_their_messages_and_coun
         await until(lambda: job.done() or buf.info()["size_groups"] >= 4, "4 groups in replay")
         worker.stop()
         await job
-        return await worker.evaluate()
+        return (await worker.evaluate()).metrics
 
     result = asyncio.run(run())
     _, table = buf.sample(4, learner_version=0)

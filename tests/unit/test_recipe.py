@@ -53,7 +53,8 @@ def test_cli_surface_is_frozen():
     """Changing the CLI is a deliberate act: update this test and the README together."""
     parser = cli.build_parser()
     sub = next(a for a in parser._actions if a.dest == "command")
-    assert sorted(sub.choices) == ["check", "checkpoint", "export", "report", "restart", "run", "scale", "status"]
+    assert sorted(sub.choices) == ["check", "checkpoint", "eval", "export", "report", "restart", "run", "scale",
+                                   "status"]
 
     def options(name):
         return sorted(o for a in sub.choices[name]._actions for o in a.option_strings)
@@ -64,6 +65,7 @@ def test_cli_surface_is_frozen():
     assert options("run") == ["--dry-run", "--force-resume", "--help", "--resume", "--set", "-h"]
     assert positionals("run") == ["recipe"]
     assert positionals("export") == ["checkpoint", "out_dir"] and options("export") == ["--help", "-h"]
+    assert positionals("eval") == ["model", "recipe"] and options("eval") == ["--help", "--out", "--set", "-h"]
     assert positionals("report") == ["run"] and options("report") == ["--help", "--run-dir", "-h"]
     assert positionals("check") == ["run_dir"] and options("check") == ["--help", "-h"]
     ops = ["--address", "--help", "--namespace", "--run", "--run-dir", "-h"]

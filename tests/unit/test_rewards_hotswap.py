@@ -5,6 +5,7 @@ import asyncio
 import pytest
 
 from rollout.config import SamplingConfig
+from rollout.evaluation import EvalConfig
 from rollout.rewards.registry import RewardFn, UnknownRewardError, known_rewards, register_reward
 from rollout.tasks import TaskConfig, TaskSource
 from rollout.worker import RolloutConfig, RolloutWorker
@@ -40,7 +41,7 @@ class GatedEngine(FakeEngine):
 def make_worker(task, engine):
     config = RolloutConfig.model_construct(
         engine=None, sampling=SamplingConfig(), group_size=2, groups_in_flight=1, max_ready_groups=4,
-        eval_max_new_tokens=8, retry_backoff_s=0.01, num_workers=1)
+        retry_backoff_s=0.01, num_workers=1)
     worker = RolloutWorker("r0", config, task, engine, replay=None, tokenizer=FakeTokenizer(), seed=0)
     delivered = []
 
@@ -110,6 +111,6 @@ def test_evaluate_scores_each_task_with_its_own_reward():
 
     engine.generate_greedy = greedy
     worker, _ = make_worker(task, engine)
-    result = asyncio.run(worker.evaluate())
+    result = asyncio.run(worker.evaluate(EvalConfig(n_samples=0))).metrics
     # arithmetic answers score 1.0; the chain_sum scorer raises, which costs those samples only
     assert (result["heldout_size"], result["heldout_correct"], result["heldout_accuracy"]) == (4, 2, 0.5)

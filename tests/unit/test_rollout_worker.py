@@ -3,6 +3,7 @@ import asyncio
 from replay.buffer import TrajectoryBuffer
 from replay.config import ReplayConfig
 from rollout.config import SamplingConfig
+from rollout.evaluation import EvalConfig
 from rollout.tasks import TaskConfig, TaskSource
 from rollout.worker import RolloutConfig, RolloutWorker
 from rollout.types import Sample
@@ -16,7 +17,7 @@ def make_worker(replay, engine=None, **cfg):
     config = RolloutConfig.model_construct(
         engine=None, sampling=SamplingConfig(), group_size=cfg.get("group_size", 2),
         groups_in_flight=cfg.get("groups_in_flight", 2), max_ready_groups=cfg.get("max_ready_groups", 3),
-        eval_max_new_tokens=8, retry_backoff_s=0.01, num_workers=1)
+        retry_backoff_s=0.01, num_workers=1)
     return RolloutWorker("r0", config, TASK, engine or FakeEngine(["7"]), replay, FakeTokenizer(), seed=3)
 
 
@@ -73,14 +74,14 @@ def test_evaluate_counts_exact_answers_only():
             return [Sample([1], [-0.1], "stop", [0], [0], text=f"It is {a}") for a in answers]
 
     worker = make_worker(FakeReplay(TrajectoryBuffer(ReplayConfig())), engine=ScriptedEngine([]))
-    result = asyncio.run(worker.evaluate())
+    result = asyncio.run(worker.evaluate(EvalConfig(n_samples=0))).metrics
     assert result["heldout_correct"] == 2 and result["heldout_accuracy"] == 0.5
 
 
 def make_spool_worker(replay, spool_dir, engine=None, **cfg):
     config = RolloutConfig.model_construct(
         engine=None, sampling=SamplingConfig(), group_size=2, groups_in_flight=cfg.get("groups_in_flight", 2),
-        max_ready_groups=cfg.get("max_ready_groups", 1000), eval_max_new_tokens=8, retry_backoff_s=0.01,
+        max_ready_groups=cfg.get("max_ready_groups", 1000), retry_backoff_s=0.01,
         num_workers=1, spool_dir=str(spool_dir), spool_max_groups=cfg.get("spool_max_groups", 5),
         spool_max_bytes=cfg.get("spool_max_bytes", 10**9))
     return RolloutWorker("r0", config, TASK, engine or FakeEngine(["7"]), replay, FakeTokenizer(), seed=3)

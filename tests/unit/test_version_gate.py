@@ -19,7 +19,7 @@ TASK = TaskSource(TaskConfig(params={"min_terms": 2, "max_terms": 2, "max_digits
 def make_worker(engine, buffer, gate, groups_in_flight=4, max_ready_groups=100):
     config = RolloutConfig.model_construct(
         engine=None, sampling=SamplingConfig(), group_size=2, groups_in_flight=groups_in_flight,
-        max_ready_groups=max_ready_groups, eval_max_new_tokens=8, retry_backoff_s=0.01, num_workers=1,
+        max_ready_groups=max_ready_groups, retry_backoff_s=0.01, num_workers=1,
         max_groups_per_version=gate)
     return RolloutWorker("r0", config, TASK, engine, FakeReplay(buffer), FakeTokenizer(), seed=3)
 
