@@ -21,7 +21,7 @@ import structlog
 from ray.exceptions import GetTimeoutError, RayActorError
 from rich.console import Console
 
-from rollout.worker import merge_reward_means
+from rollout.stats import merge_reward_means
 from services.evaluation import PeriodicEval, eval_line, record_eval
 from services.ops import create_state
 from services.ray_connection import CONNECTION_FILE, record_connection

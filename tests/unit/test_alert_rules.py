@@ -11,7 +11,7 @@ import yaml
 from replay.buffer import TrajectoryBuffer
 from replay.config import ReplayConfig
 from rollout.spool import Spool
-from rollout.worker import RolloutStats
+from rollout.stats import RolloutStats
 from services.observability import LearnerMetrics, RolloutMetrics, replay_registry
 from tests.fakes import group_table
 from tests.unit.test_observability import learner_row

@@ -9,7 +9,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from rollout.spool import Spool
-from rollout.worker import RolloutStats
+from rollout.stats import RolloutStats
 from services.observability import (
     STALENESS_BUCKETS, LearnerMetrics, ReplayStateCollector, RolloutMetrics, replay_registry, serve, stop,
 )

@@ -11,7 +11,7 @@ from rollout.rewards.combined import make_reward_set
 from rollout.rewards.function import Group, RewardImportError
 from rollout.rewards.scoring import score_groups
 from rollout.tasks import TaskConfig, TaskSource
-from rollout.worker import merge_reward_means
+from rollout.stats import merge_reward_means
 from tests.fakes import FakeEngine
 from tests.unit.test_rewards_hotswap import TINY, make_worker
 

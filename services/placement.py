@@ -1,0 +1,82 @@
+"""Where a run's services go: the recipe's ``ray`` section (how the controller reaches Ray, the rollouts'
+``runtime_env``) and ``placement`` section (resources and placement group per role)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class RayConfig(BaseModel):
+    """How the controller reaches Ray."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    address: str = "local"
+    """``"local"`` starts a private head in this process; ``"auto"`` or ``host:port`` joins a cluster."""
+    num_cpus: int | None = Field(None, ge=1)
+    """CPUs the private head advertises (``None``: all)."""
+    namespace: str = "gyre"
+    runtime_env: dict[str, Any] = {}
+    """Ray ``runtime_env`` of the rollout actors, where reward functions are imported: e.g.
+    ``{working_dir: ., py_modules: [rewards/]}`` ships a ``reward: {function: "pkg.module:fn"}``'s code to
+    every node. A relative local ``working_dir`` / ``py_modules`` path is resolved from the working directory;
+    gyre's own ``env_vars`` are added to (and win over) any given here. Checked by Ray when an actor starts."""
+
+
+class RolePlacement(BaseModel):
+    """Ray resources one service actor asks for (the seeds' device map, per role)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    num_cpus: float = Field(0, ge=0)
+    """Logical CPUs reserved for the actor (0: it does not count against the CPU pool)."""
+    num_gpus: float = Field(0, ge=0)
+    """GPUs reserved for the actor (fractions share a GPU)."""
+    resources: dict[str, float] = {}
+    """Custom Ray resources, e.g. ``{"node_group_rollout": 1}`` to pin the role to a node group."""
+
+    @model_validator(mode="after")
+    def _positive_resources(self) -> "RolePlacement":
+        bad = {k: v for k, v in self.resources.items() if v <= 0 or not k}
+        if bad:
+            raise ValueError(f"resources {bad} must map non-empty names to amounts > 0")
+        return self
+
+    def actor_options(self) -> dict:
+        """``ActorClass.options(**...)`` keys for this role."""
+        return {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus,
+                **({"resources": dict(self.resources)} if self.resources else {})}
+
+
+class LearnerPlacement(RolePlacement):
+    """The learner's resources per rank, and its world size (ranks reserved as one placement group)."""
+
+    world_size: int = Field(1, ge=1)
+    """DeepSpeed ranks; each rank gets one placement-group bundle of this role's resources."""
+    strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] | None = None
+    """Placement-group strategy for the ranks; required when ``world_size > 1``."""
+
+    @model_validator(mode="after")
+    def _group_for_ranks(self) -> "LearnerPlacement":
+        if self.world_size > 1 and self.strategy is None:
+            raise ValueError(f"world_size {self.world_size} > 1 needs a placement group: set strategy to one of "
+                             "PACK, SPREAD, STRICT_PACK, STRICT_SPREAD")
+        return self
+
+    def bundles(self) -> list[dict[str, float]]:
+        """One placement-group bundle per rank: ``{"CPU": .., "GPU": .., **resources}`` (zero entries dropped)."""
+        one = {"CPU": self.num_cpus, "GPU": self.num_gpus, **self.resources}
+        return [{k: v for k, v in one.items() if v > 0} or {"CPU": 0.01} for _ in range(self.world_size)]
+
+
+class PlacementConfig(BaseModel):
+    """Where each role runs (``placement:`` in a recipe); an unknown role name is rejected."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    replay: RolePlacement = RolePlacement()
+    learner: LearnerPlacement = LearnerPlacement()
+    rollout: RolePlacement = RolePlacement()
+    """Applies to every rollout service (each one gets these resources)."""
