@@ -9,7 +9,9 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
+import signal
 import sys
 from pathlib import Path
 
@@ -115,6 +117,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from services.controller import run
 
+    # `kill -USR2 <driver pid>` prints every thread's Python stack to stderr (a driver that seems stuck, e.g.
+    # one that does not stop on Ctrl-C), and the run goes on
+    faulthandler.register(signal.SIGUSR2, all_threads=True)
     summary = run(recipe, console)
     if not summary.get("already_finished"):
         console.print(f"done in {summary['wall_time_s']:.0f} s; outputs in {recipe.out_dir}", highlight=False)

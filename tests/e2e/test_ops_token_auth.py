@@ -55,12 +55,16 @@ def _wait_for(path: Path, driver: subprocess.Popen, log: Path, timeout_s: float)
 
 
 def _stop(driver: subprocess.Popen) -> None:
-    """Ctrl-C, as an operator would (the driver's ``finally`` removes the records and shuts Ray down)."""
+    """Ctrl-C, as an operator would (the driver's ``finally`` removes the records and shuts Ray down). A driver
+    still running 120 s later is asked for its threads' stacks (SIGUSR2, ``gyre run``'s faulthandler: they land in
+    the run's log, which the failing assertion then shows) before it is killed."""
     if driver.poll() is None:
         driver.send_signal(signal.SIGINT)
         try:
             driver.wait(timeout=120)
         except subprocess.TimeoutExpired:
+            driver.send_signal(signal.SIGUSR2)
+            time.sleep(2)
             os.killpg(driver.pid, signal.SIGKILL)
             driver.wait(timeout=30)
 
@@ -127,4 +131,5 @@ def test_ops_commands_reach_a_token_auth_run_from_a_clean_environment(tiny_llama
         assert code == 2 and "".join(expected.split()) in "".join(out.split()), out
     finally:
         _stop(driver)
-    assert not (runs / RUN / CONNECTION_FILE).exists() and not (runs / RUN / "ray_address").exists()
+    assert not (runs / RUN / CONNECTION_FILE).exists() and not (runs / RUN / "ray_address").exists(), (
+        "the driver did not clean up after Ctrl-C; its log ends:\n" + log.read_text()[-6000:])
