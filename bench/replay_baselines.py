@@ -8,7 +8,7 @@ server, and answer each message once it is handled:
   reuse freed memory).
 - ``keep``: reads each payload out of its request and keeps it, as any buffer must. Every payload is
   then new memory, which on a VM that hands freed memory back to its host costs page faults per MiB
-  that the raw stream never pays (README, *This machine's memory*). This is the ceiling of any server
+  that the raw stream never pays (docs/benchmarks.md, the ingest ceiling). This is the ceiling of any server
   that keeps what it stores, measured in the same run.
 - ``append``: ``keep`` plus appending each payload to one file before the answer (no fsync): the least
   a buffer with ``durability: write`` does per message, the ceiling of ``ingest_ratio_nofsync``.

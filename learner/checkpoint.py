@@ -10,7 +10,7 @@ Layout of one checkpoint (``{root}/global_step_{N}/``)::
     metadata.json                      ``CheckpointMetadata``
     manifest.json                      ``{"files": {relpath: {"bytes", "sha256"}}, ...}`` — written last
 
-Commit protocol (DESIGN.md §2): everything is written into ``global_step_{N}.tmp-{pid}/``; each file
+Commit protocol (docs/concepts/architecture.md): everything is written into ``global_step_{N}.tmp-{pid}/``; each file
 and directory is fsync'd; the manifest is written (and fsync'd) last; the temp dir is renamed to
 ``global_step_{N}`` and ``root`` fsync'd. A crash at any point leaves no directory that looks
 complete: a temp dir is ignored, and a final dir whose manifest does not verify is skipped by name.

@@ -1,7 +1,7 @@
 """Learner loop: lease a batch from replay → GRPO/TIS step → publish the new policy version →
 every ``save_interval`` steps checkpoint, then ack the leases that checkpoint trained on.
 
-Acking only after the commit (DESIGN.md §2) means a learner crash loses no trajectory: leases not
+Acking only after the commit (docs/concepts/architecture.md) means a learner crash loses no trajectory: leases not
 yet acked expire in replay (``ReplayConfig.lease_ttl_s``) and their groups are sampled again. That TTL
 must therefore exceed the time ``save_interval`` steps take, or groups come back while still pending.
 

@@ -15,7 +15,9 @@ class SaveRange(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     from_step: int = Field(ge=0)
+    """First optimizer step this range applies to."""
     interval: int = Field(ge=1)
+    """Checkpoint every this many steps within the range."""
 
 
 class LearnerLoopConfig(BaseModel):
@@ -24,7 +26,10 @@ class LearnerLoopConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     engine: LearnerConfig
+    """The DeepSpeed engine: ZeRO stage, dtype, micro-batch size, optimizer, gradient checkpointing."""
     algorithm: AlgorithmConfig = AlgorithmConfig()
+    """The RL objective: advantage estimator, policy ratio, importance correction, clipping, KL, loss
+    aggregation, PPO epochs and mini-batches."""
     num_steps: int = Field(40, ge=1)
     """Optimizer steps (= policy versions published after the initial one)."""
     groups_per_step: int = Field(8, ge=1)

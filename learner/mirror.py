@@ -1,7 +1,7 @@
 """Double-written checkpoints: a mirror directory (ideally another disk) and resume across tiers.
 
 After ``learner.checkpoint.commit`` finishes ``{root}/global_step_N``, ``mirror_checkpoint`` copies it to
-``{mirror_root}/global_step_N`` with the same commit protocol (DESIGN.md §2): files are copied into
+``{mirror_root}/global_step_N`` with the same commit protocol (docs/concepts/architecture.md): files are copied into
 ``global_step_N.tmp-{pid}`` while each one's size and sha256 are checked against the source manifest,
 files and dirs are fsync'd, the manifest is written last and fsync'd, the temp dir is renamed and the
 parent fsync'd; then the mirror is pruned to the same ``keep_last_n``.

@@ -16,6 +16,7 @@ class GrpcTransportConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     type: Literal["grpc"] = "grpc"
+    """Selects this transport."""
     chunk_timeout_s: float = Field(default=30.0, gt=0)
     """Seconds a started version may go without a chunk before the stream is abandoned and retried."""
     backoff_s: float = Field(default=0.5, gt=0)
@@ -32,6 +33,7 @@ class NcclTransportConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     type: Literal["nccl"] = "nccl"
+    """Selects this transport."""
     master_address: str
     """Host of the learner's rendezvous store (TCPStore) for the NCCL group."""
     master_port: int = Field(ge=1, le=65535)

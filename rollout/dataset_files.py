@@ -58,6 +58,7 @@ class DatasetEval(BaseModel):
     path: str | None = None
     """Another file, glob, folder or Hub id (default: the training ``path``)."""
     format: Format = "auto"
+    """How ``path`` is read (see ``task.dataset.format``)."""
     split: str | None = None
     """Split of the eval data; default ``"train"`` when ``path`` is set (a file's only split)."""
     heldout_fraction: float | None = Field(None, gt=0, lt=1)
@@ -90,6 +91,7 @@ class DatasetConfig(BaseModel):
     """Split to train on (local files have only ``train``; a ``save_to_disk`` folder of one ``Dataset`` is used
     whole)."""
     columns: DatasetColumns = DatasetColumns()
+    """Which columns hold the prompt and the answer; every other column reaches the reward."""
     eval: DatasetEval | None = None
     """Evaluation data; ``None``: ``task.heldout_size`` training rows (seeded by ``task.heldout_seed``) are held
     out."""

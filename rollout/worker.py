@@ -46,7 +46,9 @@ class RolloutConfig(BaseModel):
     max_ready_groups: int = Field(16, ge=1)
     """Backpressure: no new prompt is leased while replay holds at least this many ready groups."""
     engine: EngineConfig
+    """The vLLM engine each rollout service runs: model, memory, parallelism, weight transport."""
     sampling: SamplingConfig = SamplingConfig()
+    """Sampling parameters of training rollouts (temperature, top-p, max_new_tokens)."""
     retry_backoff_s: float = Field(1.0, gt=0)
     """First wait (seconds) before re-sending a batch replay did not acknowledge; doubles up to 30 s."""
     spool_dir: str | None = None

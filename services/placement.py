@@ -18,6 +18,7 @@ class RayConfig(BaseModel):
     num_cpus: int | None = Field(None, ge=1)
     """CPUs the private head advertises (``None``: all)."""
     namespace: str = "gyre"
+    """Ray namespace of the run's named actors (``gyre:{run}:{service}``); the ops commands' ``--namespace``."""
     runtime_env: dict[str, Any] = {}
     """Ray ``runtime_env`` of the rollout actors, where reward functions are imported: e.g.
     ``{working_dir: ., py_modules: [rewards/]}`` ships a ``reward: {function: "pkg.module:fn"}``'s code to
@@ -77,6 +78,8 @@ class PlacementConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     replay: RolePlacement = RolePlacement()
+    """Resources of the replay service."""
     learner: LearnerPlacement = LearnerPlacement()
+    """Resources of each learner rank, the world size and the placement-group strategy."""
     rollout: RolePlacement = RolePlacement()
     """Applies to every rollout service (each one gets these resources)."""

@@ -44,13 +44,22 @@ class Recipe(BaseModel):
     model_id: str | None = None
     """Set by the loader: the Hub id ``model`` was resolved from (``None`` for a local folder)."""
     run_dir: str = "runs"
+    """Directory holding run directories; relative paths resolve from where gyre runs."""
     seed: int = 0
+    """Seed of the run: sampling seeds in lockstep, the learner's RNG, the dataset's shuffles."""
     task: TaskConfig = TaskConfig()
+    """What the rollouts generate and how it is scored: a reasoning-gym task, HumanEval, your own dataset,
+    a mixture; the reward(s)."""
     rollout: RolloutConfig
+    """The rollout services: engine, sampling, group size, fleet size, backpressure."""
     replay: ReplayConfig = ReplayConfig()
+    """The replay service: staleness gate, selectors, rate limiter, WAL and snapshots."""
     learner: LearnerLoopConfig
+    """The learner: DeepSpeed engine, algorithm, steps, batch size, checkpoints."""
     ray: RayConfig = RayConfig()
+    """Which Ray cluster to run on, its namespace and the rollouts' runtime_env."""
     placement: PlacementConfig = PlacementConfig()
+    """Ray resources (CPUs, GPUs, custom node resources) per role; the learner's world size."""
     security: SecurityConfig = SecurityConfig()
     """TLS/token settings every service's gRPC servers and clients use (default: loopback plaintext)."""
     eval: EvalConfig = EvalConfig()

