@@ -116,11 +116,16 @@ def main(argv: list[str] | None = None) -> int:
         console.print(describe(recipe), highlight=False)
         return 0
     from services.controller import run
+    from services.run_lock import RunDirBusyError
 
     # `kill -USR2 <driver pid>` prints every thread's Python stack to stderr (a driver that seems stuck, e.g.
     # one that does not stop on Ctrl-C), and the run goes on
     faulthandler.register(signal.SIGUSR2, all_threads=True)
-    summary = run(recipe, console)
+    try:
+        summary = run(recipe, console)
+    except RunDirBusyError as exc:
+        console.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
+        return 2
     if not summary.get("already_finished"):
         console.print(f"done in {summary['wall_time_s']:.0f} s; outputs in {recipe.out_dir}", highlight=False)
     return 0

@@ -28,6 +28,7 @@ from services.ray_connection import CONNECTION_FILE, record_connection
 from services.progress import RunProgress
 from services.recipe import Recipe
 from services.report import MetricsWriter, plot_run, read_metrics
+from services.run_lock import hold_run_dir
 from services.supervisor import ServiceFactory, Supervisor
 
 log = structlog.get_logger("controller")
@@ -103,8 +104,17 @@ def init_ray(address: str, **kwargs) -> None:
 
 def run(recipe: Recipe, console: Console | None = None) -> dict:
     """Run (or resume, per ``recipe.learner.resume``) a recipe end to end; returns the summary also
-    written to ``{out_dir}/summary.json``. A finished run returns its summary with ``already_finished``."""
+    written to ``{out_dir}/summary.json``. A finished run returns its summary with ``already_finished``.
+
+    Raises:
+        RunDirBusyError: another driver holds ``{out_dir}`` (``services.run_lock``); nothing was touched.
+    """
     console = console or Console()
+    with hold_run_dir(recipe.out_dir):
+        return _run(recipe, console)
+
+
+def _run(recipe: Recipe, console: Console) -> dict:
     out = recipe.out_dir
     finished = prepare_run_dir(recipe, console)
     if finished is not None:
