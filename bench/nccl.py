@@ -113,7 +113,7 @@ def receiver_main(rank: int, world: int, store_port: int, weights_address: str, 
 
     from proto.tensor_chunks import receive_verified
     from rollout.config import NcclTransportConfig
-    from services.weight_transport.nccl import NcclTransport, torch_distributed_broadcast
+    from services.rollout.transport.nccl import NcclTransport, torch_distributed_broadcast
 
     store = _group(store_port, rank, world, is_master=False)
     shapes = model_shapes(MODELS[model])
@@ -164,8 +164,8 @@ def learner_main(receivers: int, rounds: int, model: str) -> dict:
     import torch.distributed as dist
 
     from learner.publisher import WeightPublisher
-    from services import weight_server
-    from services.weight_transport.nccl import NcclWeightSender, torch_distributed_broadcast
+    from services.learner import weight_server
+    from services.rollout.transport.nccl import NcclWeightSender, torch_distributed_broadcast
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

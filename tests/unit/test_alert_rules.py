@@ -12,7 +12,7 @@ from replay.buffer import TrajectoryBuffer
 from replay.config import ReplayConfig
 from rollout.spool import Spool
 from rollout.stats import RolloutStats
-from services.observability import LearnerMetrics, RolloutMetrics, replay_registry
+from services.common.observability import LearnerMetrics, RolloutMetrics, replay_registry
 from tests.fakes import group_table
 from tests.unit.test_observability import learner_row
 

@@ -7,8 +7,8 @@ import pytest
 from rich.console import Console
 
 from learner.checkpoint import fingerprint_diff
-from services.controller import archive_previous_run, prepare_run_dir, task_fingerprint
-from services.recipe import load_recipe
+from services.control.controller import archive_previous_run, prepare_run_dir, task_fingerprint
+from services.control.recipe import load_recipe
 from tests.tiny_model import SMOLLM2_DIR
 
 
@@ -62,7 +62,7 @@ def test_resume_none_archives_the_old_run_dir(tmp_path):
 
 
 def _fake_ray(monkeypatch, errors):
-    from services import controller
+    from services.control import controller
 
     calls = []
 

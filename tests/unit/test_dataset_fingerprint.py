@@ -12,9 +12,9 @@ from structlog.testing import capture_logs
 
 from learner import checkpoint as ckpt
 from rollout.dataset_files import DatasetConfig, data_fingerprint
-from services.controller import task_fingerprint
-from services.plan import describe
-from services.recipe import RecipeError, load_recipe
+from services.control.controller import task_fingerprint
+from services.control.plan import describe
+from services.control.recipe import RecipeError, load_recipe
 from tests.tiny_model import REPO
 from tests.unit.test_learner_checkpoint import save
 

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel
 
-from services.cli import build_parser
-from services.recipe import Recipe
-from services.reference_docs import _docstrings, _models_in, cli_reference, field_docstrings, recipe_reference
+from services.cli.main import build_parser
+from services.cli.reference_docs import _docstrings, _models_in, cli_reference, field_docstrings, recipe_reference
+from services.control.recipe import Recipe
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -1,5 +1,5 @@
-"""The controller's side of evaluation (``services.evaluation``), the recipe's ``eval:`` section and
-``gyre eval`` (``services.standalone_eval``) with a scripted engine in place of vLLM."""
+"""The controller's side of evaluation (``services.control.evaluation``), the recipe's ``eval:`` section and
+``gyre eval`` (``services.cli.standalone_eval``) with a scripted engine in place of vLLM."""
 
 import io
 import json
@@ -10,12 +10,12 @@ from rich.console import Console
 
 from rollout.evaluation import EvalConfig, EvalResult
 from rollout.types import Sample
-from services import cli
-from services.evaluation import PeriodicEval, eval_line, eval_table, first_due, record_eval, write_completions
-from services.progress import RunProgress
-from services.recipe import RecipeError, load_recipe
-from services.report import REPORT_PANELS, expand_keys, panel_points, plot_report, read_metrics
-from services.standalone_eval import run_standalone
+from services.cli import main as cli
+from services.cli.standalone_eval import run_standalone
+from services.control.evaluation import PeriodicEval, eval_line, eval_table, first_due, record_eval, write_completions
+from services.control.progress import RunProgress
+from services.control.recipe import RecipeError, load_recipe
+from services.control.report import REPORT_PANELS, expand_keys, panel_points, plot_report, read_metrics
 from tests.tiny_model import SMOLLM2_DIR
 
 TINY = "deploy/recipes/tiny-test.yaml"

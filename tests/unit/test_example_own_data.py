@@ -10,7 +10,7 @@ from pathlib import Path
 from rollout.rewards.function import Group
 from rollout.rewards.scoring import score_groups
 from rollout.tasks import TaskSource
-from services.recipe import load_recipe
+from services.control.recipe import load_recipe
 
 EXAMPLE = Path("examples/own-data")
 

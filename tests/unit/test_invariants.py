@@ -11,8 +11,8 @@ from learner.run_journal import LearnerJournal
 from proto.journal import Journal
 from replay.buffer import TrajectoryBuffer
 from replay.config import ReplayConfig
-from services.invariants import KINDS, RunDirError, check_run
-from services.replay_links import acked_event
+from services.cli.invariants import KINDS, RunDirError, check_run
+from services.replay.links import acked_event
 from tests.fakes import group_table
 
 
@@ -208,7 +208,7 @@ def test_not_a_run_dir_is_a_clear_error(tmp_path):
 
 
 def test_cli_check_exit_codes(tmp_path, capsys):
-    from services import cli
+    from services.cli import main as cli
 
     run = make_run(tmp_path)
     capsys.readouterr()  # drop what building the run logged

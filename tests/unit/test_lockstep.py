@@ -105,7 +105,7 @@ def test_gate_shares_a_version_switches_when_idle_and_rewinds_for_a_reissued_pro
 
 
 def test_recipe_hands_lockstep_to_rollout_and_learner(tmp_path, tiny_llama):
-    from services.recipe import Recipe
+    from services.control.recipe import Recipe
 
     base = {"name": "ls", "model": str(tiny_llama), "run_dir": str(tmp_path), "seed": 3,
             "rollout": {}, "learner": {"groups_per_step": 2}, "replay": {"max_staleness": 1}}

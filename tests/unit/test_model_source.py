@@ -9,7 +9,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from proto.model_source import ModelSourceError, is_hub_id, localize, resolve
-from services.recipe import RecipeError, load_recipe
+from services.control.recipe import RecipeError, load_recipe
 from tests.hf_cache import TINY_ID, populate_hf_cache, use_hf_cache
 
 RECIPE = "deploy/recipes/tiny-test.yaml"

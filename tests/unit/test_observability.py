@@ -10,7 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from rollout.spool import Spool
 from rollout.stats import RolloutStats
-from services.observability import (
+from services.common.observability import (
     STALENESS_BUCKETS, LearnerMetrics, ReplayStateCollector, RolloutMetrics, replay_registry, serve, stop,
 )
 from tests.fakes import FakeClock, group_table

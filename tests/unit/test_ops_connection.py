@@ -12,8 +12,8 @@ from types import SimpleNamespace
 import pytest
 import ray._raylet
 
-from services import ops, ray_connection as rc
-from services.ray_connection import OpsError, RayConnection
+from services.control import ops, ray_connection as rc
+from services.control.ray_connection import OpsError, RayConnection
 
 
 def _record(tmp_path, data) -> Path:

@@ -6,10 +6,11 @@ import time
 
 import pytest
 
-from services import cli, ops
-from services import ray_connection
-from services.ops import FleetRequests, OpsError
-from services.report import REPORT_PANELS, plot_report
+from services.cli import main as cli
+from services.control import ops
+from services.control import ray_connection
+from services.control.ops import FleetRequests, OpsError
+from services.control.report import REPORT_PANELS, plot_report
 
 
 def test_scale_restart_checkpoint_requests_are_taken_once():

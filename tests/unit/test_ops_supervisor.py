@@ -6,9 +6,9 @@ from types import SimpleNamespace
 import pytest
 from ray.exceptions import GetTimeoutError, RayActorError
 
-from services import supervisor as sup_mod
-from services.ops import FleetRequests
-from services.supervisor import Service, Supervisor
+from services.control import supervisor as sup_mod
+from services.control.ops import FleetRequests
+from services.control.supervisor import Service, Supervisor
 
 
 class Call:

@@ -6,8 +6,8 @@ are imported — get the runtime_env."""
 import pytest
 import yaml
 
-from services.recipe import RecipeError, load_recipe
-from services.service_factory import ServiceFactory
+from services.control.factory import ServiceFactory
+from services.control.recipe import RecipeError, load_recipe
 from tests.tiny_model import SMOLLM2_DIR
 from tests.unit.test_fault_arming import FakeActorClass
 

@@ -1,6 +1,6 @@
 """Batched inserts: ``TrajectoryBuffer.insert_batch`` (one split, one WAL write, one apply for several
 inserts) stores exactly what the same inserts one by one store, and a restart restores it; the
-server's ingest stage (``services.replay_ingest``) answers every stream in request order and stops a
+server's ingest stage (``services.replay.ingest``) answers every stream in request order and stops a
 stream at its first bad request without touching the others."""
 
 import shutil
@@ -16,7 +16,7 @@ from replay.buffer import TrajectoryBuffer
 from replay.config import ReplayConfig
 from replay.groups import split_batch, split_groups
 from replay.wal_read import list_segments, read_segment
-from services.replay_ingest import END, Abort, IngestStage, Received, Stream
+from services.replay.ingest import END, Abort, IngestStage, Received, Stream
 from tests.fakes import FakeClock, group_table
 from tests.unit.test_replay_durability import contents
 

@@ -20,7 +20,7 @@ from replay.files import HashingFile, ForegroundGate
 from replay.records import RECORD_SCHEMAS, WAL_FORMAT_VERSION, CorruptRecordError, Record, encode
 from replay.wal import Wal, segment_path
 from replay.wal_read import read_segment
-from services.replay_ingest import aligned as _aligned
+from services.replay.ingest import aligned as _aligned
 from tests.fakes import group_table
 
 NO_AUTO = {"interval_s": None, "wal_bytes": None}

@@ -143,8 +143,8 @@ def test_a_lockstep_rollout_accepts_a_version_offer_before_its_engine_loaded_any
     reported refused and sent again)."""
     import threading
 
-    from services import logs
-    from services.rollout_actor import RolloutActor
+    from services.common import logs
+    from services.rollout.actor import RolloutActor
 
     class LockstepWorker:
         newest_offered = -1

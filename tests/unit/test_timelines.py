@@ -13,8 +13,8 @@ from learner.publisher import WeightPublisher
 from proto.timeline import SHARED, is_new
 from replay.buffer import TrajectoryBuffer
 from replay.config import ReplayConfig
-from services import weight_server
-from services.weight_client import WeightSubscriber
+from services.learner import weight_server
+from services.rollout.weight_client import WeightSubscriber
 from tests.fakes import FakeEngine, FakeReplay, SlowEngine, until
 from tests.unit.test_rollout_worker import make_worker
 
@@ -96,7 +96,7 @@ def test_worker_switches_timeline_down_cancelling_dead_groups_then_moves_forward
 def test_final_evaluation_waits_for_the_learners_timeline_not_its_number():
     """Crash after the last publish: the rollout holds version 3 of the dead timeline, the resumed learner
     ends on version 3 of its own. Waiting for "version 3" must not accept the dead weights."""
-    from services.rollout_actor import RolloutActor
+    from services.rollout.actor import RolloutActor
 
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)

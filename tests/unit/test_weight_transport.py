@@ -18,12 +18,13 @@ from learner.publisher import WeightPublisher
 from proto import weights_pb2, weights_pb2_grpc
 from proto.tensor_chunks import ChunkError, TensorMeta, device_checksum, receive_verified, tensor_metas
 from rollout.config import EngineConfig, GrpcTransportConfig, NcclTransportConfig
-from services import grpc_common, weight_server
-from services.weight_client import WeightSubscriber, parse_chunk
-from services.weight_transport import TransportUnavailableError, make_transport
-from services.weight_transport.bootstrap import newest_export, write_export_version
-from services.weight_transport.grpc_transport import GrpcTransport
-from services.weight_transport.nccl import NcclTransport, NcclWeightSender, torch_distributed_broadcast
+from services.common import grpc_common
+from services.learner import weight_server
+from services.rollout.transport import TransportUnavailableError, make_transport
+from services.rollout.transport.bootstrap import newest_export, write_export_version
+from services.rollout.transport.grpc_transport import GrpcTransport
+from services.rollout.transport.nccl import NcclTransport, NcclWeightSender, torch_distributed_broadcast
+from services.rollout.weight_client import WeightSubscriber, parse_chunk
 
 NCCL_CFG = NcclTransportConfig(master_address="127.0.0.1", master_port=29500, world_size=2, rank_offset=1,
                                backoff_s=0.1)
@@ -251,7 +252,7 @@ def test_hand_appended_data_field_parses_like_protobufs_own_encoding(size):
 
 
 def test_parse_chunk_finds_data_wherever_protobuf_put_it_and_refuses_garbage():
-    from services.weight_client import parse_chunk
+    from services.rollout.weight_client import parse_chunk
     msg = weights_pb2.WeightChunk(version=3, name="b.bias", dtype="float32", shape=[2, 3], offset=8,
                                   data=bytes(range(24)), nbytes=32, last_of_tensor=True, checksum=2**32 - 1,
                                   checksum_kind="crc32c")
@@ -297,7 +298,7 @@ class _FakeTransport:
 
 def _boot(engine, transport, tmp_path, wait_s=0.5, bootstrap_dir=None):
     import asyncio
-    from services.weight_transport.bootstrap import bootstrap
+    from services.rollout.transport.bootstrap import bootstrap
     cfg = SimpleNamespace(bootstrap_wait_s=wait_s, bootstrap_dir=bootstrap_dir)
     return asyncio.run(bootstrap(engine, transport, cfg))
 
