@@ -41,7 +41,7 @@ DEVICE = "cpu" if CPU_DRY_RUN else "cuda"
 SMOLLM2 = {"vocab": 49152, "hidden": 576, "inter": 1536, "layers": 30, "kv": 192}
 QWEN_1_5B = {"vocab": 151936, "hidden": 1536, "inter": 8960, "layers": 28, "kv": 256}
 TINY = {"vocab": 1024, "hidden": 64, "inter": 128, "layers": 2, "kv": 32}
-"""A ~0.3 MB version for checking the harness itself (the CPU dry run in tests/unit/test_bench_nccl.py)."""
+"""A ~0.3 MB version for checking the harness itself (the CPU dry run in tests/unit/bench/test_bench_nccl.py)."""
 MODELS = {"smollm2": SMOLLM2, "qwen1.5b": QWEN_1_5B, "tiny": TINY}
 
 

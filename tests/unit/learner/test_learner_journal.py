@@ -8,7 +8,7 @@ from learner.run_journal import LearnerJournal
 from proto.journal import read_journal
 from tests.fakes import FakeReplay
 from tests.tiny_model import SMOLLM2_DIR
-from tests.unit.test_learner_loop import CommittingEngine, filled_buffer, make_loop
+from tests.unit.learner.test_learner_loop import CommittingEngine, filled_buffer, make_loop
 
 
 class JournalCheckingReplay(FakeReplay):

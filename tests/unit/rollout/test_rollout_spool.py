@@ -19,7 +19,7 @@ from replay.config import ReplayConfig
 from rollout.spool import Spool, SpoolCorruptError, SpoolFlusher
 from tests.fakes import FakeClock, FakeReplay, FakeRpcError, OutageReplay, group_table
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def names(directory: Path) -> list[str]:

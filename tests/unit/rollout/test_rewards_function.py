@@ -13,7 +13,7 @@ from rollout.rewards.scoring import score_groups
 from rollout.tasks import TaskConfig, TaskSource
 from rollout.stats import merge_reward_means
 from tests.fakes import FakeEngine
-from tests.unit.test_rewards_hotswap import TINY, make_worker
+from tests.unit.rollout.test_rewards_hotswap import TINY, make_worker
 
 
 def write(path, source):

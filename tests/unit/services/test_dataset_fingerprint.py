@@ -16,7 +16,7 @@ from services.control.controller import task_fingerprint
 from services.control.plan import describe
 from services.control.recipe import RecipeError, load_recipe
 from tests.tiny_model import REPO
-from tests.unit.test_learner_checkpoint import save
+from tests.unit.learner.test_learner_checkpoint import save
 
 RECIPE = REPO / "deploy/recipes/smollm2-arith.yaml"
 

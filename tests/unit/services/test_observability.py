@@ -120,7 +120,7 @@ def test_async_save_counts_the_commit_not_the_capture():
 
 
 def test_rows_of_the_real_learner_loop_are_accepted():
-    from tests.unit.test_learner_loop import filled_buffer, make_loop
+    from tests.unit.learner.test_learner_loop import filled_buffer, make_loop
 
     loop, _ = make_loop(filled_buffer(4), save_interval=2)
     metrics = LearnerMetrics(RUN)

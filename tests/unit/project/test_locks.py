@@ -12,7 +12,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
 LOCKS = {"cpu": ("cpu",), "cuda": ("cuda",), "cpu-dev": ("cpu", "test", "dev", "docs"),
          "cuda-dev": ("cuda", "test", "dev", "docs")}

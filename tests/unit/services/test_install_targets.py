@@ -17,7 +17,7 @@ from services.cli import main as cli
 from services.control.machine_check import check_machine
 from services.control.recipe import RecipeError, load_recipe
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 RECIPES = sorted((REPO / "deploy" / "recipes").glob("*.yaml"))
 
 

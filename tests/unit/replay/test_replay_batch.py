@@ -18,7 +18,7 @@ from replay.groups import split_batch, split_groups
 from replay.wal_read import list_segments, read_segment
 from services.replay.ingest import END, Abort, IngestStage, Received, Stream
 from tests.fakes import FakeClock, group_table
-from tests.unit.test_replay_durability import contents
+from tests.unit.replay.test_replay_durability import contents
 
 NO_AUTO = {"interval_s": None, "wal_bytes": None}
 

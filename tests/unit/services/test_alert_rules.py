@@ -14,9 +14,9 @@ from rollout.spool import Spool
 from rollout.stats import RolloutStats
 from services.common.observability import LearnerMetrics, RolloutMetrics, replay_registry
 from tests.fakes import group_table
-from tests.unit.test_observability import learner_row
+from tests.unit.services.test_observability import learner_row
 
-PROM_DIR = Path(__file__).resolve().parents[2] / "deploy" / "prometheus"
+PROM_DIR = Path(__file__).resolve().parents[3] / "deploy" / "prometheus"
 PROMETHEUS_BUILTIN = {"up"}
 """Series Prometheus itself writes for every target."""
 _PROMQL_WORDS = {"and", "or", "unless", "bool", "offset", "by", "without", "on", "ignoring",

@@ -9,7 +9,7 @@ import pytest
 
 import faults
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 def test_parse_spec_reads_counts_errnos_and_lists():

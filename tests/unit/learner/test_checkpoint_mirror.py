@@ -20,7 +20,7 @@ from learner import crypto
 from learner.archive import ArchiveConfig, archive_checkpoint, fetch_checkpoint, list_archived, prune_archive
 from learner.mirror import CheckpointTiersConfig, copy_commit, mirror_checkpoint, resolve_resume
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def save(root: Path, step: int, payload: bytes = b"weights") -> Path:

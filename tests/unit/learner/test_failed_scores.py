@@ -17,8 +17,8 @@ from learner.config import AlgorithmConfig
 from learner.losses import loss_normaliser, policy_loss
 from learner.step_start import step_targets
 from proto.trajectory import to_table
-from tests.unit.test_batch import PAD, _traj
-from tests.unit.test_overlong import _FakeLearner
+from tests.unit.learner.test_batch import PAD, _traj
+from tests.unit.learner.test_overlong import _FakeLearner
 
 
 def _group(prompt_index: int, rewards: list[float], errors: dict[int, str] | None = None, start: int = 0):

@@ -224,7 +224,7 @@ def test_remove_gently_never_shortens_a_file_this_process_maps(tmp_path):
     import sys
     from pathlib import Path
 
-    repo = Path(__file__).resolve().parents[2]
+    repo = Path(__file__).resolve().parents[3]
     out = subprocess.run([sys.executable, "-c", MAPPED_THEN_REMOVED, str(tmp_path / "mapped.arrow")], cwd=repo,
                          env={**os.environ, "PYTHONPATH": str(repo)}, capture_output=True, timeout=120)
     assert out.returncode == 0, (out.returncode, out.stderr.decode()[-2000:])  # -7: SIGBUS

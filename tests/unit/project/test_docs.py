@@ -16,7 +16,7 @@ from services.cli.main import build_parser
 from services.cli.reference_docs import _docstrings, _models_in, cli_reference, field_docstrings, recipe_reference
 from services.control.recipe import Recipe
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def _all_keys(model: type[BaseModel], prefix: str = "") -> list[tuple[str, type[BaseModel], str]]:

@@ -16,7 +16,7 @@ from learner.batch import build_train_batch, truncation_metrics
 from learner.config import AlgorithmConfig
 from learner.step_start import step_targets
 from proto.trajectory import to_table
-from tests.unit.test_batch import PAD, _rows
+from tests.unit.learner.test_batch import PAD, _rows
 
 
 def _truncated_rows(*which: int):

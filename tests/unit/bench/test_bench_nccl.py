@@ -12,7 +12,7 @@ from pathlib import Path
 
 from bench.nccl import TINY, model_shapes
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def test_cpu_dry_run_delivers_refuses_the_corrupt_version_and_prints_one_json_line():

@@ -9,7 +9,7 @@ import yaml
 from services.control.factory import ServiceFactory
 from services.control.recipe import RecipeError, load_recipe
 from tests.tiny_model import SMOLLM2_DIR
-from tests.unit.test_fault_arming import FakeActorClass
+from tests.unit.services.test_fault_arming import FakeActorClass
 
 REWARD = "def score(completions, **columns):\n    return [float(len(c) < 9) for c in completions]\n"
 

@@ -16,7 +16,7 @@ from replay.config import ReplayConfig
 from services.learner import weight_server
 from services.rollout.weight_client import WeightSubscriber
 from tests.fakes import FakeEngine, FakeReplay, SlowEngine, until
-from tests.unit.test_rollout_worker import make_worker
+from tests.unit.rollout.test_rollout_worker import make_worker
 
 DEAD, LIVE = 111, 222  # the crashed learner's timeline, the resumed learner's
 
