@@ -74,9 +74,10 @@ def test_the_cli_reference_has_every_command():
                     reason="mkdocs is not installed (the docs extra; make setup-dev installs it)")
 def test_mkdocs_build_strict(tmp_path):
     mkdocs = Path(sys.executable).parent / "mkdocs"
+    # PYTHONPATH: docs/hooks.py imports this checkout's services, not whichever checkout the venv installed
     proc = subprocess.run([str(mkdocs), "build", "--strict", "-d", str(tmp_path / "site")], cwd=REPO,
-                          capture_output=True, text=True, timeout=300, env={"NO_MKDOCS_2_WARNING": "1",
-                                                                            "PATH": str(mkdocs.parent)})
+                          capture_output=True, text=True, timeout=300,
+                          env={"NO_MKDOCS_2_WARNING": "1", "PATH": str(mkdocs.parent), "PYTHONPATH": str(REPO)})
     assert proc.returncode == 0, proc.stderr[-4000:]
     recipe = (tmp_path / "site" / "reference" / "recipe" / "index.html").read_text()
     assert "learner.algorithm.ppo_epochs" in recipe and "generated:recipe" not in recipe
