@@ -41,7 +41,7 @@ DEVICE = "cpu" if CPU_DRY_RUN else "cuda"
 SMOLLM2 = {"vocab": 49152, "hidden": 576, "inter": 1536, "layers": 30, "kv": 192}
 QWEN_1_5B = {"vocab": 151936, "hidden": 1536, "inter": 8960, "layers": 28, "kv": 256}
 TINY = {"vocab": 1024, "hidden": 64, "inter": 128, "layers": 2, "kv": 32}
-"""A ~0.3 MB version for checking the harness itself (the CPU dry run in tests/unit/test_bench_nccl.py)."""
+"""A ~0.3 MB version for checking the harness itself (the CPU dry run in tests/unit/bench/test_bench_nccl.py)."""
 MODELS = {"smollm2": SMOLLM2, "qwen1.5b": QWEN_1_5B, "tiny": TINY}
 
 
@@ -113,7 +113,7 @@ def receiver_main(rank: int, world: int, store_port: int, weights_address: str, 
 
     from proto.tensor_chunks import receive_verified
     from rollout.config import NcclTransportConfig
-    from services.weight_transport.nccl import NcclTransport, torch_distributed_broadcast
+    from services.rollout.transport.nccl import NcclTransport, torch_distributed_broadcast
 
     store = _group(store_port, rank, world, is_master=False)
     shapes = model_shapes(MODELS[model])
@@ -164,8 +164,8 @@ def learner_main(receivers: int, rounds: int, model: str) -> dict:
     import torch.distributed as dist
 
     from learner.publisher import WeightPublisher
-    from services import weight_server
-    from services.weight_transport.nccl import NcclWeightSender, torch_distributed_broadcast
+    from services.learner import weight_server
+    from services.rollout.transport.nccl import NcclWeightSender, torch_distributed_broadcast
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

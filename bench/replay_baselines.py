@@ -30,7 +30,7 @@ import grpc
 
 from proto import replay_pb2
 from replay.memory import tune_malloc
-from services import grpc_common
+from services.common import grpc_common
 
 KINDS = ("raw", "keep", "append", "durable")
 LOGGING = ("append", "durable")
@@ -38,7 +38,7 @@ LOGGING = ("append", "durable")
 SERVICE = "gyre.bench.v1.RawBytes"
 RAW_METHOD = f"/{SERVICE}/Insert"
 GIL_SWITCH_S = 0.001
-"""The replay server's GIL switch interval (``services.replay_server``)."""
+"""The replay server's GIL switch interval (``services.replay.server``)."""
 
 
 class GroupCommitLog:

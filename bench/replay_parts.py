@@ -19,7 +19,7 @@ import yaml
 from bench.replay_baselines import KINDS
 from proto import replay_pb2
 from proto.trajectory import SCHEMA_VERSION, TRAJECTORY_SCHEMA, to_ipc
-from services import grpc_common
+from services.common import grpc_common
 
 REPO = Path(__file__).resolve().parents[1]
 GROUP_SIZE, PROMPT_LEN, RESPONSE_LEN = 8, 64, 192
@@ -102,7 +102,7 @@ class Server:
         else:
             cfg = directory.with_suffix(".yaml")
             cfg.write_text(yaml.safe_dump(config))
-            cmd = [sys.executable, "-m", "services.replay_main", "--config", str(cfg), "--dir", str(directory),
+            cmd = [sys.executable, "-m", "services.replay.main", "--config", str(cfg), "--dir", str(directory),
                    "--port", str(port)]
         self.address = f"127.0.0.1:{port}"
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

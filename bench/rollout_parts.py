@@ -17,8 +17,9 @@ import torch
 
 from learner.publisher import WeightPublisher
 from proto.tensor_chunks import encode_tensors
-from services import grpc_common, weight_server
-from services.weight_client import WeightSubscriber
+from services.common import grpc_common
+from services.learner import weight_server
+from services.rollout.weight_client import WeightSubscriber
 
 REPO = Path(__file__).resolve().parents[1]
 RAW_SERVICE, RAW_METHOD = "gyre.bench.v1.RawWeights", "/gyre.bench.v1.RawWeights/Subscribe"
@@ -170,7 +171,7 @@ class WeightFeed:
     (``RolloutEngine.update_weights`` on ``loop``). Idle until ``publisher.publish``."""
 
     def __init__(self, engine, loop: asyncio.AbstractEventLoop) -> None:
-        from services.weight_transport import make_transport
+        from services.rollout.transport import make_transport
 
         self.engine, self.loop = engine, loop
         self.publisher = WeightPublisher()

@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     try:
-        from services.cli import main as gyre_main
+        from services.cli.main import main as gyre_main
     except ImportError as exc:
         print(f"error: {sys.executable} cannot import gyre ({exc}); run this script with the python of "
               "gyre's venv (put it first on the head's PATH)", file=sys.stderr)

@@ -1,9 +1,9 @@
 """mkdocs hook: fills the ``<!-- generated:NAME -->`` markers of the reference pages from the code
-(``services.reference_docs``), so the recipe and CLI references always match the installed gyre."""
+(``services.cli.reference_docs``), so the recipe and CLI references always match the installed gyre."""
 
 from __future__ import annotations
 
-from services.reference_docs import cli_reference, recipe_reference
+from services.cli.reference_docs import cli_reference, recipe_reference
 
 GENERATORS = {"<!-- generated:recipe -->": recipe_reference, "<!-- generated:cli -->": cli_reference}
 

@@ -12,7 +12,7 @@ from proto.model_source import localize_model_data
 KL_LOSS_GRADIENT: dict[str, str | None] = {"k1": None, "k2": "KL(pi || pi_ref)", "k3": "KL(pi_ref || pi)"}
 """What each ``kl_estimator`` trains as a loss: the KL whose gradient ``E_{a ~ pi}[grad k(x_a)]`` equals (per
 position, the sampling distribution held fixed), or ``None`` where that expectation is 0 (``k1``). Checked
-exactly in ``tests/unit/test_kl_gradients.py``."""
+exactly in ``tests/unit/learner/test_kl_gradients.py``."""
 
 
 class AlgorithmConfig(BaseModel):

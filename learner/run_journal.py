@@ -1,5 +1,5 @@
 """The learner's run journal (``proto.journal`` format): which groups each committed checkpoint trained
-on, and where every (re)start resumed from — what ``gyre check`` (``services.invariants``) verifies.
+on, and where every (re)start resumed from — what ``gyre check`` (``services.cli.invariants``) verifies.
 
 Events (one JSON line each, fsync'd before the learner goes on):
 

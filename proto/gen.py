@@ -1,6 +1,6 @@
 """Regenerate the checked-in gRPC/protobuf Python code: ``python -m proto.gen [OUT_ROOT]``.
 
-``tests/unit/test_proto.py`` regenerates into a temp dir and fails if the checked-in files differ.
+``tests/unit/proto/test_proto.py`` regenerates into a temp dir and fails if the checked-in files differ.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The trajectory buffer: thread-safe replay core (waiting, rate limiting, WAL) over ``ReplayState``.
 
-Used in-process by tests and behind ``services.replay_server`` in production. With ``config.dir`` set
+Used in-process by tests and behind ``services.replay.server`` in production. With ``config.dir`` set
 the buffer restores itself from that directory at construction and logs every change to its WAL.
 
 Every mutating call follows one protocol: decide under the lock what changes (picks, evictions,

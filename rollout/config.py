@@ -128,7 +128,7 @@ class EngineConfig(BaseModel):
     """Engine-level seed; a request without its own seed samples from this stream."""
 
     weight_transport: WeightTransportConfig = GrpcTransportConfig()
-    """How new policy versions arrive (``services.weight_transport.make_transport``)."""
+    """How new policy versions arrive (``services.rollout.transport.make_transport``)."""
 
     bootstrap_wait_s: float = Field(default=60.0, ge=0)
     """Seconds a starting rollout waits to catch up to the learner's newest version before it generates;

@@ -5,7 +5,7 @@ of the mixture, named like it) once greedily (temperature 0) and, with ``n_sampl
 ``temperature`` with a seed of its own. A response is *correct* when its score is >= 1.0 (exact; a verifier's
 partial credit is not correct); a response whose scoring failed (``reward_error``) has reward 0 and is not
 correct. Used by the rollout service (``RolloutWorker.evaluate``, before/during/after training) and by
-``gyre eval`` (``services.standalone_eval``); the engine is anything with ``version``, ``generate`` and
+``gyre eval`` (``services.cli.standalone_eval``); the engine is anything with ``version``, ``generate`` and
 ``generate_greedy`` (``rollout.engine.RolloutEngine``).
 """
 

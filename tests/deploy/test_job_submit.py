@@ -52,7 +52,7 @@ def test_job_submit_runs_a_recipe(tiny_llama, tmp_path):
         pkgs = [p for p in (ports.temp_dir / "session_latest" / "runtime_resources" / "working_dir_files").glob("*")
                 if p.is_dir()]
         assert len(pkgs) == 1, pkgs
-        assert (pkgs[0] / RECIPE).is_file() and (pkgs[0] / "services" / "cli.py").is_file()
+        assert (pkgs[0] / RECIPE).is_file() and (pkgs[0] / "services" / "cli" / "main.py").is_file()
         assert not any((pkgs[0] / name).exists() for name in (".venv", ".cache", "runs")), \
             sorted(p.name for p in pkgs[0].iterdir())
     finally:

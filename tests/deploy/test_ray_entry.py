@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-import services.cli
+from services.cli import main as cli_main
 from deploy import ray_entry
 from tests.deploy.system import REPO
 
@@ -13,7 +13,7 @@ from tests.deploy.system import REPO
 @pytest.fixture
 def captured(monkeypatch, tmp_path):
     calls = []
-    monkeypatch.setattr(services.cli, "main", lambda argv: calls.append((list(argv), os.getcwd())) or 0)
+    monkeypatch.setattr(cli_main, "main", lambda argv: calls.append((list(argv), os.getcwd())) or 0)
     monkeypatch.chdir(tmp_path)  # like `ray submit`: the script runs from the head's home, not the checkout
     return calls
 

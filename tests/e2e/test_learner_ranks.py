@@ -13,10 +13,10 @@ import time
 import pytest
 import ray
 
-from services import ops
-from services.invariants import check_run
-from services.recipe import load_recipe
-from services.service_factory import actor_name
+from services.cli.invariants import check_run
+from services.control import ops
+from services.control.factory import actor_name
+from services.control.recipe import load_recipe
 from tests.e2e.chaos_run import run_with_chaos
 from tests.training import assert_trained
 

@@ -15,10 +15,10 @@ import pytest
 from safetensors.torch import load_file
 
 import faults
-from services import controller
-from services.invariants import check_run
-from services.recipe import load_recipe
-from services.service_factory import FIRE_LOG
+from services.cli.invariants import check_run
+from services.control import controller
+from services.control.factory import FIRE_LOG
+from services.control.recipe import load_recipe
 from tests.training import assert_trained
 
 pytestmark = pytest.mark.slow

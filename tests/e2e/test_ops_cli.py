@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import ray
 
-from services.controller import init_ray
-from services.ops import create_state
+from services.control.controller import init_ray
+from services.control.ops import create_state
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]

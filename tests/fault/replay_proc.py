@@ -19,8 +19,9 @@ import yaml
 
 from replay.config import ReplayConfig
 from replay.durable import inspect_dir
-from services import grpc_common, replay_server
-from services.replay_client import ReplayClient
+from services.common import grpc_common
+from services.replay import server as replay_server
+from services.replay.client import ReplayClient
 from tests.fakes import group_table
 
 REPO = Path(__file__).resolve().parents[2]
@@ -33,7 +34,7 @@ def free_port() -> int:
 
 
 class ReplayProcess:
-    """``python -m services.replay_main`` on ``dir`` (spawned, never forked), optionally with a fault point."""
+    """``python -m services.replay.main`` on ``dir`` (spawned, never forked), optionally with a fault point."""
 
     def __init__(self, config: dict, directory: Path, fault_point: str | None = None) -> None:
         self.config, self.dir, self.port = config, directory, free_port()
@@ -42,7 +43,7 @@ class ReplayProcess:
         env = {**os.environ, "GYRE_FAULT_POINT": fault_point or ""}
         self.log = open(directory.parent / f"{directory.name}.log", "ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "services.replay_main", "--config", str(cfg_file), "--dir", str(directory),
+            [sys.executable, "-m", "services.replay.main", "--config", str(cfg_file), "--dir", str(directory),
              "--port", str(self.port)], cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT)
         self.address = f"127.0.0.1:{self.port}"
 

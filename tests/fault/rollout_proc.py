@@ -120,7 +120,7 @@ async def start_engine(args):
 def make_worker(args, engine, tokenizer, sampling, log: EventLog):
     from rollout.tasks import TaskConfig, TaskSource
     from rollout.worker import RolloutConfig, RolloutWorker
-    from services.replay_client import ReplayClient
+    from services.replay.client import ReplayClient
 
     config = RolloutConfig.model_construct(
         engine=None, sampling=sampling, group_size=GROUP_SIZE, groups_in_flight=3,

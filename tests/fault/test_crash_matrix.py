@@ -7,7 +7,7 @@ the last incarnation runs clean. After the run: every step was trained, with gra
 not the initial model; the fire log (``faults.read_fire_log``: each point appends a line and fsyncs it before it
 kills) lists exactly the armed (service, incarnation, point) triples — a restart for any other reason (a hung
 service the health check gave up on) leaves no line —, each service was restarted exactly that many times; and
-the invariant checker (``services.invariants.check_run``) finds no violation, no lost group, no group trained
+the invariant checker (``services.cli.invariants.check_run``) finds no violation, no lost group, no group trained
 twice, and ``steps × groups_per_step`` groups trained.
 
 Knobs that make every point reachable in a short run: replay WAL segments of 4 KiB (``after_roll``) and a
@@ -32,10 +32,10 @@ import time
 import pytest
 
 import faults
-from services import controller
-from services.invariants import check_run
-from services.recipe import load_recipe
-from services.service_factory import FIRE_LOG
+from services.cli.invariants import check_run
+from services.control import controller
+from services.control.factory import FIRE_LOG
+from services.control.recipe import load_recipe
 from tests.training import assert_trained
 
 pytestmark = pytest.mark.slow

@@ -1,7 +1,7 @@
 """kill -9 a real replay server at random points and at named phases; every acknowledged trajectory
 must be present exactly once after the restart.
 
-Each trial starts ``services.replay_main`` (a subprocess, never a fork: the test process uses gRPC)
+Each trial starts ``services.replay.main`` (a subprocess, never a fork: the test process uses gRPC)
 on the same directory, lets two client threads insert 2-group batches while a third takes snapshots
 (every call), samples, releases and leases prompts, and then kills the server — after a random delay,
 or by arming a named fault point (``replay.faults``) inside snapshot writing or the WAL. The checker
@@ -29,7 +29,7 @@ import time
 
 import pytest
 
-from services.replay_client import ReplayClient
+from services.replay.client import ReplayClient
 from tests.fault.replay_proc import Inserter, ReplayProcess, churn, stored_ids
 
 FAULT_POINTS = ["replay.snapshot.files_written", "replay.snapshot.before_rename", "replay.snapshot.after_rename",

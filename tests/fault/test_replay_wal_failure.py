@@ -22,9 +22,10 @@ import faults
 from replay.buffer import TrajectoryBuffer
 from replay.config import ReplayConfig
 from replay.wal import WalError
-from services import grpc_common, replay_server
-from services.replay_client import ReplayClient, ReplayUnavailableError
-from services.replay_metrics import registry_for
+from services.common import grpc_common
+from services.replay import server as replay_server
+from services.replay.client import ReplayClient, ReplayUnavailableError
+from services.replay.metrics import registry_for
 from tests.fakes import group_table
 
 REPO = Path(__file__).resolve().parents[2]

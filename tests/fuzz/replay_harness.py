@@ -9,7 +9,8 @@ from proto import replay_pb2, replay_pb2_grpc
 from proto.trajectory import SCHEMA_VERSION, to_ipc
 from replay.buffer import TrajectoryBuffer
 from replay.config import ReplayConfig
-from services import grpc_common, replay_server
+from services.common import grpc_common
+from services.replay import server as replay_server
 from tests.fakes import group_table
 from tests.fuzz.bad_trajectories import MAX_BATCH_BYTES
 

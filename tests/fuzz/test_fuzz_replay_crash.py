@@ -19,7 +19,8 @@ import pytest
 
 from proto import replay_pb2, replay_pb2_grpc
 from proto.trajectory import SCHEMA_VERSION, to_ipc
-from services import grpc_common, replay_server
+from services.common import grpc_common
+from services.replay import server as replay_server
 from tests.fakes import group_table
 from tests.fuzz.bad_trajectories import raw_ipc
 from tests.fuzz.replay_harness import NAMED_CODES
@@ -31,7 +32,7 @@ SERVER = textwrap.dedent("""
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # no core file if a poison payload crashes it
     from replay.buffer import TrajectoryBuffer
     from replay.config import ReplayConfig
-    from services import replay_server
+    from services.replay import server as replay_server
     server, port = replay_server.serve(TrajectoryBuffer(ReplayConfig(max_batch_bytes=65536)))
     print(f"PORT={port}", flush=True)
     sys.stdin.read()  # serve until the test closes stdin

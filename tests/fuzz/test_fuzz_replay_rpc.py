@@ -64,7 +64,7 @@ def _without_wal(info: dict) -> dict:
 
 
 def test_an_empty_table_is_a_no_op(replay):
-    """Documented in tests/unit/test_replay_buffer.py: 0 rows store nothing (the WAL logs the no-op)."""
+    """Documented in tests/unit/replay/test_replay_buffer.py: 0 rows store nothing (the WAL logs the no-op)."""
     before = replay.info()
     resp = replay.insert(raw_ipc(group_table(2 * 10**9).slice(0, 0)))
     assert (resp.accepted, resp.duplicates, resp.dropped_stale) == (0, 0, 0)

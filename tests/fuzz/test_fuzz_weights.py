@@ -21,8 +21,9 @@ from learner.publisher import WeightPublisher
 from proto import weights_pb2, weights_pb2_grpc
 from proto.tensor_chunks import (CHUNK_CHECKSUMS, DTYPES, ChunkAssembler, ChunkError, TensorChunk, encode_tensors,
                                  iter_chunks)
-from services import grpc_common, weight_server
-from services.weight_client import parse_chunk
+from services.common import grpc_common
+from services.learner import weight_server
+from services.rollout.weight_client import parse_chunk
 
 def chunk_of(msg: weights_pb2.WeightChunk) -> TensorChunk:
     """The ``TensorChunk`` a parsed ``WeightChunk`` message stands for (field by field)."""

@@ -21,9 +21,11 @@ from proto import replay_pb2, replay_pb2_grpc, weights_pb2, weights_pb2_grpc
 from proto.trajectory import SCHEMA_VERSION, to_ipc
 from replay.buffer import TrajectoryBuffer
 from replay.config import ReplayConfig
-from services import grpc_common, replay_server, weight_server
-from services.security import SecurityConfig
-from services.weight_client import WeightSubscriber
+from services.common import grpc_common
+from services.common.security import SecurityConfig
+from services.learner import weight_server
+from services.replay import server as replay_server
+from services.rollout.weight_client import WeightSubscriber
 from tests.fakes import group_table
 
 TOKEN = "tok-" + "a1b2c3d4" * 4

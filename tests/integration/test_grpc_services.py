@@ -15,10 +15,12 @@ from proto import replay_pb2, replay_pb2_grpc
 from proto.trajectory import SCHEMA_VERSION, to_ipc
 from replay.buffer import TrajectoryBuffer
 from replay.config import ReplayConfig
-from services import grpc_common, replay_server, weight_server
-from services.replay_client import ReplayClient
-from services.replay_metrics import serve_metrics
-from services.weight_client import WeightSubscriber
+from services.common import grpc_common
+from services.learner import weight_server
+from services.replay import server as replay_server
+from services.replay.client import ReplayClient
+from services.replay.metrics import serve_metrics
+from services.rollout.weight_client import WeightSubscriber
 from tests.fakes import group_table
 
 

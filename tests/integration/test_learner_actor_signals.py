@@ -30,8 +30,9 @@ def _wait(cond, timeout_s: float, what: str) -> None:
 
 @pytest.mark.slow
 def test_sigusr1_checkpoints_and_sigterm_checkpoints_then_exits(tiny_llama, tmp_path):
-    from services.actors import LearnerActor, ReplayActor
-    from services.controller import actor_env, init_ray
+    from services.control.controller import actor_env, init_ray
+    from services.learner.actor import LearnerActor
+    from services.replay.actor import ReplayActor
 
     init_ray("local", num_cpus=2, include_dashboard=False, log_to_driver=False,
              object_store_memory=128 * 1024**2)

@@ -111,7 +111,7 @@ def test_checkpoint_roundtrip_restores_weights_and_version(trained, tmp_path):
 
 
 def test_gyre_export_of_a_checkpoint_has_the_engines_logits(trained, tmp_path, capsys):
-    from services import cli
+    from services.cli import main as cli
 
     engine, _, _ = trained
     path = engine.save_checkpoint(tmp_path / "ckpt")

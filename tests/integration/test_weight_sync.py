@@ -18,9 +18,9 @@ from safetensors.torch import load_file, save_file
 from learner.publisher import WeightPublisher
 from rollout.config import EngineConfig, SamplingConfig
 from rollout.engine import RolloutEngine
-from services import weight_server
-from services.weight_transport import make_transport
-from services.weight_transport.bootstrap import bootstrap, write_export_version
+from services.learner import weight_server
+from services.rollout.transport import make_transport
+from services.rollout.transport.bootstrap import bootstrap, write_export_version
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPT = [1, 2, 3, 4, 5]
@@ -31,7 +31,7 @@ LEARNER = r"""
 import os, sys, time, torch
 from safetensors.torch import load_file
 from learner.publisher import WeightPublisher
-from services import weight_server
+from services.learner import weight_server
 model, version, port, marker = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 gen = torch.Generator().manual_seed(version)
 named = [(n, (t.float() + 0.05 * torch.randn(t.shape, generator=gen)).to(torch.bfloat16))

@@ -1,0 +1,128 @@
+"""Everything ``gyre check`` reads from a finished run directory, loaded without changing it.
+
+Layout of ``runs/<name>/`` (``recipe.out_dir``) that matters here::
+
+    recipe.json                 the recipe (its ``replay`` section gives the replay config)
+    replay/                     replay's WAL + snapshots (or ``replay.dir`` from the recipe)
+    learner_journal.jsonl       the learner's journal (``learner.run_journal``)
+    rollouts/rollout-{i}.jsonl  each rollout's journal (``services.replay.links.acked_event``, weights)
+
+Replay's durable state is restored offline into memory with ``replay.durable.inspect_dir`` (read-only:
+it reads the snapshot and WAL and writes nothing — no quarantine moves, no WAL truncation).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from proto.journal import JournalError, read_journal
+from replay.config import ReplayConfig
+from replay.types import Counters
+
+LEARNER_JOURNAL = "learner_journal.jsonl"
+ROLLOUT_JOURNALS = "rollouts"
+
+
+class RunDirError(ValueError):
+    """``run_dir`` is not a run directory, or a journal or replay's state cannot be read; names the path."""
+
+
+@dataclass(frozen=True)
+class StoredGroup:
+    """A group replay holds (pooled, leased or excluded) after restore."""
+
+    group_id: str
+    prompt_index: int
+    state: str
+    """``pooled``, ``leased`` or ``excluded`` (``replay.types``)."""
+    num_rows: int
+
+
+@dataclass
+class RunRecords:
+    """A run's journals and replay's restored state, as plain values."""
+
+    run_dir: Path
+    replay_config: ReplayConfig
+    learner_events: list[dict]
+    """The learner journal's events, in file order."""
+    rollout_events: dict[str, list[dict]]
+    """Rollout id (journal file stem) → its events, in file order."""
+    stored: dict[str, StoredGroup]
+    """group_id → the group replay holds."""
+    ledger_completed: set[int]
+    """Prompt indices replay's prompt ledger counts complete."""
+    counters: Counters
+    """Replay's lifetime counters (rows for ``dropped_stale_total``, groups for ``evicted_groups_total``)."""
+    torn_tails: list[str] = field(default_factory=list)
+    """Journals whose unterminated last line (a crash mid-append) was skipped."""
+
+
+def _replay_config(run_dir: Path) -> ReplayConfig:
+    recipe_path = run_dir / "recipe.json"
+    if not recipe_path.is_file():
+        raise RunDirError(f"{run_dir} is not a run directory: no recipe.json (expected runs/<name>, the recipe's "
+                          "out_dir)")
+    try:
+        section = json.loads(recipe_path.read_text()).get("replay", {})
+        cfg = ReplayConfig(**section)
+    except (ValueError, TypeError, AttributeError) as exc:
+        raise RunDirError(f"{recipe_path}: unreadable replay section: {exc}") from exc
+    replay_dir = Path(cfg.dir) if cfg.dir else run_dir / "replay"
+    if not replay_dir.is_dir():
+        raise RunDirError(f"{run_dir}: replay directory {replay_dir} does not exist")
+    return cfg.model_copy(update={"dir": str(replay_dir)})
+
+
+def _journal(path: Path, torn: list[str]) -> list[dict]:
+    try:
+        got = read_journal(path)
+    except JournalError as exc:
+        raise RunDirError(str(exc)) from exc
+    except OSError as exc:
+        raise RunDirError(f"journal {path} cannot be read: {exc}") from exc
+    if got.torn_tail:
+        torn.append(str(path))
+    return got.events
+
+
+def _replay_state(cfg: ReplayConfig) -> tuple[dict[str, StoredGroup], set[int], Counters]:
+    from replay.durable import inspect_dir
+
+    try:
+        buffer = inspect_dir(cfg, read_only=True)
+    except Exception as exc:  # RestoreError or an unreadable file: the checker cannot judge this run
+        raise RunDirError(f"replay directory {cfg.dir} does not restore: {type(exc).__name__}: {exc}") from exc
+    state = buffer.state
+    stored = {g.group_id: StoredGroup(g.group_id, g.prompt_index, g.state, g.num_rows)
+              for g in state.store.groups.values()}
+    ledger = state.ledger.state_dict()
+    completed = set(range(ledger["done_below"])) | {int(i) for i in ledger["done_above"]}
+    return stored, completed, state.counters
+
+
+def load_run(run_dir: str | Path) -> RunRecords:
+    """Read ``run_dir``'s recipe, journals and replay state.
+
+    Raises:
+        RunDirError: no ``recipe.json``, no replay directory, no learner journal, no rollout journal, a
+            corrupt journal line (named), or replay's directory does not restore.
+    """
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise RunDirError(f"{run_dir} is not a run directory (it does not exist or is not a directory)")
+    cfg = _replay_config(run_dir)
+    torn: list[str] = []
+    learner_path = run_dir / LEARNER_JOURNAL
+    if not learner_path.is_file():
+        raise RunDirError(f"{run_dir}: no learner journal {learner_path.name} (a run made before journals "
+                          "existed, or the learner never started)")
+    learner = _journal(learner_path, torn)
+    rollout_paths = sorted((run_dir / ROLLOUT_JOURNALS).glob("*.jsonl"))
+    if not rollout_paths:
+        raise RunDirError(f"{run_dir}: no rollout journal under {ROLLOUT_JOURNALS}/ (no rollout ever started?)")
+    rollouts = {p.stem: _journal(p, torn) for p in rollout_paths}
+    stored, completed, counters = _replay_state(cfg)
+    return RunRecords(run_dir, cfg, learner, rollouts, stored, completed, counters, torn)

@@ -1,0 +1,166 @@
+"""How the supervisor creates services: each one a detached, named Ray actor built from the recipe.
+
+Crash tests: the recipe's ``faults`` section arms fault points per incarnation — the i-th actor this factory
+creates for a service name gets the i-th spec as ``GYRE_FAULT_POINT`` (``ServiceFactory.fault_env``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import ray
+
+import faults
+from services.control.recipe import Recipe
+from services.learner import group as learner_group
+from services.learner.actor import LearnerActor, LearnerRankActor, rank_env
+from services.replay.actor import ReplayActor
+from services.rollout.actor import RolloutActor
+
+
+ROLES = ("replay", "learner", "rollout")
+FIRE_LOG = "faults_fired.jsonl"
+"""File name, under the run directory, of the fault points' fire log (``faults``)."""
+
+
+def actor_name(run: str, service: str) -> str:
+    """Ray actor name of a service: ``gyre:{run}:{service}`` (service: replay, learner, rollout-N, controller)."""
+    return f"gyre:{run}:{service}"
+
+
+@dataclass
+class Service:
+    """One supervised service instance."""
+
+    name: str
+    """``replay``, ``learner`` or ``rollout-{i}``."""
+    role: str
+    handle: ray.actor.ActorHandle
+    address: str | None
+    """gRPC address to health-check (replay's, the learner's WeightService); ``None`` for a rollout."""
+    restarts: int = 0
+    failures: int = 0
+    """Consecutive failed health checks."""
+    info: dict = field(default_factory=dict)
+    """Last ``describe()`` answer (pid, node, version, gauges)."""
+    followers: list = field(default_factory=list)
+    """The learner's ranks >= 1 (``LearnerRankActor`` handles) when ``placement.learner.world_size > 1``."""
+
+
+class ServiceFactory:
+    """Creates (or re-attaches to) the detached, named service actors of one recipe."""
+
+    def __init__(self, recipe: Recipe, env: dict, fingerprint: str) -> None:
+        self.recipe, self.env, self.fingerprint = recipe, env, fingerprint
+        self.security = recipe.security.model_dump()
+        out = recipe.out_dir.resolve()
+        self.replay_dir = recipe.replay.dir or str(out / "replay")
+        self.checkpoint_dir = out / "checkpoints"
+        self.rollout_journal_dir = out / "rollouts"
+        """Each rollout's run journal goes to ``{rollout_journal_dir}/rollout-{i}.jsonl`` (``gyre check``)."""
+        self.fire_log = out / FIRE_LOG
+        """Where armed incarnations log the fault points that fired (``faults.read_fire_log``)."""
+        self.incarnations: dict[str, int] = {}
+        """Service name → actors created for it by this factory (re-attached ones do not count)."""
+
+    def fault_env(self, service: str, incarnation: int) -> dict:
+        """``env_vars`` of incarnation ``incarnation`` (0-based) of ``service``: ``self.env`` plus, when the
+        recipe's ``faults[service]`` arms that incarnation, ``GYRE_FAULT_POINT`` and the fire log's variables
+        (``faults.armed_env``; the log is ``{run_dir}/faults_fired.jsonl``)."""
+        specs = self.recipe.faults.get(service, [])
+        spec = specs[incarnation] if incarnation < len(specs) else ""
+        return {**self.env, **faults.armed_env(spec, self.fire_log, service, incarnation)}
+
+    def _options(self, role: str, service: str, env: dict | None = None, **extra) -> dict:
+        """``ActorClass.options`` of one service; a rollout also gets the recipe's ``ray.runtime_env`` (reward
+        functions are imported there), its ``env_vars`` merged under gyre's."""
+        env = self.env if env is None else env
+        runtime_env = {"env_vars": env}
+        if role == "rollout" and self.recipe.ray.runtime_env:
+            user = dict(self.recipe.ray.runtime_env)
+            runtime_env = {**user, "env_vars": {**user.get("env_vars", {}), **env}}
+        return {"name": actor_name(self.recipe.name, service), "namespace": self.recipe.ray.namespace,
+                "lifetime": "detached", "runtime_env": runtime_env,
+                **getattr(self.recipe.placement, role).actor_options(), **extra}
+
+    def attach(self, service: str) -> ray.actor.ActorHandle | None:
+        """The live actor of ``service`` left by an earlier driver of this run, or ``None``."""
+        try:
+            return ray.get_actor(actor_name(self.recipe.name, service), namespace=self.recipe.ray.namespace)
+        except ValueError:
+            return None
+
+    def _create(self, cls, role: str, service: str, *args, scheduling_strategy=None, **kwargs) -> ray.actor.ActorHandle:
+        """A new actor; retries while a killed predecessor still holds the name (``ray.kill`` is async)."""
+        deadline = time.monotonic() + 60
+        incarnation = self.incarnations.get(service, 0)
+        self.incarnations[service] = incarnation + 1
+        env = self.fault_env(service, incarnation)
+        extra = {"max_concurrency": 4} if role == "learner" else {}
+        if scheduling_strategy is not None:
+            extra["scheduling_strategy"] = scheduling_strategy
+        while True:
+            try:
+                opts = self._options(role, service, env, **extra)
+                return cls.options(**opts).remote(*args, **kwargs)
+            except ValueError as exc:
+                if "already" not in str(exc) or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+
+    def replay(self) -> Service:
+        handle = self._create(ReplayActor, "replay", "replay", self.recipe.replay.model_dump(),
+                              dir=self.replay_dir, security=self.security, run_id=self.recipe.name)
+        return Service("replay", "replay", handle, ray.get(handle.address.remote()))
+
+    def learner(self, replay_address: str, restarted: bool = False) -> Service:
+        """The learner: one ``LearnerActor``, or with ``placement.learner.world_size > 1`` rank 0 plus
+        ``LearnerRankActor`` ranks ``learner-rank-{r}``, one per bundle of the learner's placement group
+        (``services.learner.group``). Blocks until rank 0 serves weights."""
+        cfg = self.recipe.learner.model_dump()
+        cfg["fingerprint"] = cfg["fingerprint"] or self.fingerprint
+        if restarted and any(self.checkpoint_dir.glob("global_step_*")):
+            cfg["resume"] = "auto"  # a restarted learner rejoins from its own newest verified checkpoint
+        kwargs = {"checkpoint_dir": str(self.checkpoint_dir), "security": self.security, "run_id": self.recipe.name}
+        world = self.recipe.placement.learner.world_size
+        if world == 1:
+            handle = self._create(LearnerActor, "learner", "learner", cfg, replay_address, **kwargs)
+            return Service("learner", "learner", handle, ray.get(handle.weights_address.remote()))
+        group = learner_group.LearnerGroup(self.recipe)
+        master_addr, master_port = group.rendezvous()
+        followers = [self._create(LearnerRankActor, "learner", learner_group.rank_name(r), cfg,
+                                  rank_env(r, world, master_addr, master_port), run_id=self.recipe.name,
+                                  scheduling_strategy=group.bundle(r)) for r in range(1, world)]
+        handle = self._create(LearnerActor, "learner", "learner", cfg, replay_address, **kwargs,
+                              ranks=rank_env(0, world, master_addr, master_port), scheduling_strategy=group.bundle(0))
+        for follower in followers:
+            follower.follow.remote()  # runs once its DeepSpeed init (a collective with rank 0's) returned
+        try:  # a rank that dies while starting fails this at once (rank 0 would wait in the rendezvous)
+            *_, address = ray.get([f.describe.remote() for f in followers] + [handle.weights_address.remote()],
+                                  timeout=learner_group.READY_TIMEOUT_S)
+        except Exception:
+            for h in [handle, *followers]:  # the group starts whole or not at all; the supervisor retries
+                ray.kill(h, no_restart=True)
+            raise
+        return Service("learner", "learner", handle, address, followers=followers)
+
+    def attach_followers(self) -> list | None:
+        """The live ranks >= 1 of a re-attached multi-rank learner, or ``None`` if any is missing."""
+        handles = [self.attach(learner_group.rank_name(r)) for r in range(1, self.recipe.placement.learner.world_size)]
+        return None if any(h is None for h in handles) else handles
+
+    def begin_rollout(self, index: int, replay_address: str, weights_address: str):
+        """Create ``rollout-{index}`` and start its setup (vLLM start, weight subscription); returns
+        ``(handle, setup ObjectRef)`` without waiting."""
+        name = f"rollout-{index}"
+        handle = self._create(RolloutActor, "rollout", name)
+        return handle, handle.setup.remote(name, self.recipe.rollout.model_dump(), self.recipe.task.model_dump(),
+                                           replay_address, weights_address, self.recipe.seed + index, self.security,
+                                           run_id=self.recipe.name, journal_dir=str(self.rollout_journal_dir))
+
+    def rollouts(self, indices: list[int], replay_address: str, weights_address: str) -> list[Service]:
+        """Rollouts ``rollout-{i}`` for each index, set up concurrently (blocks until all are)."""
+        started = [self.begin_rollout(i, replay_address, weights_address) for i in indices]
+        ray.get([ref for _, ref in started])
+        return [Service(f"rollout-{i}", "rollout", h, None) for i, (h, _) in zip(indices, started)]

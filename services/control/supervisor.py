@@ -1,0 +1,323 @@
+"""The controller's supervisor: creates each service as a detached, named Ray actor, health-checks every
+service each tick, restarts what is dead or hung, applies the operator's requests (scale, restart,
+checkpoint) read from the run's ``ControllerState`` actor, and publishes the status ``gyre status`` shows.
+
+Health (per service, per tick): the actor answers ``describe()`` within ``check_timeout_s`` seconds, and
+for replay and the learner the standard gRPC health service at its address answers SERVING
+(``grpc_common.check_health``). A dead actor is restarted at once; a live one after
+``fail_threshold`` consecutive failed checks (hung). A restart is ``ray.kill`` + a new actor of the same
+name and config: replay restores from its directory (snapshot + WAL), the learner resumes from its newest
+verified checkpoint and re-publishes it, a rollout re-subscribes to the newest weights (its prompt leases
+expire in replay and are re-issued). The new address is pushed to the clients (``set_replay_address``,
+``set_weights_address``). A rollout's replacement starts in the background, like one added by ``scale``
+(its engine takes tens of seconds), and joins once it holds the learner's version; the ticks meanwhile
+keep checking the other services.
+
+Services are created by ``services.control.factory.ServiceFactory`` (fault arming per incarnation there).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import ray
+import structlog
+from ray.exceptions import GetTimeoutError, RayActorError
+
+from services.common.grpc_common import check_health
+from services.control.factory import Service, ServiceFactory
+from services.learner import group as learner_group
+
+log = structlog.get_logger("supervisor")
+
+@dataclass
+class Starting:
+    """A rollout added by ``scale`` that is not generating yet."""
+
+    handle: ray.actor.ActorHandle
+    setup: ray.ObjectRef | None
+    """Its ``setup`` call; ``None`` once it returned."""
+    target_version: int = 0
+    """Policy version it must hold before it generates (the learner's when setup returned)."""
+    restarts: int = 0
+    """Restarts of this rollout once it joins (a restart's replacement: the old count + 1)."""
+
+
+class Supervisor:
+    """Owns the services of one run; the controller calls ``tick()`` every poll (about every second).
+
+    Args:
+        factory: creates the actors.
+        state: the run's ``ControllerState`` actor (desired rollout count, requests, published status).
+        fail_threshold: consecutive failed checks (``check_timeout_s`` seconds each) before a live but
+            unhealthy service is killed and recreated; a dead actor is recreated at the first check.
+    """
+
+    def __init__(self, factory: ServiceFactory, state, fail_threshold: int = 3, check_timeout_s: float = 5.0) -> None:
+        if fail_threshold < 1:
+            raise ValueError(f"fail_threshold ({fail_threshold}) must be >= 1")
+        self.factory, self.state = factory, state
+        self.fail_threshold, self.check_timeout_s = fail_threshold, check_timeout_s
+        self.services: dict[str, Service] = {}
+        self.starting: dict[str, Starting] = {}
+        """Rollouts being added by ``scale`` or replacing a failed one (their vLLM engine starts while the
+        supervisor keeps ticking); a restarted rollout's old entry stays in ``services`` until then."""
+        self.learner_generation = 0
+        """Bumped on every learner restart: the training loop then re-issues ``run(remaining steps)``."""
+        self.generating = False
+
+    # ---- topology -----------------------------------------------------------------------------
+    @property
+    def replay(self) -> Service:
+        return self.services["replay"]
+
+    @property
+    def learner(self) -> Service:
+        return self.services["learner"]
+
+    def rollouts(self) -> list[Service]:
+        return sorted((s for s in self.services.values() if s.role == "rollout"), key=lambda s: int(s.name[8:]))
+
+    def running_rollouts(self) -> list[Service]:
+        """``rollouts()`` without those being restarted (their entry is the killed incarnation)."""
+        return [s for s in self.rollouts() if s.name not in self.starting]
+
+    def start(self, num_rollouts: int) -> list[str]:
+        """Re-attach to live actors of this run or create them: replay, learner, then rollouts.
+        Returns the names of the services re-attached."""
+        attached: list[str] = []
+        for name, make in (("replay", self.factory.replay),
+                           ("learner", lambda: self.factory.learner(self.replay.address))):
+            handle = self.factory.attach(name)
+            followers = self.factory.attach_followers() if name == "learner" else []
+            if handle is not None and followers is not None and all(map(self._alive, [handle, *followers])):
+                addr = ray.get(handle.address.remote() if name == "replay" else handle.weights_address.remote())
+                self.services[name] = Service(name, name, handle, addr, followers=followers)
+                attached.append(name)
+            else:
+                for h in [handle, *(followers or [])]:  # a learner group is only whole or restarted whole
+                    if h is not None:
+                        ray.kill(h, no_restart=True)
+                self.services[name] = make()
+        if "learner" in attached and "replay" not in attached:
+            self._push("set_replay_address", self.replay.address, [self.learner])
+        missing = []
+        for i in range(num_rollouts):
+            handle = self.factory.attach(f"rollout-{i}")
+            if handle is not None and self._alive(handle):
+                self.services[f"rollout-{i}"] = Service(f"rollout-{i}", "rollout", handle, None)
+                ray.get([handle.set_replay_address.remote(self.replay.address),
+                         handle.set_weights_address.remote(self.learner.address)])
+                attached.append(f"rollout-{i}")
+            else:
+                missing.append(i)
+        if missing:
+            self._add_rollouts(missing)
+        log.info("services_started", replay=self.replay.address, weights=self.learner.address,
+                 rollouts=num_rollouts, reattached=attached)
+        return attached
+
+    def start_generation(self) -> None:
+        """Every rollout starts leasing prompts (after the optional evaluation before training)."""
+        ray.get([r.handle.start.remote() for r in self.rollouts()])
+        self.generating = True
+
+    def _alive(self, handle) -> bool:
+        try:
+            ray.get(handle.describe.remote(), timeout=self.check_timeout_s)
+            return True
+        except (RayActorError, GetTimeoutError):
+            return False
+
+    def _add_rollouts(self, indices: list[int]) -> list[Service]:
+        """New rollouts, started concurrently; each is bootstrapped to the learner's newest policy version
+        before it generates."""
+        new = self.factory.rollouts(indices, self.replay.address, self.learner.address)
+        self.services.update({svc.name: svc for svc in new})
+        if self.generating:
+            version = self.learner.info.get("version", 0)
+            ray.get([svc.handle.wait_for_version.remote(version, 300) for svc in new])
+            ray.get([svc.handle.start.remote() for svc in new])
+        return new
+
+    # ---- one supervision round ----------------------------------------------------------------
+    def tick(self) -> None:
+        """Apply operator requests, check every service (restarting the failed ones), publish status."""
+        requests = ray.get(self.state.take_requests.remote())
+        for name in requests["restart"]:
+            if name in self.services:
+                self._restart_or_retry(self.services[name], reason="requested")
+        for svc in list(self.services.values()):
+            if svc.name in self.starting:
+                continue  # its replacement is starting; the old incarnation was killed
+            if not self.check(svc):
+                self._restart_or_retry(svc, reason=f"{svc.failures} failed health checks")
+        self.scale(requests["rollouts"])
+        self._adopt_started()
+        if requests["checkpoint"]:
+            log.info("checkpoint_requested", result=ray.get(self.learner.handle.request_checkpoint.remote()))
+        ray.get(self.state.publish.remote(self.status()))
+
+    def check(self, svc: Service) -> bool:
+        """One health check; ``False`` once the service must be restarted (dead, or hung for
+        ``fail_threshold`` checks). Updates ``svc.info`` and ``svc.failures``."""
+        try:
+            svc.info = ray.get(svc.handle.describe.remote(), timeout=self.check_timeout_s)
+            ray.get([f.describe.remote() for f in svc.followers], timeout=self.check_timeout_s)  # learner ranks >= 1
+            security = self.factory.recipe.security if svc.role in ("learner", "replay") else None
+            healthy = svc.address is None or check_health(svc.address, timeout_s=self.check_timeout_s,
+                                                          security=security)
+        except RayActorError:
+            svc.failures = self.fail_threshold  # the process is gone: no point waiting
+            return False
+        except GetTimeoutError:
+            healthy = False
+        svc.failures = 0 if healthy else svc.failures + 1
+        if not healthy:
+            log.warning("health_check_failed", service=svc.name, failures=svc.failures)
+        return svc.failures < self.fail_threshold
+
+    def _restart_or_retry(self, svc: Service, reason: str) -> None:
+        """``restart``; if the new incarnation dies while starting, the old entry stays (dead), so the next
+        tick's check fails and restarts it again instead of the error ending the run."""
+        try:
+            self.restart(svc, reason)
+        except (RayActorError, GetTimeoutError) as exc:
+            log.error("restart_failed_retrying", service=svc.name, error=str(exc)[:300])
+
+    def restart(self, svc: Service, reason: str) -> Service:
+        """Kill and recreate ``svc`` with the same config; push its new address to its clients."""
+        log.warning("restarting_service", service=svc.name, reason=reason, restarts=svc.restarts + 1)
+        for handle in [svc.handle, *svc.followers]:  # every learner rank: DeepSpeed groups restart whole
+            ray.kill(handle, no_restart=True)
+        if svc.role == "replay":
+            new = self.factory.replay()
+            self._push("set_replay_address", new.address, [self.services["learner"]] + self.running_rollouts())
+        elif svc.role == "learner":
+            new = self.factory.learner(self.replay.address, restarted=True)
+            self.learner_generation += 1
+            self._push("set_weights_address", new.address, self.running_rollouts())
+        else:  # starts in the background (the tick goes on checking the others meanwhile); the dead entry
+            # stays until the new one joins in ``_adopt_started`` (a start that fails is retried next tick)
+            pending = self.starting.pop(svc.name, None)  # restarted again while its replacement starts
+            if pending is not None:
+                ray.kill(pending.handle, no_restart=True)
+            handle, ref = self.factory.begin_rollout(int(svc.name[8:]), self.replay.address, self.learner.address)
+            self.starting[svc.name] = Starting(handle, ref, restarts=svc.restarts + 1)
+            return svc
+        new.restarts = svc.restarts  # counted once it answers: a start that dies is retried, not counted
+        self.services[svc.name] = new
+        new.info = ray.get(new.handle.describe.remote())
+        new.restarts += 1
+        log.info("service_restarted", service=svc.name, address=new.address, pid=new.info.get("pid"))
+        return new
+
+    def _push(self, method: str, address: str, clients: list[Service]) -> None:
+        for c in clients:
+            try:
+                ray.get(getattr(c.handle, method).remote(address), timeout=60)
+            except (RayActorError, GetTimeoutError) as exc:  # that client is down itself: restarted later,
+                log.warning("address_push_failed", service=c.name, error=str(exc)[:200])  # with the new address
+
+    def scale(self, desired: int | None) -> None:
+        """Begin adding rollouts (they join in ``_adopt_started``), or drop starting ones and drain and
+        remove the newest running ones."""
+        running = self.running_rollouts()
+        if desired is None or desired == len(running) + len(self.starting):
+            return
+        log.info("scaling_rollouts", running=len(running), starting=len(self.starting), desired=desired)
+        used = {int(n[8:]) for n in self.starting} | {int(s.name[8:]) for s in running}
+        free = (i for i in range(desired + len(used)) if i not in used)
+        for _ in range(desired - len(running) - len(self.starting)):
+            i = next(free)
+            handle, ref = self.factory.begin_rollout(i, self.replay.address, self.learner.address)
+            self.starting[f"rollout-{i}"] = Starting(handle, ref)
+        excess = len(running) + len(self.starting) - desired
+        for name in sorted(self.starting, key=lambda n: -int(n[8:]))[:max(excess, 0)]:
+            ray.kill(self.starting.pop(name).handle, no_restart=True)
+            self.services.pop(name, None)  # a restart's killed incarnation goes with its replacement
+            excess -= 1
+        for svc in running[::-1][:max(excess, 0)]:
+            self.remove_rollout(svc)
+
+    def _adopt_started(self) -> None:
+        """Starting rollouts whose setup returned and that hold ``target_version`` join the fleet and generate;
+        one whose setup failed is killed (the next ``scale`` check starts another)."""
+        for name, st in list(self.starting.items()):
+            if st.setup is not None:
+                if not ray.wait([st.setup], timeout=0)[0]:
+                    continue
+                try:
+                    ray.get(st.setup)
+                except ray.exceptions.RayError as exc:
+                    log.error("rollout_start_failed", service=name, error=str(exc)[:500])
+                    ray.kill(self.starting.pop(name).handle, no_restart=True)
+                    continue
+                st.setup, st.target_version = None, self.learner.info.get("version", 0)
+                # replay or the learner may have been restarted (new address) while this one started
+                ray.get([st.handle.set_replay_address.remote(self.replay.address),
+                         st.handle.set_weights_address.remote(self.learner.address)])
+            info = ray.get(st.handle.describe.remote(), timeout=self.check_timeout_s)
+            if info["version"] < st.target_version:
+                continue  # still fetching the newest weights
+            del self.starting[name]
+            self.services[name] = Service(name, "rollout", st.handle, None, restarts=st.restarts, info=info)
+            if self.generating:
+                ray.get(st.handle.start.remote())
+            log.info("service_restarted" if st.restarts else "rollout_added", service=name, version=info["version"],
+                     pid=info["pid"], restarts=st.restarts)
+
+    def remove_rollout(self, svc: Service, drain_s: float = 120.0) -> None:
+        """Drain (no new prompt leases; the groups it holds leases for are finished and delivered, for up to
+        ``drain_s`` seconds; any left are re-issued after ``prompt_lease_ttl_s``), shut the engine down,
+        then kill the detached actor."""
+        try:
+            left = ray.get(svc.handle.drain.remote(drain_s), timeout=drain_s + 30) if self.generating else 0
+            log.info("rollout_drained", service=svc.name, undelivered_prompt_leases=left)
+            ray.get(svc.handle.stop.remote(), timeout=120)
+        except (RayActorError, GetTimeoutError) as exc:
+            log.warning("rollout_stop_failed", service=svc.name, error=str(exc)[:200])
+        ray.kill(svc.handle, no_restart=True)
+        del self.services[svc.name]
+
+    def status(self) -> dict:
+        """Plain status of the run (what ``gyre status`` prints)."""
+        learner, replay = self.learner.info, self.replay.info
+        rollouts = [s.info for s in self.running_rollouts() if s.info]
+        version = learner.get("version")
+        return {
+            "services": [{"name": s.name, "role": s.role, "pid": s.info.get("pid"), "node": s.info.get("node"),
+                          "address": s.address, "metrics_port": s.info.get("metrics_port"),
+                          "version": s.info.get("version"), "restarts": s.restarts,
+                          "failures": s.failures} for s in self.services.values() if s.name not in self.starting]
+            + [{"name": n, "role": "rollout", "pid": None, "node": None, "address": None, "metrics_port": None,
+                "version": None, "restarts": st.restarts, "failures": 0, "starting": True}
+               for n, st in self.starting.items()],
+            "learner_version": version,
+            "learner_ranks": 1 + len(self.learner.followers),
+            "rollout_versions": [r.get("version") for r in rollouts],
+            "lag": (version - min(r["version"] for r in rollouts)) if rollouts and version is not None else None,
+            "rollout_tokens_per_s": sum(r.get("tokens_per_s", 0.0) for r in rollouts),
+            "learner_tokens_per_s": learner.get("tokens_per_s"),
+            "replay_groups": replay.get("replay_groups"), "checkpoint_age_s": learner.get("checkpoint_age_s"),
+            "last_checkpoint": learner.get("last_checkpoint"), "learner_resumed_from": learner.get("resumed_from"),
+            "restarts": {s.name: s.restarts for s in self.services.values()},
+            "updated_at": time.time(),
+        }
+
+    def shutdown(self) -> None:
+        """Stop and kill every service actor (detached actors outlive the driver otherwise)."""
+        for name in list(self.starting):
+            ray.kill(self.starting.pop(name).handle, no_restart=True)
+        for svc in self.rollouts():
+            self.remove_rollout(svc)
+        for name in ("learner", "replay"):
+            svc = self.services.pop(name)
+            try:
+                ray.get(svc.handle.stop.remote(), timeout=60)
+            except (RayActorError, GetTimeoutError) as exc:
+                log.warning("stop_failed", service=name, error=str(exc)[:200])
+            for handle in [svc.handle, *svc.followers]:
+                ray.kill(handle, no_restart=True)
+        learner_group.remove(self.factory.recipe)

@@ -1,0 +1,66 @@
+"""The replay service as a Ray actor: the Arrow buffer behind ReplayService, its metrics, ``describe()``.
+Actor conventions: ``services.common.actor_env``."""
+
+from __future__ import annotations
+
+import os
+
+import ray
+
+from services.common.actor_env import advertised_host, node_ip, security_config
+
+
+@ray.remote
+class ReplayActor:
+    """The replay service: the Arrow buffer (durable when given a directory) behind ReplayService.
+
+    Args:
+        config: ``ReplayConfig`` fields.
+        host: address to bind (``None``: ``security.bind_host``, else 127.0.0.1).
+        dir: WAL/snapshot directory, overriding ``config["dir"]`` (the controller passes ``{run_dir}/replay``);
+            an existing directory is restored first (a restarted replay rejoins with its own snapshot + WAL).
+        metrics_port: serve Prometheus ``/metrics`` on this port (0 = any free port; ``None`` = off).
+        security: ``SecurityConfig`` fields (``None``: plaintext loopback).
+        run_id: carried by every log line (structlog JSON) and metric of this service.
+    """
+
+    def __init__(self, config: dict, host: str | None = None, dir: str | None = None,
+                 metrics_port: int | None = 0, security: dict | None = None, run_id: str = "run") -> None:
+        from replay.buffer import TrajectoryBuffer
+        from replay.config import ReplayConfig
+        from services.common.logs import configure_logging
+        from services.common.observability import replay_registry, serve
+        from services.replay import server as replay_server
+
+        configure_logging(run_id, "replay")
+        sec = security_config(security)
+        host = host or (sec.bind_host if sec is not None else "127.0.0.1")
+        self.security = sec
+        cfg = ReplayConfig(**{**config, **({"dir": dir} if dir is not None else {})})
+        self.buffer = TrajectoryBuffer(cfg)
+        self.server, self.port = replay_server.serve(self.buffer, host=host, security=sec)
+        self.host = advertised_host(host)
+        self.metrics_port = (serve(replay_registry(self.buffer, run_id), host, metrics_port)
+                             if metrics_port is not None else None)
+
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def info(self) -> dict:
+        return self.buffer.info()
+
+    def stored_trajectory_ids(self) -> list[str]:
+        """Ids of every trajectory replay holds now (pooled, leased or excluded; acked groups are gone)."""
+        data = self.buffer.capture()
+        return [t for g in data.groups for t in g.table.column("trajectory_id").to_pylist()]
+
+    def describe(self) -> dict:
+        info = self.buffer.info()
+        return {"pid": os.getpid(), "node": node_ip(), "address": self.address(), "metrics_port": self.metrics_port,
+                "replay_groups": info["size_groups"], "replay_trajectories": info["size_trajectories"],
+                "learner_version": info["learner_version"], "inserts_per_s": info["inserts_per_s"]}
+
+    def stop(self) -> None:
+        self.server.stop(grace=2).wait()
+        self.buffer.close()
+

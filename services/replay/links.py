@@ -1,0 +1,118 @@
+"""The learner's and the rollouts' replay connections, re-pointable after a replay restart.
+
+The supervisor pushes a restarted replay's new address (``set_replay_address`` on each actor); these
+wrappers make every call look the client up afresh, so a call that failed against the dead server is
+retried against the new one.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pyarrow as pa
+import structlog
+
+log = structlog.get_logger("actors")
+
+
+class ReroutableReplay:
+    """The learner's replay connection: a ``ReplayClient`` the supervisor can re-point after a replay
+    restart (``reroute``). ``ack`` (after a checkpoint commit) and ``rejoin`` (on resume) wait out a replay outage, retrying for up
+    to ``ack_patience_s`` seconds, since failing it would fail the whole step; acks are idempotent per
+    lease (leases are in replay's WAL, so they survive its restart). Other calls pass straight through
+    (the loop already retries ``sample`` on ``ConnectionError``)."""
+
+    def __init__(self, address: str, security=None, ack_patience_s: float = 300.0) -> None:
+        from services.replay.client import ReplayClient
+
+        self._make = lambda addr: ReplayClient(addr, security=security)
+        self.security = security
+        self.client = self._make(address)
+        self.ack_patience_s = ack_patience_s
+
+    def reroute(self, address: str) -> None:
+        """Use ``address`` from the next call on (the old channel is left to close on its own so a call
+        in flight on it fails as UNAVAILABLE and is retried here, never as a closed-channel error)."""
+        if address != self.client.address:
+            self.client = self._make(address)
+
+    def sample(self, *args, **kwargs):
+        return self.client.sample(*args, **kwargs)
+
+    def info(self):
+        return self.client.info()
+
+    def ack(self, lease_ids: list[str]) -> int:
+        return self._patiently(lambda: self.client.ack(lease_ids))
+
+    def rejoin(self, consumer: str, learner_version: int, timeline: int = 0) -> int:
+        return self._patiently(lambda: self.client.rejoin(consumer, learner_version, timeline))
+
+    def _patiently(self, call):
+        deadline = time.monotonic() + self.ack_patience_s
+        while True:
+            try:
+                return call()
+            except ConnectionError as exc:  # replay restarting: the supervisor will reroute us
+                if time.monotonic() > deadline:
+                    raise
+                log.warning("ack_waiting_for_replay", error=str(exc)[:200])
+                time.sleep(1.0)
+
+
+def acked_event(table: pa.Table, resp) -> dict:
+    """The rollout journal's ``acked`` event (``proto.journal``) for an insert of ``table`` that replay
+    answered with ``resp`` (``InsertResponse`` or ``InsertResult``: accepted/duplicates/dropped_stale rows).
+
+    Each group's ``status`` is what happened to it: ``accepted``, ``duplicate`` or ``dropped_stale`` when
+    the response's row counts say so unambiguously (always for one group per insert, as rollouts send),
+    else ``mixed``. ``newest_version`` is the newest policy version in the group's version spans."""
+    accepted, dup, stale = int(resp.accepted), int(resp.duplicates), int(resp.dropped_stale)
+    groups: dict[str, dict] = {}
+    for gid, prompt, versions in zip(table.column("group_id").to_pylist(), table.column("prompt_index").to_pylist(),
+                                     table.column("version_span_versions").to_pylist()):
+        g = groups.setdefault(gid, {"group_id": gid, "prompt_index": prompt, "rows": 0, "newest_version": -1})
+        g["rows"] += 1
+        g["newest_version"] = max([g["newest_version"], *versions])
+    total = table.num_rows
+    status = ("accepted" if accepted == total else "duplicate" if dup == total
+              else "dropped_stale" if stale == total else "mixed")
+    for g in groups.values():
+        g["status"] = status
+    return {"event": "acked", "groups": list(groups.values()), "accepted": accepted, "duplicates": dup,
+            "dropped_stale": stale, "time": time.time()}
+
+
+class TrackedReplay:
+    """A rollout's replay connection: remembers the prompt indices leased and not yet delivered, and can
+    stop leasing (``draining``) so a rollout being removed finishes what it holds instead of dropping it.
+    ``client`` is swapped by ``set_replay_address`` after a replay restart (each call reads it afresh).
+    With a ``journal`` (``proto.journal.Journal``) every acknowledged insert is journaled (``acked_event``)."""
+
+    def __init__(self, client, journal=None) -> None:
+        self.client = client
+        self.journal = journal
+        self.outstanding: set[int] = set()
+        """Prompt indices leased to this rollout whose group replay has not acknowledged yet."""
+        self.draining = False
+
+    @property
+    def address(self) -> str:
+        return self.client.address
+
+    def lease_prompts(self, consumer: str, count: int, ttl_s: float = 0.0, below: int = 0) -> list[tuple[int, int]]:
+        if self.draining:
+            return []
+        got = self.client.lease_prompts(consumer, count, ttl_s, below)
+        self.outstanding.update(p for p, _ in got)
+        return got
+
+    def insert(self, table):
+        resp = self.client.insert(table)
+        self.outstanding.difference_update(table.column("prompt_index").to_pylist())
+        if self.journal is not None:
+            self.journal.append(acked_event(table, resp))
+        return resp
+
+    def info(self):
+        return self.client.info()

@@ -1,0 +1,205 @@
+"""The rollout service as a Ray actor (async): vLLM engine + worker loop + weight subscriber, and its run
+journal. Shares the actor conventions of ``services.common.actor_env`` (``describe``, pushed addresses)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+from pathlib import Path
+
+import ray
+
+from services.common.actor_env import node_ip, security_config
+from services.common.logs import bind_policy_version
+from services.replay.links import TrackedReplay
+
+
+@ray.remote
+class RolloutActor:
+    """A rollout service (async actor): vLLM engine + worker loop + weight subscriber."""
+
+    async def setup(self, rollout_id: str, config: dict, task_config: dict, replay_address: str,
+                    weights_address: str, seed: int, security: dict | None = None, run_id: str = "run",
+                    metrics_port: int | None = 0, journal_dir: str | None = None) -> int:
+        """Start the engine and subscribe to weights; returns the pid. With ``config["spool_dir"]`` the
+        rollout spools under ``{spool_dir}/{rollout_id}`` (a restarted rollout flushes what it left).
+        With ``journal_dir`` it journals every acknowledged insert and applied policy version to
+        ``{journal_dir}/{rollout_id}.jsonl`` (``proto.journal``; checked by ``gyre check``)."""
+        from proto.journal import Journal
+        from rollout.dataset_source import PromptBudget
+        from rollout.tasks import TaskConfig, TaskSource
+        from rollout.worker import RolloutConfig, RolloutWorker
+        from services.common.logs import configure_logging
+        from services.common.observability import RolloutMetrics, serve
+        from services.replay.client import ReplayClient
+        from transformers import AutoTokenizer
+
+        configure_logging(run_id, rollout_id)
+        cfg = RolloutConfig(**config)
+        if cfg.spool_dir:
+            cfg = cfg.model_copy(update={"spool_dir": os.path.join(cfg.spool_dir, rollout_id)})
+        self.rollout_id, self.security = rollout_id, security_config(security)
+        self.loop = asyncio.get_running_loop()
+        if cfg.engine.kind == "simulated":  # benchmarks: sleeps instead of sampling (rollout.sim_engine)
+            from rollout.sim_engine import SimulatedEngine as Engine
+        else:
+            from rollout.engine import RolloutEngine as Engine
+        # lockstep: version 0 too comes from the version store, so every load of a version takes one path
+        self.engine = await (Engine.start(cfg.engine, initial_version=-1) if cfg.lockstep is not None
+                             else Engine.start(cfg.engine))
+        tokenizer = AutoTokenizer.from_pretrained(cfg.engine.model)
+        self.journal = Journal(Path(journal_dir) / f"{rollout_id}.jsonl") if journal_dir is not None else None
+        self.journaled_version: tuple[int, int] | None = None
+        """``(version, timeline)`` last journaled."""
+        self._journal_lock = threading.Lock()  # setup (event loop) and the subscriber thread both journal
+        self.replay = TrackedReplay(ReplayClient(replay_address, security=self.security), self.journal)
+        # dataset prompts that do not fit are skipped; evaluation's budget defaults to the training one (eval:)
+        budget = PromptBudget.for_tokenizer(tokenizer, cfg.engine.max_model_len, cfg.sampling.max_new_tokens,
+                                            cfg.sampling.max_new_tokens)
+        self.worker = RolloutWorker(rollout_id, cfg, TaskSource(TaskConfig(**task_config), budget), self.engine,
+                                    self.replay, tokenizer, seed)
+        self.engine_config, self.subscriber, self.bootstrapped = cfg.engine, None, None
+        self.metrics = RolloutMetrics(run_id, rollout_id, source=lambda: self.worker.stats.as_dict(self._version()))
+        host = self.security.bind_host if self.security is not None else "127.0.0.1"
+        self.metrics_port = serve(self.metrics.registry, host, metrics_port) if metrics_port is not None else None
+        await self.set_weights_address(weights_address)
+        self._journal_weights()
+        self.task = None
+        return os.getpid()
+
+    async def set_weights_address(self, address: str) -> None:
+        """(Re-)subscribe to the learner's WeightService at ``address`` through the configured transport
+        (``engine.weight_transport``: grpc | nccl), from the version we have (no-op when already subscribed
+        there). The first subscription bootstraps: the engine reaches the learner's newest version (or the
+        newest export in ``engine.bootstrap_dir`` if the learner is unreachable, said loudly) before any
+        generation starts."""
+        from services.rollout.transport import make_transport
+        from services.rollout.transport.bootstrap import BootstrapResult, bootstrap
+
+        if self.subscriber is not None and self.subscriber.address == address:
+            return
+        if self.subscriber is not None:  # off the event loop: its thread may be applying a version on it
+            await asyncio.to_thread(self.subscriber.stop)
+        self.subscriber = make_transport(self.engine_config.weight_transport, address, self._on_version,
+                                         have_version=self.engine.version, name=self.rollout_id,
+                                         security=self.security, have_timeline=self.worker.timeline)
+        if self.bootstrapped is None and self.worker.lockstep is not None:
+            # lockstep loads each prompt's exact version from the version store: nothing to catch up to
+            self.subscriber.start()
+            self.bootstrapped = BootstrapResult(self.engine.version, "lockstep", None)
+        elif self.bootstrapped is None:
+            self.bootstrapped = await bootstrap(self.engine, self.subscriber, self.engine_config)  # starts it
+            if self.bootstrapped.source == "disk":  # an export of unknown timeline: the learner's next offer wins
+                from proto.timeline import UNKNOWN
+
+                self.worker.timeline = UNKNOWN
+        else:
+            self.subscriber.start()
+
+    async def set_replay_address(self, address: str) -> None:
+        """Send leases/inserts to a restarted replay (each call looks ``worker.replay`` up afresh)."""
+        from services.replay.client import ReplayClient
+
+        if address != self.replay.address:
+            self.replay.client = ReplayClient(address, security=self.security)
+
+    def _on_version(self, version, tensors, timeline) -> None:
+        # Called in the subscriber thread: apply on the actor's event loop and wait for it.
+        asyncio.run_coroutine_threadsafe(self.worker.apply_weights(version, tensors, timeline), self.loop).result()
+        # The served version, not the engine's: in lockstep the engine stays at -1 until a prompt loads its
+        # version, and binding -1 raised here, so the subscriber took the offer as refused and sent it again.
+        bind_policy_version(self._version())
+        self._journal_weights()
+
+    def _journal_weights(self) -> None:
+        """Journal the engine's policy version once per new version (and once at setup); the version is
+        read under the lock, so two callers cannot write an older version after a newer one."""
+        if self.journal is None:
+            return
+        with self._journal_lock:
+            # lockstep: the newest offered (each prompt loads its own exact one); the timeline: after a learner
+            # rewind the same or a lower number names other weights (proto.timeline)
+            served = (self._version(), self.worker.timeline)
+            if served != self.journaled_version:
+                self.journal.append({"event": "weights", "version": served[0], "timeline": served[1],
+                                     "pid": os.getpid(), "time": time.time()})
+                self.journaled_version = served
+
+    async def swap_reward(self, config) -> dict[str, str]:
+        """Swap reward functions in flight (``RolloutWorker.swap_reward``: validated first, applies to groups
+        started afterwards); returns task → reward version. Raises on an invalid config (nothing changes)."""
+        return self.worker.swap_reward(config)
+
+    async def start(self) -> None:
+        """Start generating (no-op when already generating, e.g. a re-attached rollout)."""
+        if self.task is None or self.task.done():
+            self.task = asyncio.create_task(self.worker.run())
+
+    async def drain(self, timeout_s: float) -> int:
+        """Lease no more prompts and wait up to ``timeout_s`` seconds until every group this rollout holds
+        a prompt lease for was delivered; then stop generating. Returns the prompt leases left undelivered
+        (replay re-issues them after ``prompt_lease_ttl_s``)."""
+        self.replay.draining = True
+        deadline = self.loop.time() + timeout_s
+        while self.replay.outstanding and self.task is not None and not self.task.done() \
+                and self.loop.time() < deadline:
+            await asyncio.sleep(0.2)
+        await self.pause()
+        return len(self.replay.outstanding)
+
+    async def pause(self) -> None:
+        """Stop taking new prompts; groups in flight end (their prompt leases expire and are re-issued)."""
+        self.worker.stop()
+        if self.task is not None:
+            await self.task
+            self.task = None
+
+    def _version(self) -> int:
+        """The policy version this rollout serves; in lockstep, the newest it was offered (each prompt then
+        loads its own exact version from the version store)."""
+        return max(self.engine.version, self.worker.newest_offered)
+
+    async def wait_for_version(self, version: int, timeout_s: float, timeline: int | None = None) -> int:
+        """Wait up to ``timeout_s`` seconds until this rollout serves ``version`` (or newer); with ``timeline``
+        (the learner's, ``proto.timeline``) only weights of that timeline count, so weights a crashed learner
+        published under the same number never pass for it. Returns the version served, ``-1`` when the
+        timeline still differs at the deadline."""
+        def reached() -> bool:
+            return (self._version() >= version if timeline is None
+                    else self.worker.serves(version, timeline))
+
+        deadline = self.loop.time() + timeout_s
+        while not reached() and self.loop.time() < deadline:
+            await asyncio.sleep(0.2)
+        return self._version() if timeline is None or reached() else -1
+
+    async def evaluate(self, config: dict | None = None, min_version: int = -1, wait_s: float = 0.0):
+        """``RolloutWorker.evaluate`` (an ``EvalResult``) with the ``rollout.evaluation.EvalConfig`` fields in
+        ``config``, once this rollout serves ``min_version`` or ``wait_s`` seconds passed (it then evaluates the
+        version it has; ``EvalResult.metrics["version"]`` says which). Generation goes on meanwhile; in
+        lockstep the newest offered version is loaded exactly and held for the evaluation (groups needing
+        another version wait for it to end)."""
+        from rollout.evaluation import EvalConfig
+
+        cfg = EvalConfig(**(config or {}))
+        if min_version > self._version():
+            await self.wait_for_version(min_version, wait_s)
+        if self.worker.lockstep is not None:  # score the newest offered version, loaded exactly
+            async with self.worker.lockstep.hold(self._version()):
+                return await self.worker.evaluate(cfg)
+        return await self.worker.evaluate(cfg)
+
+    async def stats(self) -> dict:
+        return self.worker.stats.as_dict(self._version())
+
+    async def describe(self) -> dict:
+        return {"pid": os.getpid(), "node": node_ip(), "generating": self.task is not None,
+                "metrics_port": self.metrics_port,
+                **self.worker.stats.as_dict(self._version())}
+
+    async def stop(self) -> None:
+        await self.pause()
+        await asyncio.to_thread(self.subscriber.stop)
+        await self.engine.shutdown()

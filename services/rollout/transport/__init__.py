@@ -1,0 +1,25 @@
+"""Weight transports (``type: grpc | nccl``) behind one ABC, chosen by ``EngineConfig.weight_transport``."""
+
+from __future__ import annotations
+
+from rollout.config import GrpcTransportConfig, NcclTransportConfig
+from services.common.security import SecurityConfig
+from services.rollout.transport.base import OnVersion, Payload, TransportUnavailableError, WeightTransport
+
+__all__ = ["OnVersion", "Payload", "TransportUnavailableError", "WeightTransport", "make_transport"]
+
+
+def make_transport(config: GrpcTransportConfig | NcclTransportConfig, address: str, on_version: OnVersion,
+                   have_version: int = -1, name: str = "",
+                   security: SecurityConfig | None = None, have_timeline: int = 0) -> WeightTransport:
+    """The transport ``config.type`` names, not started. ``address`` is the learner's WeightService;
+    ``(have_version, have_timeline)`` is what the engine serves (``proto.timeline``).
+
+    Raises:
+        TransportUnavailableError: ``type: nccl`` on a machine without CUDA.
+    """
+    if config.type == "nccl":
+        from services.rollout.transport.nccl import NcclTransport
+        return NcclTransport(config, address, on_version, have_version, name, security, have_timeline=have_timeline)
+    from services.rollout.transport.grpc_transport import GrpcTransport
+    return GrpcTransport(config, address, on_version, have_version, name, security, have_timeline=have_timeline)

@@ -1,0 +1,130 @@
+"""Start a rollout on the newest policy version: from the learner if it answers in time, else from disk.
+
+``await bootstrap(engine, transport, config)`` runs after the engine started and before the worker
+generates (``RolloutActor.setup``). It starts the transport, waits up to ``config.bootstrap_wait_s``
+seconds for the engine to reach the learner's newest version, and if that does not happen (learner
+unreachable or too slow) loads the newest HF export under ``config.bootstrap_dir`` and says so loudly.
+The transport keeps running either way, so the rollout catches up once the learner answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import structlog
+from safetensors.torch import load_file
+
+from rollout.config import EngineConfig
+from services.rollout.transport.base import WeightTransport
+
+log = structlog.get_logger("weights")
+VERSION_FILE = "gyre_version.json"
+"""Written inside an HF export folder: ``{"policy_version": N}``."""
+
+
+@dataclass(frozen=True)
+class BootstrapResult:
+    """Where the rollout's first policy version came from."""
+
+    version: int
+    source: str
+    """``"learner"`` (caught up), ``"disk"`` (an export under ``bootstrap_dir``), ``"initial"``, or ``"lockstep"``
+    (no catch-up: each prompt loads its exact version from the version store)."""
+    learner_latest: int | None
+    """The learner's newest version when the wait ended; ``None``: it never answered."""
+    path: str | None = None
+    """The export folder loaded when ``source == "disk"``."""
+
+
+def write_export_version(export_dir: Path, version: int) -> Path:
+    """Record ``version`` next to an HF export (``{export_dir}/gyre_version.json``); returns the file."""
+    path = Path(export_dir) / VERSION_FILE
+    path.write_text(json.dumps({"policy_version": int(version)}))
+    return path
+
+
+def newest_export(bootstrap_dir: Path) -> tuple[int, Path] | None:
+    """The export with the highest recorded version: ``bootstrap_dir`` itself or any direct subfolder
+    holding ``gyre_version.json`` and ``*.safetensors``. Folders without a version file are skipped
+    (logged): an unknown version cannot be claimed. ``None`` when there is none.
+
+    Raises:
+        ValueError: a version file that is not ``{"policy_version": <int >= 0>}`` (names the file).
+    """
+    root = Path(bootstrap_dir)
+    found: list[tuple[int, Path]] = []
+    for folder in [root, *sorted(p for p in root.iterdir() if p.is_dir())] if root.is_dir() else []:
+        if not any(folder.glob("*.safetensors")):
+            continue
+        vfile = folder / VERSION_FILE
+        if not vfile.is_file():
+            log.warning("bootstrap_export_without_version", path=str(folder), expected=VERSION_FILE)
+            continue
+        version = json.loads(vfile.read_text()).get("policy_version")
+        if not isinstance(version, int) or version < 0:
+            raise ValueError(f"{vfile}: policy_version ({version!r}) must be an integer >= 0")
+        found.append((version, folder))
+    return max(found, key=lambda f: f[0]) if found else None
+
+
+def load_export(folder: Path) -> list[tuple[str, "object"]]:
+    """HF-named tensors of every ``*.safetensors`` file in ``folder`` (CPU), sorted by name."""
+    tensors: dict = {}
+    for file in sorted(Path(folder).glob("*.safetensors")):
+        tensors.update(load_file(file, device="cpu"))
+    return sorted(tensors.items())
+
+
+async def _wait_for_learner(engine, transport: WeightTransport, wait_s: float) -> int | None:
+    """Poll ``Latest`` until the engine serves it (or nothing is published); the last answer or ``None``."""
+    deadline = time.monotonic() + wait_s
+    latest = None
+    while True:
+        remaining = deadline - time.monotonic()
+        answer = await asyncio.to_thread(transport.latest_version, max(0.1, min(2.0, remaining)))
+        latest = answer if answer is not None else latest
+        if answer is not None and (answer < 0 or engine.version >= answer):
+            return answer
+        if time.monotonic() >= deadline:
+            return latest
+        await asyncio.sleep(0.2)
+
+
+async def bootstrap(engine, transport: WeightTransport, config: EngineConfig) -> BootstrapResult:
+    """Start ``transport`` and bring ``engine`` to the newest policy version before generation starts.
+
+    ``engine`` is a ``rollout.engine.RolloutEngine`` whose ``update_weights`` is what the transport's
+    ``on_version`` calls. Waits at most ``config.bootstrap_wait_s`` seconds (plus one disk load).
+
+    Raises:
+        ValueError: a malformed ``gyre_version.json`` under ``bootstrap_dir``.
+    """
+    initial = engine.version
+    transport.start()
+    latest = await _wait_for_learner(engine, transport, config.bootstrap_wait_s)
+    if latest is not None and engine.version >= latest >= 0:
+        log.info("bootstrap_caught_up", version=engine.version, source="learner")
+        return BootstrapResult(engine.version, "learner", latest)
+    disk = newest_export(Path(config.bootstrap_dir)) if config.bootstrap_dir else None
+    if disk is not None and disk[0] > engine.version:
+        from rollout.engine import StaleVersionError
+
+        version, folder = disk
+        try:
+            await engine.update_weights(version, await asyncio.to_thread(load_export, folder))
+        except StaleVersionError:  # the learner's version arrived meanwhile: it is newer
+            return BootstrapResult(engine.version, "learner", latest)
+        log.warning("BOOTSTRAP_FROM_DISK: learner unreachable or behind; rollout runs the on-disk export",
+                    version=version, path=str(folder), learner_latest=latest, waited_s=config.bootstrap_wait_s)
+        return BootstrapResult(version, "disk", latest, str(folder))
+    if engine.version > initial:
+        return BootstrapResult(engine.version, "learner", latest)
+    level = log.error if latest is not None and latest > engine.version else log.warning
+    level("BOOTSTRAP_COLD_START: no newer policy version could be loaded; rollout runs the initial weights",
+          version=engine.version, learner_latest=latest, bootstrap_dir=config.bootstrap_dir,
+          waited_s=config.bootstrap_wait_s)
+    return BootstrapResult(engine.version, "initial", latest)

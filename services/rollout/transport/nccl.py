@@ -1,0 +1,203 @@
+"""``NcclTransport``: manifests over gRPC ``WeightService.Announce``, bytes over an NCCL broadcast.
+
+Learner side (``NcclWeightSender``): for each version, compute every tensor's checksum on the GPU
+(``proto.tensor_chunks.device_checksum``), announce ``(version, manifest)`` on the publisher, then
+broadcast the tensors in manifest order from rank 0. Rollout side (``NcclTransport``): follow the
+``Announce`` stream and hand each newer ``VersionManifest`` to ``on_version``; the rollout engine then
+joins the broadcast through vLLM's weight-transfer API (``RolloutEngine.update_weights``), its workers
+receive every tensor into fresh buffers, verify them all (``receive_verified``) and only then load
+them, so a corrupt transfer never reaches the model. Same version semantics as gRPC: versions only
+increase and the engine keeps serving the old one when it refuses a version. Unlike gRPC, a refused NCCL
+version is *not* retried: its bytes went by in the one broadcast this rank took part in, so the transport
+moves its announce cursor past it and waits for the next version (re-asking would block this rank in a
+broadcast the learner never repeats, then pair the next version's bytes with the old manifest).
+
+Both sides are written against ``Broadcast`` (``broadcast(tensor, src)`` in place on receivers):
+``torch.distributed`` (NCCL in production, gloo in the CPU tests) or vLLM's ``PyNcclCommunicator``.
+The group has a fixed size; a rank that dies stalls the others until the group's own timeout.
+"""
+
+from __future__ import annotations
+
+import threading
+import grpc
+import structlog
+import torch
+
+from learner.publisher import WeightPublisher
+from proto import weights_pb2, weights_pb2_grpc
+from proto.tensor_chunks import (CHECKSUM_KIND, Broadcast, ChunkError, TensorMeta, VersionManifest,
+                                 receive_verified, tensor_metas)
+from rollout.config import NcclTransportConfig
+from services.common import grpc_common
+from services.common.security import SecurityConfig
+from services.rollout.transport.base import OnVersion, TransportUnavailableError, WeightTransport
+from services.rollout.weight_client import latest_version
+from proto.timeline import SHARED, is_new
+
+log = structlog.get_logger("weights")
+__all__ = ["Broadcast", "NcclTransport", "NcclWeightSender", "open_trainer_broadcast", "receive_verified",
+           "require_cuda", "to_manifest", "torch_distributed_broadcast"]
+
+
+def torch_distributed_broadcast(group=None) -> Broadcast:
+    """``Broadcast`` over ``torch.distributed``: the default group (``group=None``, e.g. NCCL initialised
+    by ``init_process_group``) or a ``ProcessGroup`` object (e.g. ``ProcessGroupGloo`` on CPU)."""
+    import torch.distributed as dist
+
+    def broadcast(tensor: torch.Tensor, src: int) -> None:
+        if group is None:
+            dist.broadcast(tensor, src=src)
+            return
+        opts = dist.BroadcastOptions()
+        opts.rootRank = src
+        group.broadcast([tensor], opts).wait()
+    return broadcast
+
+
+def require_cuda(what: str) -> None:
+    """Raise ``TransportUnavailableError`` naming ``what`` when this machine has no CUDA device."""
+    if not torch.cuda.is_available():
+        raise TransportUnavailableError(
+            f"{what}: weight_transport type 'nccl' needs a CUDA GPU, but torch.cuda.is_available() is False "
+            f"on this machine (torch {torch.__version__}); use weight_transport type 'grpc' here")
+
+
+class NcclWeightSender:
+    """Learner side: announce a version on ``publisher`` (served by ``WeightService.Announce``), then
+    broadcast its tensors from rank ``src`` in manifest order.
+
+    Args:
+        publisher: the learner's ``WeightPublisher`` (its server carries the control channel).
+        broadcast: the data path (``open_trainer_broadcast`` in production).
+    """
+
+    def __init__(self, publisher: WeightPublisher, broadcast: Broadcast, src: int = 0) -> None:
+        self.publisher, self.broadcast, self.src = publisher, broadcast, src
+
+    def send(self, version: int, named: list[tuple[str, torch.Tensor]], timeline: int = SHARED) -> list[TensorMeta]:
+        """Publish ``version`` of ``timeline``: checksums on the tensors' device, manifest, then the broadcast.
+
+        Blocks until every rank received every tensor. Raises ``ValueError`` for a version that is not
+        newer than the published one (nothing is sent) and ``ChunkError`` for an unsupported dtype.
+        """
+        contiguous = [(n, t.detach().contiguous()) for n, t in named]
+        metas = tensor_metas(contiguous)
+        self.publisher.announce(version, metas, timeline)
+        for _, t in contiguous:
+            self.broadcast(t, self.src)
+        return metas
+
+
+def open_trainer_broadcast(config: NcclTransportConfig) -> Broadcast:
+    """Learner side of vLLM's NCCL weight-transfer group (rank 0, TCPStore rendezvous at
+    ``master_address:master_port``); blocks until all ``world_size`` ranks joined.
+
+    Raises:
+        TransportUnavailableError: no CUDA device here.
+    """
+    require_cuda("open_trainer_broadcast")
+    from vllm.distributed.weight_transfer.nccl_common import trainer_init
+
+    comm = trainer_init({"master_address": config.master_address, "master_port": config.master_port,
+                         "world_size": config.world_size})
+
+    def broadcast(tensor: torch.Tensor, src: int) -> None:
+        comm.broadcast(tensor, src=src, stream=torch.cuda.current_stream())
+    return broadcast
+
+
+class NcclTransport(WeightTransport):
+    """Rollout side: follows ``WeightService.Announce`` and hands each newer ``VersionManifest`` to
+    ``on_version`` (which must join the broadcast: ``RolloutEngine.update_weights`` does).
+
+    Raises:
+        TransportUnavailableError: constructed on a machine without CUDA (unless ``require_gpu=False``,
+            for tests whose data path is a CPU stand-in).
+    """
+
+    def __init__(self, config: NcclTransportConfig, address: str, on_version: OnVersion, have_version: int = -1,
+                 name: str = "", security: SecurityConfig | None = None, require_gpu: bool = True,
+                 have_timeline: int = SHARED) -> None:
+        if require_gpu:
+            require_cuda(f"rollout {name!r}")
+        self.address, self.security, self.name = address, security, name
+        self.on_version = on_version
+        self.have_version, self.have_timeline = have_version, have_timeline
+        self._cursor = (have_version, have_timeline)
+        """Newest announced ``(version, timeline)`` whose broadcast this rank took part in (applied or refused)."""
+        self.backoff_s = config.backoff_s
+        self._errors = 0
+        self._stop = threading.Event()
+        self._call = None
+        self._thread = threading.Thread(target=self._run, name=f"weights-nccl-{name}", daemon=True)
+
+    def start(self) -> "NcclTransport":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._call is not None:
+            self._call.cancel()
+        self._thread.join(timeout=10)
+
+    def latest_version(self, timeout_s: float = 2.0) -> int | None:
+        return latest_version(self.address, timeout_s, self.security)
+
+    @property
+    def delivered_version(self) -> int:
+        return self.have_version
+
+    @property
+    def errors(self) -> int:
+        return self._errors
+
+    def _run(self) -> None:
+        backoff = self.backoff_s
+        while not self._stop.is_set():
+            try:
+                self._follow()
+                backoff = self.backoff_s
+            except (grpc.RpcError, ChunkError) as exc:
+                if self._stop.is_set():
+                    return
+                self._errors += 1
+                log.warning("weight_announce_broken", subscriber=self.name, error=str(exc)[:300],
+                            kind=type(exc).__name__, retry_in_s=backoff)
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, 10.0)
+
+    def _follow(self) -> None:
+        with grpc_common.channel(self.address, self.security) as ch:
+            stub = weights_pb2_grpc.WeightServiceStub(ch)
+            self._call = stub.Announce(weights_pb2.SubscribeRequest(
+                have_version=self._cursor[0], have_timeline=self._cursor[1], subscriber=self.name))
+            for msg in self._call:
+                manifest = to_manifest(msg)
+                if not is_new(manifest.version, manifest.timeline, *self._cursor):
+                    continue
+                self._deliver(manifest)
+
+    def _deliver(self, manifest: VersionManifest) -> None:
+        """Hand one announced version to ``on_version`` (which joins its broadcast); a refusal is counted and
+        logged, and the cursor moves past the version either way (its bytes cannot be asked for again)."""
+        try:
+            self.on_version(manifest.version, manifest, manifest.timeline)
+        except Exception as exc:
+            self._errors += 1
+            log.warning("weight_version_refused", subscriber=self.name, version=manifest.version,
+                        kept_version=self.have_version, error=repr(exc)[:300])
+        else:
+            self.have_version, self.have_timeline = manifest.version, manifest.timeline
+        finally:
+            self._cursor = (manifest.version, manifest.timeline)
+
+
+def to_manifest(msg: weights_pb2.VersionManifest) -> VersionManifest:
+    """Proto → ``VersionManifest``. Raises ``ChunkError`` for a checksum algorithm this build lacks."""
+    if msg.checksum_kind != CHECKSUM_KIND:
+        raise ChunkError(f"version {msg.version}: checksum kind {msg.checksum_kind!r}, expected {CHECKSUM_KIND!r}")
+    return VersionManifest(msg.version, tuple(
+        TensorMeta(t.name, t.dtype, tuple(t.shape), t.nbytes, t.checksum) for t in msg.tensors), msg.checksum_kind,
+        msg.timeline)

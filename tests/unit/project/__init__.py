@@ -1,0 +1,1 @@
+"""Unit tests: the repository as shipped: docs site, lock files, examples."""

@@ -1,0 +1,1 @@
+"""Unit tests: the shared contracts in proto/ (schema, journal, chunks, timelines, lockstep)."""

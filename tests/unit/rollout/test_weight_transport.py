@@ -1,0 +1,326 @@
+"""Weight transports: config selection, the NCCL transport's control channel (real gRPC on port 0) and
+data path (a gloo process group on CPU standing in for NCCL), checksums, refusals, disk bootstrap."""
+
+import dataclasses
+import datetime
+import json
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+from pydantic import ValidationError
+from safetensors.torch import save_file
+
+from learner.publisher import WeightPublisher
+from proto import weights_pb2, weights_pb2_grpc
+from proto.tensor_chunks import ChunkError, TensorMeta, device_checksum, receive_verified, tensor_metas
+from rollout.config import EngineConfig, GrpcTransportConfig, NcclTransportConfig
+from services.common import grpc_common
+from services.learner import weight_server
+from services.rollout.transport import TransportUnavailableError, make_transport
+from services.rollout.transport.bootstrap import newest_export, write_export_version
+from services.rollout.transport.grpc_transport import GrpcTransport
+from services.rollout.transport.nccl import NcclTransport, NcclWeightSender, torch_distributed_broadcast
+from services.rollout.weight_client import WeightSubscriber, parse_chunk
+
+NCCL_CFG = NcclTransportConfig(master_address="127.0.0.1", master_port=29500, world_size=2, rank_offset=1,
+                               backoff_s=0.1)
+
+
+def named(v: float = 0.0):
+    torch.manual_seed(int(v))
+    return [("a.weight", (torch.randn(3, 5) + v).to(torch.bfloat16)), ("b.bias", torch.randn(7) + v),
+            ("c.odd", torch.randn(3).to(torch.float16))]  # 6 bytes: checksummed byte-wise
+
+
+def _wait(cond, timeout=20):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_device_checksum_sees_a_flipped_bit_and_swapped_words():
+    t = torch.arange(64, dtype=torch.float32)
+    flipped = t.clone()
+    flipped.view(torch.int32)[10] ^= 1
+    swapped = t.clone()
+    swapped[[3, 4]] = swapped[[4, 3]]
+    sums = {device_checksum(x) for x in (t, flipped, swapped)}
+    assert len(sums) == 3 and device_checksum(t.clone()) == device_checksum(t)
+    assert 0 <= device_checksum(torch.tensor([-1.0] * 5)) < 2**64
+
+
+def test_config_selects_transport_and_nccl_without_cuda_is_a_clear_error():
+    assert EngineConfig.model_fields["weight_transport"].default == GrpcTransportConfig()
+    assert isinstance(make_transport(GrpcTransportConfig(), "127.0.0.1:1", lambda v, t, _tl: None), GrpcTransport)
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(TransportUnavailableError, match="'nccl' needs a CUDA GPU.*is_available\\(\\) is False"):
+        make_transport(NCCL_CFG, "127.0.0.1:1", lambda v, t, _tl: None, name="r0")
+
+
+def test_nccl_config_is_validated_by_name():
+    with pytest.raises(ValidationError, match="world_size"):
+        NcclTransportConfig(master_address="h", master_port=1, world_size=1, rank_offset=1)
+    with pytest.raises(ValidationError, match="does not match any of the expected tags"):
+        EngineConfig.model_validate({"model": ".", "weight_transport": {"type": "rdma"}})
+
+
+class _GlooPair:
+    """Two ranks of a gloo group in one process (threads): rank 0 = learner, rank 1 = rollout worker."""
+
+    def __init__(self) -> None:
+        timeout = datetime.timedelta(seconds=20)
+        master = dist.TCPStore("127.0.0.1", 0, 2, True, timeout=timeout, wait_for_workers=False)
+        stores = [master, dist.TCPStore("127.0.0.1", master.port, 2, False, timeout=timeout)]
+        self.groups = [None, None]
+
+        def make(rank):
+            self.groups[rank] = dist.ProcessGroupGloo(dist.PrefixStore("w", stores[rank]), rank, 2, timeout)
+        threads = [threading.Thread(target=make, args=(r,)) for r in (0, 1)]
+        [t.start() for t in threads]
+        [t.join() for t in threads]
+
+
+@pytest.fixture
+def learner():
+    pub = WeightPublisher()
+    server, port = weight_server.serve(pub)
+    yield pub, f"127.0.0.1:{port}"
+    pub.close()
+    server.stop(0)
+
+
+def _nccl_rollout(address, group, got, have_version=-1):
+    """The rollout half: on each manifest, join the broadcast and verify (what the vLLM worker does)."""
+    def on_version(version, manifest, timeline):
+        got.append((version, receive_verified(torch_distributed_broadcast(group), manifest.tensors, "cpu")))
+    return NcclTransport(NCCL_CFG, address, on_version, have_version, name="r0", require_gpu=False)
+
+
+def test_nccl_transport_manifest_over_grpc_bytes_over_the_group(learner):
+    pub, address = learner
+    pair, got = _GlooPair(), []
+    transport = _nccl_rollout(address, pair.groups[1], got).start()
+    sender = NcclWeightSender(pub, torch_distributed_broadcast(pair.groups[0]))
+    for version in (4, 5):
+        sender.send(version, named(version))
+        _wait(lambda: transport.delivered_version == version)
+    assert [v for v, _ in got] == [4, 5] and transport.errors == 0
+    for (n1, t1), (n2, t2) in zip(named(5), got[-1][1]):
+        assert n1 == n2 and t1.dtype == t2.dtype and torch.equal(t1, t2)
+    assert transport.latest_version() == 5
+    with pytest.raises(ValueError, match="version 5 is not newer than published version 5"):
+        sender.send(5, named(5))
+    transport.stop()
+
+
+def test_nccl_corrupt_broadcast_is_refused_once_not_retried_and_the_next_version_lands(learner):
+    """A refused NCCL version is not asked for again: its bytes went by in the one broadcast this rank joined.
+    (A transport that re-subscribed after the refusal was handed the same manifest, joined a broadcast the
+    learner never repeats, paired the next version's bytes with the old manifest and then never delivered.)"""
+    pub, address = learner
+    pair, got = _GlooPair(), []
+    transport = _nccl_rollout(address, pair.groups[1], got, have_version=2).start()
+    clean = torch_distributed_broadcast(pair.groups[0])
+
+    def corrupting(t, src):  # the wire flips one bit of b.bias
+        if t.shape == (7,):
+            t = t.clone()
+            t.view(torch.int32)[0] ^= 1
+        clean(t, src)
+    NcclWeightSender(pub, corrupting).send(3, named(3))
+    _wait(lambda: transport.errors == 1)
+    assert got == [] and transport.delivered_version == 2
+    time.sleep(1.0)  # 10x the backoff: a retrying transport would now sit in a broadcast for version 3
+    NcclWeightSender(pub, clean).send(4, named(4))
+    _wait(lambda: transport.delivered_version == 4)
+    assert [v for v, _ in got] == [4] and transport.errors == 1
+    for (n1, t1), (n2, t2) in zip(named(4), got[0][1]):
+        assert n1 == n2 and torch.equal(t1, t2)
+    NcclWeightSender(pub, clean).send(5, named(5))
+    _wait(lambda: transport.delivered_version == 5)
+    assert transport.errors == 1
+    transport.stop()
+
+
+def test_receive_verified_names_the_bad_tensor():
+    metas = tensor_metas(named())
+    bad = [dataclasses.replace(metas[1], checksum=metas[1].checksum ^ 1)] + metas[2:]
+    payload = iter([t for _, t in named()[1:]])
+
+    def fake(t, src):
+        t.copy_(next(payload))
+    with pytest.raises(ChunkError, match="'b.bias': checksum"):
+        receive_verified(fake, bad, "cpu")
+    with pytest.raises(ChunkError, match="'x': unknown dtype 'int4'"):
+        receive_verified(fake, [TensorMeta("x", "int4", (2,), 1, 0)], "cpu")
+
+
+class _ReplayingServicer(weights_pb2_grpc.WeightServiceServicer):
+    """Sends one fixed version whatever the subscriber has (a learner restored from an old checkpoint), then
+    ends the stream; records the ``have_version`` of every Subscribe request in ``requests``."""
+
+    def __init__(self, version):
+        self.version, self.requests = version, []
+
+    def Subscribe(self, request, context):
+        self.requests.append(request.have_version)
+        pub = WeightPublisher()
+        pub.publish(self.version, named(self.version))
+        servicer = weight_server.WeightServicer(pub)
+        for raw in servicer.Subscribe(weights_pb2.SubscribeRequest(have_version=-1), context):
+            yield raw  # WeightChunk wire bytes
+            if parse_chunk(raw).last_of_version:
+                return
+
+
+def test_subscriber_ignores_a_version_from_the_past():
+    """The subscriber decided on the old version: it took the whole stream (a normal end, no error) and
+    subscribed again, which it does only after handling every version the stream carried."""
+    server, health = grpc_common.make_server()
+    servicer = _ReplayingServicer(1)
+    weight_server.add_servicer(servicer, server)
+    port = grpc_common.start(server, health, weight_server.SERVICE_NAME)
+    got = []
+    sub = WeightSubscriber(f"127.0.0.1:{port}", lambda v, t, _tl: got.append(v), have_version=3, backoff_s=0.1).start()
+    _wait(lambda: len(servicer.requests) >= 2)
+    sub.stop()
+    server.stop(0)
+    assert got == [] and sub.have_version == 3 and sub.errors == 0
+    assert servicer.requests[:2] == [3, 3]
+
+
+def test_refused_version_is_retried_and_the_subscriber_survives(learner):
+    pub, address = learner
+    calls = []
+
+    def on_version(version, tensors, timeline):
+        calls.append(version)
+        if version == 1:
+            raise ValueError("tensor 'a.weight' has shape (3, 5); the model expects (4, 5)")
+    sub = WeightSubscriber(address, on_version, name="t", backoff_s=0.1).start()
+    pub.publish(1, named(1))
+    _wait(lambda: sub.errors >= 2)  # refused, retried after backoff, refused again
+    assert sub.have_version == -1 and set(calls) == {1}
+    pub.publish(2, named(2))
+    _wait(lambda: sub.have_version == 2)
+    sub.stop()
+
+
+def test_announced_versions_do_not_wake_chunk_streams():
+    pub = WeightPublisher()
+    pub.announce(1, tensor_metas(named()))
+    start = time.monotonic()
+    assert pub.wait_newer(-1, timeout_s=0.3) is None and time.monotonic() - start >= 0.29
+    assert pub.wait_newer_manifest(-1, timeout_s=0.1)[0] == 1
+
+
+def _export(folder, version=None):
+    folder.mkdir(parents=True)
+    save_file({"w": torch.zeros(2)}, str(folder / "model.safetensors"))
+    if version is not None:
+        write_export_version(folder, version)
+
+
+def test_newest_export_picks_the_highest_recorded_version(tmp_path):
+    assert newest_export(tmp_path) is None
+    _export(tmp_path / "step-3", 3)
+    _export(tmp_path / "step-12", 12)
+    _export(tmp_path / "final_policy")  # no version file: cannot be claimed
+    assert newest_export(tmp_path) == (12, tmp_path / "step-12")
+    assert newest_export(tmp_path / "step-3") == (3, tmp_path / "step-3")
+    (tmp_path / "step-12" / "gyre_version.json").write_text(json.dumps({"policy_version": "x"}))
+    with pytest.raises(ValueError, match="step-12/gyre_version.json: policy_version \\('x'\\) must be"):
+        newest_export(tmp_path)
+
+
+@pytest.mark.parametrize("size", [0, 1, 127, 128, 300, 70_000])
+def test_hand_appended_data_field_parses_like_protobufs_own_encoding(size):
+    from proto.tensor_chunks import TensorChunk
+    data = bytes(range(256)) * (size // 256) + bytes(range(size % 256))
+    c = TensorChunk(version=7, name="w", dtype="bfloat16", shape=(size // 2,), offset=64, data=memoryview(data),
+                    nbytes=size + 64, last_of_tensor=True, checksum=123, last_of_version=True, num_tensors=2)
+    msg = weights_pb2.WeightChunk.FromString(weight_server.serialize_chunk(c))
+    assert (msg.version, msg.name, msg.dtype, list(msg.shape), msg.offset, msg.data, msg.nbytes, msg.checksum,
+            msg.last_of_tensor, msg.last_of_version, msg.num_tensors, msg.checksum_kind) == (
+        7, "w", "bfloat16", [size // 2], 64, data, size + 64, 123, True, True, 2, "crc32c")
+
+
+def test_parse_chunk_finds_data_wherever_protobuf_put_it_and_refuses_garbage():
+    from services.rollout.weight_client import parse_chunk
+    msg = weights_pb2.WeightChunk(version=3, name="b.bias", dtype="float32", shape=[2, 3], offset=8,
+                                  data=bytes(range(24)), nbytes=32, last_of_tensor=True, checksum=2**32 - 1,
+                                  checksum_kind="crc32c")
+    c = parse_chunk(msg.SerializeToString())  # protobuf's order: data (field 6) between others
+    assert (c.version, c.name, c.dtype, c.shape, c.offset, bytes(c.data), c.nbytes, c.last_of_tensor, c.checksum,
+            c.checksum_kind) == (3, "b.bias", "float32", (2, 3), 8, bytes(range(24)), 32, True, 2**32 - 1, "crc32c")
+    assert bytes(parse_chunk(weights_pb2.WeightChunk(version=1).SerializeToString()).data) == b""
+    with pytest.raises(ChunkError, match="malformed WeightChunk: truncated varint"):
+        parse_chunk(weights_pb2.WeightChunk(version=3, checksum=2**32 - 1).SerializeToString()[:-3])
+    with pytest.raises(ChunkError, match="wire type 7"):
+        parse_chunk(b"\x0f\x00")
+    with pytest.raises(ChunkError, match="runs past the end"):
+        parse_chunk(weights_pb2.WeightChunk(name="w", data=b"x" * 10).SerializeToString()[:-2])
+
+
+class _FakeEngine:
+    def __init__(self, version):
+        self.version, self.applied = version, []
+
+    async def update_weights(self, version, named):
+        self.applied.append((version, [n for n, _ in named]))
+        self.version = version
+        return 0.0
+
+
+class _FakeTransport:
+    """``latest`` answers in turn (the last one repeats); ``deliver_at`` = answer index that delivers."""
+
+    def __init__(self, engine, latest, deliver=None):
+        self.engine, self.latest, self.deliver, self.calls, self.started = engine, list(latest), deliver, 0, False
+
+    def start(self):
+        self.started = True
+        return self
+
+    def latest_version(self, timeout_s=2.0):
+        answer = self.latest[min(self.calls, len(self.latest) - 1)]
+        self.calls += 1
+        if self.deliver is not None and self.calls == 3:
+            self.engine.version = self.deliver
+        return answer
+
+
+def _boot(engine, transport, tmp_path, wait_s=0.5, bootstrap_dir=None):
+    import asyncio
+    from services.rollout.transport.bootstrap import bootstrap
+    cfg = SimpleNamespace(bootstrap_wait_s=wait_s, bootstrap_dir=bootstrap_dir)
+    return asyncio.run(bootstrap(engine, transport, cfg))
+
+
+def test_bootstrap_waits_for_the_learner_then_reports_it(tmp_path):
+    engine = _FakeEngine(0)
+    result = _boot(engine, _FakeTransport(engine, [None, 6, 6, 6], deliver=6), tmp_path, wait_s=10)
+    assert (result.version, result.source, result.learner_latest) == (6, "learner", 6)
+
+
+def test_bootstrap_falls_back_to_disk_and_never_goes_back(tmp_path):
+    _export(tmp_path / "step-5", 5)
+    engine = _FakeEngine(0)
+    result = _boot(engine, _FakeTransport(engine, [9]), tmp_path, bootstrap_dir=str(tmp_path))  # behind learner
+    assert (result.version, result.source, result.learner_latest, engine.applied) == (5, "disk", 9, [(5, ["w"])])
+    engine = _FakeEngine(7)  # already newer than the export: keep it
+    result = _boot(engine, _FakeTransport(engine, [None]), tmp_path, bootstrap_dir=str(tmp_path))
+    assert (result.version, result.source, engine.applied) == (7, "initial", [])
+
+
+def test_bootstrap_cold_start_is_reported_not_silent(tmp_path, capsys):
+    engine = _FakeEngine(0)
+    result = _boot(engine, _FakeTransport(engine, [None]), tmp_path, wait_s=0.3)
+    assert (result.version, result.source, result.learner_latest) == (0, "initial", None)
+    assert "BOOTSTRAP_COLD_START" in capsys.readouterr().out

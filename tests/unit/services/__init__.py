@@ -1,0 +1,1 @@
+"""Unit tests: services: control, CLI, common (logs, metrics, security), faults."""
