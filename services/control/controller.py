@@ -32,7 +32,7 @@ from services.control.run_lock import hold_run_dir
 from services.control.supervisor import ServiceFactory, Supervisor
 
 log = structlog.get_logger("controller")
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def actor_env() -> dict:

@@ -1,0 +1,23 @@
+"""What every service process inherits from the driver: the checkout on its import path (a node or a job's
+working-dir copy imports gyre from there) and DeepSpeed's op cache under the checkout's .cache."""
+
+import os
+from pathlib import Path
+
+from services.control.controller import actor_env
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def test_actors_import_gyre_from_the_checkout_root(monkeypatch):
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    env = actor_env()
+    assert env["PYTHONPATH"].split(os.pathsep) == [str(REPO)]
+    assert (Path(env["PYTHONPATH"]) / "services" / "__init__.py").is_file()
+    assert env["TORCH_EXTENSIONS_DIR"] == str(REPO / ".cache/torch_extensions")
+
+
+def test_a_driver_pythonpath_is_kept_after_the_checkout(monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", "/opt/extra")
+    assert actor_env()["PYTHONPATH"].split(os.pathsep) == [str(REPO), "/opt/extra"]
