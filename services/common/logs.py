@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from pathlib import Path
 from typing import TextIO
 
 import structlog
@@ -30,6 +31,10 @@ HANDLER_NAME = "gyre"
 ROUTED_LOGGERS = ("vllm", "DeepSpeed", "ray")
 """Library loggers that install their own handler and do not propagate: ``configure_logging`` gives
 them the gyre handler instead, at ``WARNING`` (or ``level`` if higher)."""
+
+LOG_DIR_ENV = "GYRE_LOG_DIR"
+"""Environment variable naming the directory of per-service log files; the controller sets it to
+``{run_dir}/{name}/logs`` for every service it starts, so each writes ``{service}.log`` there too."""
 
 _fields: dict[str, object] = {}
 _policy_version: int | None = None
@@ -52,8 +57,32 @@ def _add_service_fields(logger, method_name: str, event_dict: dict) -> dict:
     return event_dict
 
 
+class _Tee:
+    """A text stream writing every line to the console stream and to an append-only log file."""
+
+    def __init__(self, primary: TextIO, file: TextIO) -> None:
+        self.primary, self.file = primary, file
+
+    def write(self, text: str) -> int:
+        self.primary.write(text)
+        self.file.write(text)
+        return len(text)
+
+    def flush(self) -> None:
+        self.primary.flush()
+        self.file.flush()
+
+    def isatty(self) -> bool:
+        return self.primary.isatty()
+
+
+def log_file_path(log_dir: str | Path, service: str) -> Path:
+    """The log file of ``service`` under ``log_dir``: ``{log_dir}/{service}.log``."""
+    return Path(log_dir) / f"{service}.log"
+
+
 def configure_logging(run_id: str, service: str, json: bool = True, level: str = "info",
-                      stream: TextIO | None = None) -> logging.Handler:
+                      stream: TextIO | None = None, log_dir: str | Path | None = None) -> logging.Handler:
     """Configure structlog (and stdlib logging) for this process; call once at service start (a second
     call replaces the first).
 
@@ -64,6 +93,8 @@ def configure_logging(run_id: str, service: str, json: bool = True, level: str =
             (``structlog.dev.ConsoleRenderer``, rich tracebacks).
         level: lowest level of gyre's own events (``debug`` … ``critical``).
         stream: where lines go; default ``sys.stderr`` (at call time).
+        log_dir: also append every line to ``{log_dir}/{service}.log`` (created if missing; line-buffered, so a
+            crash loses at most the line being written). Default: ``$GYRE_LOG_DIR`` if set, else no file.
 
     Stdlib records (root logger and ``ROUTED_LOGGERS``) at ``WARNING`` or above (or ``level`` if higher)
     are rendered by the same processors, with their ``logger`` name. ``VLLM_CONFIGURE_LOGGING`` is set
@@ -81,6 +112,11 @@ def configure_logging(run_id: str, service: str, json: bool = True, level: str =
     if level not in _LEVELS:
         raise ValueError(f"log level {level!r} is not one of {list(_LEVELS)}")
     stream = sys.stderr if stream is None else stream
+    log_dir = log_dir if log_dir is not None else os.environ.get(LOG_DIR_ENV) or None
+    if log_dir is not None:
+        path = log_file_path(log_dir, service)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        stream = _Tee(stream, open(path, "a", buffering=1, encoding="utf-8"))  # noqa: SIM115 (the process's life)
     _fields.clear()
     _fields.update(run_id=run_id, service=service)
     shared = [structlog.contextvars.merge_contextvars, structlog.processors.add_log_level,

@@ -120,6 +120,7 @@ def _run(recipe: Recipe, console: Console) -> dict:
     if finished is not None:
         return finished
     (out / "recipe.json").write_text(recipe.model_dump_json(indent=2))
+    console.print(f"outputs in {out}; each service's log in {out / 'logs'}/<service>.log", highlight=False)
     t0 = time.time()
     init_ray(recipe.ray.address, num_cpus=recipe.ray.num_cpus, namespace=recipe.ray.namespace,
              include_dashboard=False, log_to_driver=False, object_store_memory=256 * 1024**2

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import ray
 
 import faults
+from services.common.logs import LOG_DIR_ENV
 from services.control.recipe import Recipe
 from services.learner import group as learner_group
 from services.learner.actor import LearnerActor, LearnerRankActor, rank_env
@@ -52,9 +53,11 @@ class ServiceFactory:
     """Creates (or re-attaches to) the detached, named service actors of one recipe."""
 
     def __init__(self, recipe: Recipe, env: dict, fingerprint: str) -> None:
-        self.recipe, self.env, self.fingerprint = recipe, env, fingerprint
-        self.security = recipe.security.model_dump()
         out = recipe.out_dir.resolve()
+        self.log_dir = out / "logs"
+        """Each service appends its log lines to ``{log_dir}/{service}.log`` too (``services.common.logs``)."""
+        self.recipe, self.env, self.fingerprint = recipe, {**env, LOG_DIR_ENV: str(self.log_dir)}, fingerprint
+        self.security = recipe.security.model_dump()
         self.replay_dir = recipe.replay.dir or str(out / "replay")
         self.checkpoint_dir = out / "checkpoints"
         self.rollout_journal_dir = out / "rollouts"

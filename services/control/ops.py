@@ -179,4 +179,6 @@ def format_status(st: dict) -> str:
               f"checkpoint {st['last_checkpoint'] or 'none yet'} ({fmt(st['checkpoint_age_s'], '.0f')} s old)",
               f"rollouts   {len([s for s in st['services'] if s['role'] == 'rollout'])} running, "
               f"{st['desired_rollouts']} desired"]
+    if st.get("logs"):  # absent in a status published by an older controller
+        lines.append(f"logs       {st['logs']}/<service>.log")
     return "\n".join(lines)

@@ -303,6 +303,7 @@ class Supervisor:
             "replay_groups": replay.get("replay_groups"), "checkpoint_age_s": learner.get("checkpoint_age_s"),
             "last_checkpoint": learner.get("last_checkpoint"), "learner_resumed_from": learner.get("resumed_from"),
             "restarts": {s.name: s.restarts for s in self.services.values()},
+            "logs": str(self.factory.log_dir),
             "updated_at": time.time(),
         }
 

@@ -65,6 +65,9 @@ def _check_first_run(summary, recipe, out, initial_model):
     assert any((out / "replay" / "wal").iterdir())  # replay was durable under the run dir
     assert (out / "reward_accuracy.png").stat().st_size > 0
     assert (out / "final_policy" / "config.json").is_file()
+    for service in ("replay", "learner", "rollout-0"):  # each service's JSON log lines, in the run directory
+        events = [json.loads(line) for line in (out / "logs" / f"{service}.log").read_text().splitlines()]
+        assert events and {e["service"] for e in events} == {service}, service
     assert json.loads((out / "summary.json").read_text())["final_version"] == 3
 
     # gyre check: the journals and replay's state agree (every acked group trained once or still stored, ...)

@@ -146,3 +146,23 @@ def test_bad_arguments_are_clear_errors():
         configure_logging("r", "")
     with pytest.raises(ValueError, match="policy version must be an int >= 0; got '3'"):
         bind_policy_version("3")
+
+
+def test_a_log_dir_gets_the_same_lines_in_the_services_own_file(tmp_path, monkeypatch):
+    monkeypatch.delenv(logs.LOG_DIR_ENV, raising=False)
+    out = io.StringIO()
+    configure_logging("run-7", "rollout-2", stream=out, log_dir=tmp_path / "logs")
+    structlog.get_logger("rollout").info("weights_applied", version=3)
+    logging.getLogger("vllm").warning("engine slow")  # library records reach the file too
+    written = (tmp_path / "logs" / "rollout-2.log").read_text().splitlines()
+    assert [json.loads(line) for line in written] == lines(out)
+    assert [json.loads(line)["event"] for line in written] == ["weights_applied", "engine slow"]
+
+
+def test_the_log_dir_comes_from_the_environment_the_controller_sets(tmp_path, monkeypatch):
+    monkeypatch.setenv(logs.LOG_DIR_ENV, str(tmp_path))
+    configure_logging("run-7", "replay", stream=io.StringIO())
+    structlog.get_logger("replay").info("restored", groups=0)
+    configure_logging("run-7", "replay", stream=io.StringIO())  # a restarted service appends, never truncates
+    structlog.get_logger("replay").info("restored", groups=5)
+    assert [json.loads(line)["groups"] for line in (tmp_path / "replay.log").read_text().splitlines()] == [0, 5]

@@ -69,6 +69,9 @@ def test_status_text_shows_services_versions_lag_and_restarts():
     assert ops.format_status({}).startswith("status not published yet")
     two_ranks = ops.format_status({**state.status(), "learner_ranks": 2}).splitlines()
     assert two_ranks[5] == "policy     learner v7 (2 ranks), rollouts [6], lag 1 versions"
+    assert len(lines) == 10  # a status without "logs" (an older controller's) has no logs line
+    with_logs = ops.format_status({**state.status(), "logs": "runs/r/logs"}).splitlines()
+    assert with_logs[10] == "logs       runs/r/logs/<service>.log"
 
 
 def test_recorded_ray_address_is_used_unless_one_is_given(tmp_path):

@@ -1,6 +1,7 @@
 """Supervisor decisions with hand-written actor doubles (no Ray): when a service is restarted, what the
 restart pushes to its clients, how restarts are counted, and how the rollout fleet scales."""
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -48,6 +49,7 @@ class FakeFactory:
     def __init__(self):
         self.made = {"replay": 0, "learner": 0, "rollout": 0}
         self.recipe = SimpleNamespace(security=None)
+        self.log_dir = Path("/runs/r/logs")
 
     def replay(self):
         self.made["replay"] += 1
@@ -94,6 +96,7 @@ def test_dead_actor_is_restarted_at_once_and_its_address_pushed(sup):
     assert ("set_replay_address", ("replay:2",)) in sup.learner.handle.calls
     assert ("set_replay_address", ("replay:2",)) in sup.rollouts()[0].handle.calls
     assert sup.state_body.status()["restarts"] == {"replay": 1, "learner": 0, "rollout-0": 0}
+    assert sup.state_body.status()["logs"] == "/runs/r/logs"  # where `gyre status` says the log files are
 
 
 def test_a_dead_learner_rank_restarts_every_rank_of_the_group(sup):
