@@ -25,7 +25,7 @@ from rollout.evaluation import EvalConfig, EvalResult, evaluate
 from rollout.lockstep_gate import LockstepGate
 from rollout.spool import Spool, SpoolFlusher
 from rollout.stats import RolloutStats
-from rollout.rewards.function import Group
+from rollout.rewards.base import Group
 from rollout.rewards.scoring import score_groups
 from rollout.tasks import TaskSource
 
