@@ -18,7 +18,7 @@ import pyarrow as pa
 import yaml
 
 from replay.config import ReplayConfig
-from replay.durable import inspect_dir
+from replay.offline import inspect_dir
 from services import grpc_common, replay_server
 from services.replay_client import ReplayClient
 from tests.fakes import group_table
