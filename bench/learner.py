@@ -119,6 +119,7 @@ def measure_async_save(learner, batch, root: Path, rounds: int) -> dict:
     plus blocking times. ``async_save_overhead_ratio`` is ``None`` when every save finished before a step
     could begin (``steps_overlapping_save`` 0)."""
     from learner.async_save import BackgroundSaver
+    from learner.ckpt_request import CheckpointRequest
 
     saver = BackgroundSaver()
     idle, during, blocking, write_s = [], [], [], []
@@ -128,13 +129,13 @@ def measure_async_save(learner, batch, root: Path, rounds: int) -> dict:
             learner.train_step(batch)
             idle.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
-        future = learner.save_checkpoint(root / "async", keep_last_n=1, saver=saver)
+        future = learner.save_checkpoint(CheckpointRequest(root / "async", keep_last_n=1, saver=saver))
         blocking.append(time.perf_counter() - t0)
         during += steps_while_pending(lambda: learner.train_step(batch), future)
         future.result()
         write_s.append(time.perf_counter() - t0)
     t0 = time.perf_counter()
-    path = learner.save_checkpoint(root / "sync", keep_last_n=1)
+    path = learner.save_checkpoint(CheckpointRequest(root / "sync", keep_last_n=1))
     sync_s = time.perf_counter() - t0
     size = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
     saver.shutdown()

@@ -246,21 +246,46 @@ def find_latest_verified(root: Path) -> Path | None:
     return None
 
 
+# ---- resume rules -------------------------------------------------------------------------------
+SUPPORTED_STAGES = (1, 2, 3)
+"""ZeRO stages whose checkpoints DeepSpeed's converter reads (``*_optim_states.pt`` partitions)."""
+REFUSED_STAGES = {
+    0: "ZeRO-0 writes no *_optim_states.pt partitions for DeepSpeed's universal converter to read",
+}
+
+
+def reshard_refusal(checkpoint_dir: Path) -> str | None:
+    """Why the checkpoint at ``checkpoint_dir`` cannot be resharded (converted to a universal
+    checkpoint), or ``None`` when it can. Reads only its ``learner_config.json``.
+
+    Pure (no deepspeed import): ``check_resumable`` calls it before anything loads, and ``learner.reshard``
+    before it converts.
+    """
+    path = Path(checkpoint_dir) / LEARNER_CONFIG
+    try:
+        stage = json.loads(path.read_text())["zero_stage"]
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
+        return f"{path} does not say which ZeRO stage wrote the checkpoint ({exc})"
+    if stage not in SUPPORTED_STAGES:
+        reason = REFUSED_STAGES.get(stage, "unknown stage")
+        return (f"resharding needs ZeRO stage {', '.join(map(str, SUPPORTED_STAGES))}; the checkpoint was "
+                f"written with ZeRO stage {stage} ({reason})")
+    return None
+
+
 def check_resumable(path: Path, meta: CheckpointMetadata, fingerprint: str, world_size: int,
                     config_hash: str = "", force: bool = False) -> None:
     """Refuse to resume from an incompatible checkpoint.
 
     Raises:
         CheckpointError: schema version differs (always, naming both), world size differs and the
-            checkpoint cannot be resharded (``learner.reshard.reshard_refusal``: ZeRO-0, no learner config), or
+            checkpoint cannot be resharded (``reshard_refusal``: ZeRO-0, no learner config), or
             the task/dataset fingerprint differs (unless ``force``), listing each difference.
     """
     if meta.schema_version != SCHEMA_VERSION:
         raise CheckpointError(f"checkpoint {path} was written with trajectory schema version "
                               f"{meta.schema_version}; this learner uses schema version {SCHEMA_VERSION}")
     if meta.world_size != world_size:
-        from learner.reshard import reshard_refusal  # deferred: learner.reshard imports this module
-
         if refusal := reshard_refusal(path):
             raise CheckpointError(f"checkpoint {path} was written by world size {meta.world_size}; this learner "
                                   f"has world size {world_size} and cannot reshard it: {refusal}")

@@ -1,5 +1,6 @@
-"""Checkpoint save/load of a ``LearnerEngine``: DeepSpeed's state plus gyre's layout and commit protocol
-(``learner.checkpoint``). Kept apart from ``learner.engine`` (training) so the two can change separately."""
+"""Checkpoint save/load of a learner engine (``learner.ckpt_request.CheckpointedLearner``): DeepSpeed's state
+plus gyre's layout and commit protocol (``learner.checkpoint``). Kept apart from ``learner.engine`` (training)
+so the two can change separately; it reads the engine through that protocol, so it does not import it."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import os
 import time
 from concurrent.futures import Future
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any
 
 import structlog
 import torch
@@ -15,30 +16,24 @@ import torch.distributed as dist
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
 
 from learner import checkpoint as ckpt
-from learner.async_save import BackgroundSaver, snapshot, write_captured
-
-if TYPE_CHECKING:
-    from learner.engine import LearnerEngine
+from learner.async_save import snapshot, write_captured
+from learner.ckpt_request import CheckpointedLearner, CheckpointRequest
 
 log = structlog.get_logger("learner")
 
 
-def save_checkpoint(learner: LearnerEngine, root: Path, pending_lease_ids: list[str] = (), acked_lease_count: int = 0,
-                    fingerprint: str = "", keep_last_n: int | None = None,
-                    saver: BackgroundSaver | None = None,
-                    after_commit: Callable[[Path], None] | None = None,
-                    pending_group_ids: list[str] = ()) -> Path | Future:
-    """Commit ``{root}/global_step_{step}`` (``learner.checkpoint`` layout and protocol): DeepSpeed
+def save_checkpoint(learner: CheckpointedLearner, request: CheckpointRequest) -> Path | Future:
+    """Commit ``{request.root}/global_step_{step}`` (``learner.checkpoint`` layout and protocol): DeepSpeed
     state (weights, optimizer, LR schedule) under ``deepspeed/``, every rank's RNG, metadata, manifest.
 
-    With a ``saver`` and world size 1 the save is asynchronous (``learner.async_save``): the state is
+    With a ``request.saver`` and world size 1 the save is asynchronous (``learner.async_save``): the state is
     cloned to memory here (the only time training waits), then written and committed by the saver's
     thread; returns a ``Future`` of the committed path (its ``result()`` raises what the write raised).
     Otherwise (no saver, or world size > 1) returns the committed path (the same on every rank).
-    ``after_commit(path)`` runs on rank 0 right after the commit and pruning (in the saver's thread for
-    an async save), e.g. to mirror the checkpoint before its leases are acked.
+    ``request.after_commit(path)`` runs on rank 0 right after the commit and pruning (in the saver's thread
+    for an async save), e.g. to mirror the checkpoint before its leases are acked.
     """
-    root = Path(root)
+    root, saver = request.root, request.saver
     rank = dist.get_rank()
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
@@ -47,9 +42,9 @@ def save_checkpoint(learner: LearnerEngine, root: Path, pending_lease_ids: list[
     tmp = ckpt.temp_path(root, learner.step, int(holder.item()))
     final = ckpt.checkpoint_path(root, learner.step)
     meta = ckpt.CheckpointMetadata(
-        step=learner.step, policy_version=learner.version, pending_lease_ids=list(pending_lease_ids),
-        pending_group_ids=list(pending_group_ids),
-        acked_lease_count=acked_lease_count, config_hash=learner.config_hash, fingerprint=fingerprint,
+        step=learner.step, policy_version=learner.version, pending_lease_ids=list(request.pending_lease_ids),
+        pending_group_ids=list(request.pending_group_ids),
+        acked_lease_count=request.acked_lease_count, config_hash=learner.config_hash, fingerprint=request.fingerprint,
         world_size=dist.get_world_size(), wall_time=time.time())
     if saver is not None and dist.get_world_size() == 1:
         saver.wait()  # one save in flight: its temp dir and pruning must not interleave with this one
@@ -59,19 +54,19 @@ def save_checkpoint(learner: LearnerEngine, root: Path, pending_lease_ids: list[
         def finish() -> Path:
             write_captured(captured)
             captured.clear()  # free the in-memory copy as soon as it is on disk
-            return _commit(root, tmp, final, meta, keep_last_n, after_commit)
+            return _commit(tmp, final, meta, request)
 
         return saver.submit(finish)
     learner.engine.save_checkpoint(str(tmp), tag="deepspeed", save_latest=False)
     _write_side_files(learner, tmp, rank)
     dist.barrier()
     if rank == 0:
-        _commit(root, tmp, final, meta, keep_last_n, after_commit)
+        _commit(tmp, final, meta, request)
     dist.barrier()
     return final
 
 
-def _write_side_files(learner: LearnerEngine, tmp: Path, rank: int) -> None:
+def _write_side_files(learner: CheckpointedLearner, tmp: Path, rank: int) -> None:
     """This rank's RNG state and (rank 0) the learner config, captured at save time."""
     ckpt.save_rng(tmp, rank)
     if rank == 0:
@@ -79,17 +74,16 @@ def _write_side_files(learner: LearnerEngine, tmp: Path, rank: int) -> None:
         (tmp / ckpt.ALGORITHM_CONFIG).write_text(learner.algo.model_dump_json(indent=2))
 
 
-def _commit(root: Path, tmp: Path, final: Path, meta: ckpt.CheckpointMetadata, keep_last_n: int | None,
-            after_commit: Callable[[Path], None] | None) -> Path:
+def _commit(tmp: Path, final: Path, meta: ckpt.CheckpointMetadata, request: CheckpointRequest) -> Path:
     ckpt.commit(tmp, final, meta)
-    if keep_last_n is not None:
-        ckpt.prune(root, keep_last_n)
-    if after_commit is not None:
-        after_commit(final)
+    if request.keep_last_n is not None:
+        ckpt.prune(request.root, request.keep_last_n)
+    if request.after_commit is not None:
+        request.after_commit(final)
     return final
 
 
-def load_checkpoint(learner: LearnerEngine, path: Path, fingerprint: str = "", force: bool = False) -> ckpt.CheckpointMetadata:
+def load_checkpoint(learner: CheckpointedLearner, path: Path, fingerprint: str = "", force: bool = False) -> ckpt.CheckpointMetadata:
     """Verify ``path`` (a ``global_step_N`` dir), check it may be resumed
     (``learner.checkpoint.check_resumable``), then restore weights, optimizer, LR schedule,
     ``step``, ``version`` and this rank's RNG, so training continues bit-identically.

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,9 +19,11 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from learner import checkpoint as ckpt
+from learner import ckpt_engine
 from learner.algorithms import token_logprobs
 from learner.batch import TrainBatch, reward_error_metrics, truncation_metrics
 from learner.comm_timer import CommTimer
+from learner.ckpt_request import CheckpointRequest
 from learner.config import AlgorithmConfig, LearnerConfig
 from learner.ds_setup import _DTYPES, build_ds_config, ensure_distributed
 from learner.ranks import gather_step_metrics, rank_rows
@@ -348,19 +351,12 @@ class LearnerEngine:
         dist.barrier()
 
     # ---- checkpoints (learner.ckpt_engine) ------------------------------------------------------
-    def save_checkpoint(self, root: Path, pending_lease_ids: list[str] = (), acked_lease_count: int = 0,
-                        fingerprint: str = "", keep_last_n: int | None = None, saver=None, after_commit=None,
-                        pending_group_ids: list[str] = ()):
-        """Commit ``{root}/global_step_{step}`` (a ``Future`` of it with a ``saver``: async save); see
-        ``learner.ckpt_engine.save_checkpoint``."""
-        from learner.ckpt_engine import save_checkpoint
-
-        return save_checkpoint(self, root, pending_lease_ids, acked_lease_count, fingerprint, keep_last_n, saver,
-                               after_commit, pending_group_ids)
+    def save_checkpoint(self, request: CheckpointRequest) -> Path | Future:
+        """Commit ``{request.root}/global_step_{step}`` (a ``Future`` of it with ``request.saver``: async save);
+        see ``learner.ckpt_engine.save_checkpoint``."""
+        return ckpt_engine.save_checkpoint(self, request)
 
     def load_checkpoint(self, path: Path, fingerprint: str = "", force: bool = False) -> ckpt.CheckpointMetadata:
         """Restore from ``path``; see ``learner.ckpt_engine.load_checkpoint``."""
-        from learner.ckpt_engine import load_checkpoint
-
-        return load_checkpoint(self, path, fingerprint, force)
+        return ckpt_engine.load_checkpoint(self, path, fingerprint, force)
 

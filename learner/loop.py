@@ -24,6 +24,7 @@ import structlog
 
 from learner.batch import build_train_batch
 from learner.async_save import BackgroundSaver
+from learner.ckpt_request import CheckpointRequest
 from learner.publisher import WeightPublisher
 from learner.loop_config import LearnerLoopConfig
 from proto.lockstep import VersionStore
@@ -59,7 +60,7 @@ class LearnerLoop:
 
     Args:
         engine: ``learner.engine.LearnerEngine``, or ``learner.ranks.LeaderEngine`` with several ranks (a
-            test double takes the same ``save_checkpoint`` parameters: every call passes ``pending_group_ids``).
+            test double takes the same ``save_checkpoint(request: learner.ckpt_request.CheckpointRequest)``).
         replay: where batches come from and are acknowledged.
         publisher: receives every new version's named tensors.
         pad_token_id: tokenizer pad id for right-padding.
@@ -192,16 +193,14 @@ class LearnerLoop:
         if not inflight_here and (self.last_checkpoint is None or self.last_checkpoint.name != name):
             self._finish_background_save(wait=True)
             leases, self.pending_lease_ids = self.pending_lease_ids, []
-            kwargs = {"saver": self._saver} if self.config.async_save else {}
-            if self.config.mirror_dir is not None:
-                kwargs["after_commit"] = self._mirror
             groups = [g for lease in leases for g in self._lease_groups.get(lease, [])]
             if self.journal is not None:
                 self.journal.save_begin(self.engine.step, self.engine.version, groups)
-            result = self.engine.save_checkpoint(
-                self.checkpoint_dir, pending_lease_ids=leases, acked_lease_count=self.acked_lease_count,
-                fingerprint=self.config.fingerprint, keep_last_n=self.config.keep_last_n, pending_group_ids=groups,
-                **kwargs)
+            result = self.engine.save_checkpoint(CheckpointRequest(
+                self.checkpoint_dir, pending_lease_ids=leases, pending_group_ids=groups,
+                acked_lease_count=self.acked_lease_count, fingerprint=self.config.fingerprint,
+                keep_last_n=self.config.keep_last_n, saver=self._saver,
+                after_commit=self._mirror if self.config.mirror_dir is not None else None))
             if isinstance(result, Future):
                 self._inflight = (result, leases, name, time.monotonic())
             else:

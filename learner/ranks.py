@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from learner.batch import TrainBatch
+from learner.ckpt_request import CheckpointRequest
 
 log = structlog.get_logger("learner")
 
@@ -217,14 +218,13 @@ class LeaderEngine:
         return self._run("named_weights", {"dtype": None if dtype is None else str(dtype)}, None,
                          lambda: self._engine.named_weights(dtype))
 
-    def save_checkpoint(self, root, pending_lease_ids=(), acked_lease_count: int = 0, fingerprint: str = "",
-                        keep_last_n: int | None = None, saver=None, after_commit=None, pending_group_ids=()):
-        """Every rank writes its shard; rank 0 commits (metadata, manifest, rename) and runs ``after_commit``.
-        Always synchronous with more than one rank (``learner.ckpt_engine.save_checkpoint``)."""
-        return self._run("save_checkpoint", {"root": str(root), "fingerprint": fingerprint,
-                                             "keep_last_n": keep_last_n}, None,
-                         lambda: self._engine.save_checkpoint(root, pending_lease_ids, acked_lease_count, fingerprint,
-                                                              keep_last_n, saver, after_commit, pending_group_ids))
+    def save_checkpoint(self, request: CheckpointRequest):
+        """Every rank writes its shard; rank 0 commits (metadata, manifest, rename) and runs
+        ``request.after_commit``. Always synchronous with more than one rank
+        (``learner.ckpt_engine.save_checkpoint``); followers get ``root``, ``fingerprint`` and ``keep_last_n``."""
+        return self._run("save_checkpoint", {"root": str(request.root), "fingerprint": request.fingerprint,
+                                             "keep_last_n": request.keep_last_n}, None,
+                         lambda: self._engine.save_checkpoint(request))
 
     def load_checkpoint(self, path, fingerprint: str = "", force: bool = False):
         """Every rank loads ``path`` (its own shard and RNG state)."""
@@ -259,7 +259,8 @@ def follow(engine) -> int:
         elif op == "named_weights":
             engine.named_weights(None if args["dtype"] is None else _DTYPES[args["dtype"]])
         elif op == "save_checkpoint":
-            engine.save_checkpoint(args["root"], fingerprint=args["fingerprint"], keep_last_n=args["keep_last_n"])
+            engine.save_checkpoint(CheckpointRequest(args["root"], fingerprint=args["fingerprint"],
+                                                     keep_last_n=args["keep_last_n"]))
         elif op == "load_checkpoint":
             engine.load_checkpoint(args["path"], args["fingerprint"], args["force"])
         elif op == "export_hf":

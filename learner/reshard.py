@@ -24,7 +24,7 @@ re-made. The files inside ``universal/`` are DeepSpeed's own ``torch.save`` form
 
 Supported: ZeRO stages 1, 2 and 3 (fp32 or bf16; the resuming learner must use the saved stage).
 Refused with a ``CheckpointError`` naming the stage: ZeRO-0, whose checkpoint holds no ZeRO partitions
-for the converter to read (``REFUSED_STAGES``).
+for the converter to read (``learner.checkpoint.reshard_refusal``, ``learner.checkpoint.REFUSED_STAGES``).
 Like ``learner.engine``, this module imports deepspeed (lazily, inside the functions that need it).
 """
 
@@ -38,15 +38,12 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import structlog
 import torch.distributed as dist
 
 from learner import checkpoint as ckpt
-
-if TYPE_CHECKING:
-    from learner.engine import LearnerEngine
+from learner.ckpt_request import CheckpointedLearner
 
 log = structlog.get_logger("learner.reshard")
 
@@ -54,29 +51,6 @@ UNIVERSAL = "universal"
 """Directory (inside ``global_step_N``) and DeepSpeed tag of the universal form."""
 DEEPSPEED = "deepspeed"
 """Directory (and DeepSpeed tag) of the checkpoint's ZeRO state, written by ``ckpt_engine``."""
-SUPPORTED_STAGES = (1, 2, 3)
-"""ZeRO stages whose checkpoints DeepSpeed's converter reads (``*_optim_states.pt`` partitions)."""
-REFUSED_STAGES = {
-    0: "ZeRO-0 writes no *_optim_states.pt partitions for DeepSpeed's universal converter to read",
-}
-
-
-def reshard_refusal(checkpoint_dir: Path) -> str | None:
-    """Why the checkpoint at ``checkpoint_dir`` cannot be resharded (converted to a universal
-    checkpoint), or ``None`` when it can. Reads only its ``learner_config.json``.
-
-    Pure (no deepspeed import), so ``learner.checkpoint.check_resumable`` can call it.
-    """
-    path = Path(checkpoint_dir) / ckpt.LEARNER_CONFIG
-    try:
-        stage = json.loads(path.read_text())["zero_stage"]
-    except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
-        return f"{path} does not say which ZeRO stage wrote the checkpoint ({exc})"
-    if stage not in SUPPORTED_STAGES:
-        reason = REFUSED_STAGES.get(stage, "unknown stage")
-        return (f"resharding needs ZeRO stage {', '.join(map(str, SUPPORTED_STAGES))}; the checkpoint was "
-                f"written with ZeRO stage {stage} ({reason})")
-    return None
 
 
 # ---- conversion ---------------------------------------------------------------------------------
@@ -138,7 +112,7 @@ def to_universal(checkpoint_dir: Path) -> Path:
     """
     checkpoint_dir = Path(checkpoint_dir)
     meta = ckpt.verify(checkpoint_dir)
-    if refusal := reshard_refusal(checkpoint_dir):
+    if refusal := ckpt.reshard_refusal(checkpoint_dir):
         raise ckpt.CheckpointError(f"checkpoint {checkpoint_dir}: {refusal}")
     if not (checkpoint_dir / DEEPSPEED).is_dir():
         raise ckpt.CheckpointError(f"checkpoint {checkpoint_dir} has no {DEEPSPEED}/ directory to convert")
@@ -192,7 +166,8 @@ def _convert_on_rank0(checkpoint_dir: Path) -> None:
         raise ckpt.CheckpointError(f"checkpoint {checkpoint_dir}: universal conversion failed on rank 0: {error}")
 
 
-def load_resharded(learner: LearnerEngine, checkpoint_dir: Path, saved_world_size: int) -> ckpt.CheckpointMetadata:
+def load_resharded(learner: CheckpointedLearner, checkpoint_dir: Path,
+                   saved_world_size: int) -> ckpt.CheckpointMetadata:
     """Restore ``learner`` from a checkpoint written by ``saved_world_size`` ranks on the current,
     different world size: weights, AdamW moments and step, ``step``, ``version``, and RNG.
 
@@ -207,7 +182,7 @@ def load_resharded(learner: LearnerEngine, checkpoint_dir: Path, saved_world_siz
     """
     checkpoint_dir = Path(checkpoint_dir)
     world_size, rank = dist.get_world_size(), dist.get_rank()
-    if refusal := reshard_refusal(checkpoint_dir):
+    if refusal := ckpt.reshard_refusal(checkpoint_dir):
         raise ckpt.CheckpointError(f"checkpoint {checkpoint_dir} (world size {saved_world_size}) cannot be resumed "
                                    f"on world size {world_size}: {refusal}")
     saved_stage = json.loads((checkpoint_dir / ckpt.LEARNER_CONFIG).read_text())["zero_stage"]

@@ -47,7 +47,7 @@ from replay.wal import Wal
 
 log = structlog.get_logger("replay")
 
-__all__ = ["Durability", "RestoreError", "inspect_dir"]
+__all__ = ["Durability", "RestoreError"]
 
 
 def _restore_frozen(state, root: Path) -> RestoreReport:
@@ -194,13 +194,3 @@ class Durability:
             self._thread = None
         with self._snap_lock:
             self.wal.close()
-
-
-def inspect_dir(config, read_only: bool = True):
-    """An in-memory buffer holding what ``config.dir`` restores to, without writing to the directory
-    (crash-test checkers use it). Raises ``RestoreError`` like a real start would."""
-    from replay.buffer import TrajectoryBuffer
-
-    buffer = TrajectoryBuffer(config.model_copy(update={"dir": None}))
-    buffer.restore_report = restore(buffer.state, Path(config.dir), read_only=read_only)
-    return buffer

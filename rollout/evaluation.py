@@ -23,7 +23,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from rollout.config import SamplingConfig
-from rollout.rewards.function import Group
+from rollout.rewards.base import Group
 from rollout.rewards.scoring import score_groups
 
 EXACT = 1.0

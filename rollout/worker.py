@@ -14,61 +14,20 @@ from typing import Protocol
 
 import pyarrow as pa
 import structlog
-from pydantic import BaseModel, ConfigDict, Field
 
 from faults import fault_point
-from proto.lockstep import LockstepConfig
 from proto.timeline import SHARED, is_new, label
 from proto.trajectory import Trajectory, make_ids, to_table
-from rollout.config import EngineConfig, SamplingConfig
+from rollout.config import RolloutConfig
 from rollout.evaluation import EvalConfig, EvalResult, evaluate
 from rollout.lockstep_gate import LockstepGate
 from rollout.spool import Spool, SpoolFlusher
 from rollout.stats import RolloutStats
-from rollout.rewards.function import Group
+from rollout.rewards.base import Group
 from rollout.rewards.scoring import score_groups
 from rollout.tasks import TaskSource
 
 log = structlog.get_logger("rollout")
-
-
-class RolloutConfig(BaseModel):
-    """One rollout service: its engine, sampling, group size and flow control."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    num_workers: int = Field(1, ge=1)
-    """Rollout services started by the controller."""
-    group_size: int = Field(4, ge=1)
-    """Samples per prompt (``n``, the GRPO group)."""
-    groups_in_flight: int = Field(4, ge=1)
-    """Prompts generated concurrently by one rollout (vLLM batches them)."""
-    max_ready_groups: int = Field(16, ge=1)
-    """Backpressure: no new prompt is leased while replay holds at least this many ready groups."""
-    engine: EngineConfig
-    """The vLLM engine each rollout service runs: model, memory, parallelism, weight transport."""
-    sampling: SamplingConfig = SamplingConfig()
-    """Sampling parameters of training rollouts (temperature, top-p, max_new_tokens)."""
-    retry_backoff_s: float = Field(1.0, gt=0)
-    """First wait (seconds) before re-sending a batch replay did not acknowledge; doubles up to 30 s."""
-    spool_dir: str | None = None
-    """Durable local spool (``rollout.spool``) of groups replay has not acknowledged; one directory per
-    rollout service. ``None``: each group is inserted directly and its generation slot waits for the ack."""
-    spool_max_groups: int = Field(64, ge=1)
-    """Backpressure: no new prompt is leased while the spool holds at least this many groups (groups
-    already in flight still land in it, so it may exceed this by up to ``groups_in_flight``)."""
-    spool_max_bytes: int = Field(256 * 1024 * 1024, ge=1)
-    """Backpressure: no new prompt is leased while the spool holds at least this many bytes."""
-    max_groups_per_version: int | None = Field(None, ge=1)
-    """Version gate: start at most this many groups with one policy version, then wait for a newer one.
-    With one rollout and this equal to the learner's ``groups_per_step``, batch t+1 is generated only with
-    the weights of step t: synchronous on-policy RL (the verl/TRL default; ``bench.pipeline``'s baseline).
-    ``None``: fully asynchronous (generation never waits for the learner)."""
-    lockstep: LockstepConfig | None = None
-    """Deterministic mode (set by the recipe's ``determinism: lockstep``, ``proto.lockstep``): prompt i is
-    generated with exactly policy version ``max(0, i // P - lag)``, loaded from the version store, with a
-    sampling seed that depends on the prompt index only. Weight versions streamed by the learner are then
-    only noted (``newest_offered``), never applied directly."""
 
 
 class ReplaySink(Protocol):

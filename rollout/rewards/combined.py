@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rollout.rewards.registry import RewardConfig, RewardResult, make_reward
+from rollout.rewards.base import RewardConfig, RewardResult
+from rollout.rewards.registry import make_reward
 
 
 @dataclass(frozen=True)

@@ -46,11 +46,10 @@ import math
 import numbers
 import sys
 import threading
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from rollout.rewards.registry import RewardConfig, RewardResult
+from rollout.rewards.base import POOL_THREADS, Group, RewardConfig, RewardResult, scoring_pool
 
 EXPECTED = ("'pkg.module:fn' or 'path/to/file.py:fn' naming a callable "
             "fn(completions: list[str], *, prompts, **columns) -> list[float | None]")
@@ -60,20 +59,6 @@ RESERVED = ("completions", "prompts", "completion_ids")
 
 class RewardImportError(ValueError):
     """A reward function that cannot be loaded; the message names the path and what was expected."""
-
-
-@dataclass(frozen=True)
-class Group:
-    """What a reward is called with: the ``n`` completions of one prompt."""
-
-    completions: list[str]
-    """``[n]`` response texts."""
-    prompts: list[Any]
-    """``[n]`` chat messages (``list[dict[str, str]]``) each completion answered."""
-    entry: dict
-    """The problem entry (its keys are the reward's columns)."""
-    completion_ids: list[list[int]] = field(default_factory=list)
-    """``[n][T_i]`` response token ids (empty: not known)."""
 
 
 def _fail(spec: str, what: str) -> RewardImportError:
@@ -261,8 +246,6 @@ class FunctionReward:
         """One call per group, concurrently; never raises for the function's failure. A sync function's
         budget is ``timeout_s × ceil(len(groups) / POOL_THREADS)`` (queueing in the pool), an async one's
         ``timeout_s``."""
-        from rollout.rewards.scoring import POOL_THREADS, _pool
-
         loop = asyncio.get_running_loop()
         budget = self.timeout_s * (1 if self.is_async else math.ceil(len(groups) / POOL_THREADS))
 
@@ -274,7 +257,7 @@ class FunctionReward:
                                                           _async_loop())
                 waiting = asyncio.wrap_future(future)
             else:
-                waiting = loop.run_in_executor(_pool(), self._call_sync, group.completions, kwargs)
+                waiting = loop.run_in_executor(scoring_pool(), self._call_sync, group.completions, kwargs)
             done, _ = await asyncio.wait({waiting}, timeout=budget)
             if not done:  # an async call is cancelled; a sync one's thread cannot be and runs on
                 waiting.cancel()

@@ -32,15 +32,13 @@ outcomes of a code reward are reported the same way (``sandbox-<status>: <detail
 from __future__ import annotations
 
 import hashlib
-import math
 import re
-from abc import ABC, abstractmethod
-from dataclasses import dataclass
 from typing import Any, Callable, Literal
 
 import reasoning_gym
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from rollout.rewards.base import RewardConfig, RewardFn
 from rollout.rewards.code import build_program, check_problem
 from rollout.rewards.math_exact import MATH_EXACT_VERSION, math_exact_match
 from rollout.rewards.sandbox import SandboxConfig, run_python
@@ -50,105 +48,6 @@ RG_PREFIX = "reasoning_gym:"
 
 class UnknownRewardError(ValueError):
     """The reward name is not registered; the message lists the known ones."""
-
-
-class RewardConfig(BaseModel):
-    """Which reward function scores a task, with its parameters. A bare string means ``{name: ...}``.
-
-    Exactly one of ``name`` (a built-in reward) and ``function`` (a plain Python function) is set.
-    """
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    name: str | None = None
-    """A registered name: ``reasoning_gym:<dataset>``, ``math_exact``, ``math_verify``, ``humaneval`` or
-    ``char_fraction``."""
-    function: str | None = None
-    """``"pkg.module:fn"`` (importable in every rollout actor: on a cluster ship it with ``ray.runtime_env``)
-    or ``"path/to/file.py:fn"`` (a recipe resolves a relative path against the recipe's folder) — a function
-    ``fn(completions: list[str], *, prompts, **columns) -> list[float | None]``, sync or async, called once per
-    group (``rollout.rewards.function``)."""
-    params: dict[str, Any] = Field(default_factory=dict)
-    """Parameters of that reward (validated by its own model, unknown keys refused); for a ``function``,
-    extra keyword arguments of every call (verl's ``reward_kwargs``; TRL passes none)."""
-    weight: float = 1.0
-    """Factor of this reward in the weighted sum of a task's ``rewards`` (TRL's ``reward_weights``)."""
-    timeout_s: float = Field(30.0, gt=0)
-    """Budget in seconds for scoring one response (a ``function``: for one call, i.e. one group); past it the
-    sample gets reward 0.0 and ``reward_error = "timeout: ..."`` (an in-process scorer's thread cannot be
-    killed and runs on)."""
-
-    @model_validator(mode="before")
-    @classmethod
-    def _from_name(cls, data: Any) -> Any:
-        return {"name": data} if isinstance(data, str) else data
-
-    @model_validator(mode="after")
-    def _one_kind(self) -> "RewardConfig":
-        if (self.name is None) == (self.function is None):
-            raise ValueError("a reward sets exactly one of name (a built-in reward) and function "
-                             f"('pkg.module:fn' or 'file.py:fn'); got name={self.name!r}, function={self.function!r}")
-        if not math.isfinite(self.weight):
-            raise ValueError(f"weight ({self.weight}) must be finite")
-        return self
-
-    @property
-    def label(self) -> str:
-        """Short name of this reward in metrics: the built-in name, or ``module:fn`` / ``file.py:fn``."""
-        return self.name if self.name is not None else self.function.replace("\\", "/").rsplit("/", 1)[-1]
-
-
-@dataclass(frozen=True)
-class RewardResult:
-    """The reward of one response and where it came from."""
-
-    reward: float
-    """Built-in rewards: in [0, 1]; a ``function`` or a weighted sum: any finite float. 0.0 when ``error`` is
-    set."""
-    version: str
-    """Version of the reward function (``reward_fn_version`` on the trajectory)."""
-    error: str = ""
-    """``""`` when the verifier reached a verdict, else why it did not (``reward_error``)."""
-
-
-class RewardFn(ABC):
-    """A named, versioned scorer: ``(response text, problem entry) -> reward in [0, 1]``."""
-
-    name: str
-    version: str
-    timeout_s: float = 30.0
-
-    @abstractmethod
-    def _score(self, response: str, entry: dict) -> tuple[float, str]:
-        """(reward, error) for one response; may raise (``score`` records it)."""
-
-    def check_entry(self, entry: dict) -> None:
-        """Raise ``KeyError`` if ``entry`` lacks what this scorer reads."""
-        if "answer" not in entry:
-            raise KeyError(f"reward {self.name!r} needs entry['answer']; got keys {sorted(entry)}")
-
-    def score(self, response: str, entry: dict) -> RewardResult:
-        """Score one response; never raises: a failure gives reward 0.0 and a non-empty ``error``."""
-        try:
-            reward, error = self._score(response, entry)
-            reward = float(reward)
-            if not math.isfinite(reward):
-                raise ValueError(f"reward {reward} is not finite")
-        except Exception as exc:  # recovery path: a bad scorer costs one sample, not the worker
-            return RewardResult(0.0, self.version, f"raised: {type(exc).__name__}: {exc}"[:500])
-        return RewardResult(0.0 if error else reward, self.version, error)
-
-    async def score_groups(self, groups: list) -> list[list[RewardResult]]:
-        """Score every response of each ``rollout.rewards.function.Group`` (one call of ``score`` per
-        response, in the scoring pool: ``scoring.score_many``); results per group, in order."""
-        from rollout.rewards.scoring import score_many
-
-        flat = await score_many([(self, text, g.entry) for g in groups for text in g.completions])
-        out, i = [], 0
-        for g in groups:
-            out.append(flat[i:i + len(g.completions)])
-            i += len(g.completions)
-        return out
 
 
 def extract_last_integer(text: str) -> str | None:
@@ -316,7 +215,7 @@ def make_reward(config: RewardConfig | str | dict, dataset=None):
     """
     cfg = config if isinstance(config, RewardConfig) else RewardConfig.model_validate(config)
     if cfg.function is not None:
-        from rollout.rewards.function import FunctionReward  # imports this module
+        from rollout.rewards.function import FunctionReward  # its own imports: only for a function
 
         return FunctionReward(cfg)
     if cfg.name.startswith(RG_PREFIX):

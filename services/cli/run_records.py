@@ -7,7 +7,7 @@ Layout of ``runs/<name>/`` (``recipe.out_dir``) that matters here::
     learner_journal.jsonl       the learner's journal (``learner.run_journal``)
     rollouts/rollout-{i}.jsonl  each rollout's journal (``services.replay.links.acked_event``, weights)
 
-Replay's durable state is restored offline into memory with ``replay.durable.inspect_dir`` (read-only:
+Replay's durable state is restored offline into memory with ``replay.offline.inspect_dir`` (read-only:
 it reads the snapshot and WAL and writes nothing — no quarantine moves, no WAL truncation).
 """
 
@@ -89,7 +89,7 @@ def _journal(path: Path, torn: list[str]) -> list[dict]:
 
 
 def _replay_state(cfg: ReplayConfig) -> tuple[dict[str, StoredGroup], set[int], Counters]:
-    from replay.durable import inspect_dir
+    from replay.offline import inspect_dir
 
     try:
         buffer = inspect_dir(cfg, read_only=True)

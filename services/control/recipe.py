@@ -14,11 +14,10 @@ from learner.advantages import OUTCOME_ESTIMATORS
 from proto.model_source import DRY_RUN, ModelSourceError, is_hub_id, resolve
 from learner.loop import LearnerLoopConfig
 from replay.config import ReplayConfig
-from rollout.config import SamplingConfig
+from rollout.config import RolloutConfig, SamplingConfig
 from rollout.dataset_files import is_hub, resolve_paths
 from rollout.evaluation import EvalConfig, resolve_recipe_eval
 from rollout.tasks import TaskConfig
-from rollout.worker import RolloutConfig
 from services.common.security import SecurityConfig
 from services.control.placement import PlacementConfig, RayConfig
 

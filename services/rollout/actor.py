@@ -30,7 +30,8 @@ class RolloutActor:
         from proto.journal import Journal
         from rollout.dataset_source import PromptBudget
         from rollout.tasks import TaskConfig, TaskSource
-        from rollout.worker import RolloutConfig, RolloutWorker
+        from rollout.config import RolloutConfig
+        from rollout.worker import RolloutWorker
         from services.common.logs import configure_logging
         from services.common.observability import RolloutMetrics, serve
         from services.replay.client import ReplayClient

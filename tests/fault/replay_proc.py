@@ -18,7 +18,7 @@ import pyarrow as pa
 import yaml
 
 from replay.config import ReplayConfig
-from replay.durable import inspect_dir
+from replay.offline import inspect_dir
 from services.common import grpc_common
 from services.replay import server as replay_server
 from services.replay.client import ReplayClient

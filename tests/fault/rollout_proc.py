@@ -118,8 +118,9 @@ async def start_engine(args):
 
 
 def make_worker(args, engine, tokenizer, sampling, log: EventLog):
+    from rollout.config import RolloutConfig
     from rollout.tasks import TaskConfig, TaskSource
-    from rollout.worker import RolloutConfig, RolloutWorker
+    from rollout.worker import RolloutWorker
     from services.replay.client import ReplayClient
 
     config = RolloutConfig.model_construct(

@@ -21,6 +21,7 @@ from safetensors.torch import save_file
 from learner import checkpoint as ckpt
 from learner.async_save import BackgroundSaver
 from learner.batch import build_train_batch
+from learner.ckpt_request import CheckpointRequest
 from learner.config import AlgorithmConfig, LearnerConfig
 from learner.engine import LearnerEngine
 from tests.integration.test_learner_engine import _table
@@ -52,7 +53,7 @@ def main() -> None:
         engine.train_step(build_train_batch(_table(seed=engine.step), 0, engine.version, ALGO))
         if engine.step == args.kill_after:  # trained past the last checkpoint, not saved: kill -9
             os.kill(os.getpid(), signal.SIGKILL)
-        engine.save_checkpoint(args.root, fingerprint="fixed-batches", keep_last_n=2, saver=saver)
+        engine.save_checkpoint(CheckpointRequest(args.root, fingerprint="fixed-batches", keep_last_n=2, saver=saver))
     if saver is not None:
         saver.wait()
     save_file({n: t.contiguous() for n, t in engine.named_weights(dtype=None)}, args.out)

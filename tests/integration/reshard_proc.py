@@ -23,6 +23,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from learner.batch import build_train_batch
+from learner.ckpt_request import CheckpointRequest
 from learner.config import AlgorithmConfig, LearnerConfig
 from learner.engine import LearnerEngine
 from tests.integration.test_learner_engine import _table
@@ -55,7 +56,7 @@ def main() -> None:
     while engine.step < args.steps:
         metrics = engine.train_step(build_train_batch(_table(seed=engine.step), 0, engine.version, ALGO))
         if engine.step == args.save_at:
-            engine.save_checkpoint(args.root, fingerprint=FINGERPRINT)
+            engine.save_checkpoint(CheckpointRequest(args.root, fingerprint=FINGERPRINT))
     weights = {n: t.contiguous() for n, t in engine.named_weights(dtype=torch.float32)}
     if dist.get_rank() == 0:
         save_file(weights, args.out)

@@ -12,6 +12,7 @@ import torch
 from learner.advantages import group_advantages
 from learner.algorithms import token_logprobs
 from learner.batch import build_train_batch
+from learner.ckpt_request import CheckpointRequest
 from learner.config import AlgorithmConfig, LearnerConfig
 from learner.engine import LearnerEngine
 from learner.step_start import eval_mode, step_targets
@@ -108,7 +109,7 @@ def test_gae_critic_trains_is_unpublished_and_checkpointed(tiny_llama, tmp_path)
     # zero-initialised head: V = 0, so explained variance starts at exactly 0 and the value loss falls
     assert steps[0]["explained_variance"] == 0.0
     assert steps[2]["value_loss"] < steps[1]["value_loss"] < steps[0]["value_loss"]
-    path = engine.save_checkpoint(tmp_path / "ckpt")
+    path = engine.save_checkpoint(CheckpointRequest(tmp_path / "ckpt"))
     saved = head.weight.detach().clone()
     engine.train_step(batch)
     assert not torch.equal(saved, head.weight.detach())

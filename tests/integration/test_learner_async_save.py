@@ -18,6 +18,7 @@ import torch
 from learner import checkpoint as ckpt
 from learner.async_save import BackgroundSaver
 from learner.batch import build_train_batch
+from learner.ckpt_request import CheckpointRequest
 from tests.integration.test_learner_engine import ALGO, _engine, _table
 
 
@@ -41,7 +42,7 @@ def test_async_save_holds_its_step_while_training_continues(tiny_llama, tmp_path
     engine = _engine(tiny_llama, dtype="fp32")
     _step(engine, 0)
     at_step1 = _weights(engine)
-    sync_path = engine.save_checkpoint(tmp_path / "sync", pending_lease_ids=["a"], fingerprint="fp")
+    sync_path = engine.save_checkpoint(CheckpointRequest(tmp_path / "sync", pending_lease_ids=["a"], fingerprint="fp"))
     stepped, trainer, write_captured = threading.Event(), threading.get_ident(), ckpt_engine.write_captured
 
     def write_after_the_next_step(captured):
@@ -51,7 +52,8 @@ def test_async_save_holds_its_step_while_training_continues(tiny_llama, tmp_path
 
     monkeypatch.setattr(ckpt_engine, "write_captured", write_after_the_next_step)
     saver = BackgroundSaver()
-    future = engine.save_checkpoint(tmp_path / "async", pending_lease_ids=["a"], fingerprint="fp", saver=saver)
+    future = engine.save_checkpoint(CheckpointRequest(tmp_path / "async", pending_lease_ids=["a"], fingerprint="fp",
+                                                     saver=saver))
     assert isinstance(future, Future)
     _step(engine, 1)  # rewrites params and Adam moments while the save is in flight (its writer waits for this)
     assert not future.done() and not (tmp_path / "async" / "global_step_1").exists()
@@ -89,14 +91,14 @@ def test_a_failed_background_write_surfaces_from_the_future(tiny_llama, tmp_path
     _step(engine, 0)
     saver = BackgroundSaver()
     root = tmp_path / "ckpt"
-    engine.save_checkpoint(root, saver=saver).result(timeout=300)
+    engine.save_checkpoint(CheckpointRequest(root, saver=saver)).result(timeout=300)
     _step(engine, 1)
 
     def disk_full(obj, path):
         raise OSError(28, "No space left on device", str(path))
 
     monkeypatch.setattr(async_save.torch, "save", disk_full)
-    exc = engine.save_checkpoint(root, saver=saver).exception(timeout=300)
+    exc = engine.save_checkpoint(CheckpointRequest(root, saver=saver)).exception(timeout=300)
     assert isinstance(exc, OSError) and exc.errno == 28
     assert ckpt.find_latest_verified(root) == root / "global_step_1"
     saver.shutdown()

@@ -12,6 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from learner.batch import build_train_batch
+from learner.ckpt_request import CheckpointRequest
 from learner.checkpoint import CheckpointError
 from learner.config import AlgorithmConfig, LearnerConfig
 from learner.engine import LearnerEngine
@@ -95,7 +96,7 @@ def test_export_hf_reloads_with_same_logits(trained, tiny_llama, tmp_path):
 
 def test_checkpoint_roundtrip_restores_weights_and_version(trained, tmp_path):
     engine, _, _ = trained
-    path = engine.save_checkpoint(tmp_path / "ckpt", pending_lease_ids=["a"], fingerprint="fp")
+    path = engine.save_checkpoint(CheckpointRequest(tmp_path / "ckpt", pending_lease_ids=["a"], fingerprint="fp"))
     assert path == tmp_path / "ckpt" / "global_step_2" and (path / "manifest.json").is_file()
     saved = dict(engine.named_weights())
     engine.train_step(build_train_batch(_table(seed=9), 0, engine.version, ALGO))
@@ -114,7 +115,7 @@ def test_gyre_export_of_a_checkpoint_has_the_engines_logits(trained, tmp_path, c
     from services.cli import main as cli
 
     engine, _, _ = trained
-    path = engine.save_checkpoint(tmp_path / "ckpt")
+    path = engine.save_checkpoint(CheckpointRequest(tmp_path / "ckpt"))
     assert cli.main(["export", str(path), str(tmp_path / "hf")]) == 0
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.bfloat16).eval()
     ids = torch.randint(1, 49000, (2, 12), generator=torch.Generator().manual_seed(6))

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from learner import ranks
 from learner.batch import TrainBatch
+from learner.ckpt_request import CheckpointRequest
 
 
 class RecordingEngine:
@@ -39,10 +40,9 @@ class RecordingEngine:
         self.calls.append(["named_weights", str(dtype)])
         return []
 
-    def save_checkpoint(self, root, pending_lease_ids=(), acked_lease_count=0, fingerprint="", keep_last_n=None,
-                        saver=None, after_commit=None, pending_group_ids=()):
-        self.calls.append(["save_checkpoint", str(root), fingerprint, keep_last_n])
-        return Path(root) / "global_step_0"
+    def save_checkpoint(self, request: CheckpointRequest):
+        self.calls.append(["save_checkpoint", str(request.root), request.fingerprint, request.keep_last_n])
+        return request.root / "global_step_0"
 
     def load_checkpoint(self, path, fingerprint="", force=False):
         self.calls.append(["load_checkpoint", str(path), fingerprint, force])
@@ -100,7 +100,8 @@ def rank_main(rank: int, port: int, out: str, mode: str) -> None:
                 leader = ranks.LeaderEngine(engine)
                 leader.train_step(batch())
                 leader.named_weights(torch.float32)
-                leader.save_checkpoint("/ckpt", ["lease-1"], 3, "fp", 2)
+                leader.save_checkpoint(CheckpointRequest("/ckpt", pending_lease_ids=["lease-1"], acked_lease_count=3,
+                                                         fingerprint="fp", keep_last_n=2))
                 leader.load_checkpoint("/ckpt/global_step_0", "fp", True)
                 leader.export_hf("/export", "/tok")
                 leader.stop_followers()

@@ -1,4 +1,3 @@
-import inspect
 import time
 from concurrent.futures import Future
 from pathlib import Path
@@ -6,25 +5,21 @@ from pathlib import Path
 import pytest
 import torch
 
+from learner.ckpt_request import CheckpointRequest
 from learner.config import LearnerConfig
-from learner.engine import LearnerEngine
 from learner.loop import LearnerLoop, LearnerLoopConfig, NoDataError
 from learner.publisher import WeightPublisher
-from learner.ranks import LeaderEngine
 from replay.buffer import TrajectoryBuffer
 from replay.config import ReplayConfig
 from tests.fakes import FakeReplay, group_table
 from tests.tiny_model import SMOLLM2_DIR
 
 
-def real_save_arguments(*args, **kwargs) -> dict:
-    """A ``save_checkpoint(*args, **kwargs)`` call bound as the production engines take it (``LearnerEngine``
-    and, with several ranks, ``LeaderEngine``): parameter name -> value, defaults filled in. Raises
-    ``TypeError`` for a call either would refuse, so the test engines here cannot drift from them."""
-    for real in (LeaderEngine.save_checkpoint, LearnerEngine.save_checkpoint):
-        bound = inspect.signature(real).bind(None, *args, **kwargs)
-        bound.apply_defaults()
-    return dict(list(bound.arguments.items())[1:])
+def checked(request) -> CheckpointRequest:
+    """``request`` if it is what the production engines take (``LearnerEngine`` and, with several ranks,
+    ``LeaderEngine``: ``save_checkpoint(request: CheckpointRequest)``), so the test engines cannot drift."""
+    assert isinstance(request, CheckpointRequest), f"save_checkpoint got {type(request).__name__}"
+    return request
 
 
 class FakeLearnerEngine:
@@ -49,12 +44,12 @@ class FakeLearnerEngine:
         self.step, self.version = meta.step, meta.policy_version
         return meta
 
-    def save_checkpoint(self, *args, **kwargs):
-        """Takes exactly the production engines' parameters (``real_save_arguments``)."""
-        call = real_save_arguments(*args, **kwargs)
-        self.saves.append((self.step, list(call["pending_lease_ids"]), call["acked_lease_count"]))
-        path = call["root"] / f"global_step_{self.step}"
-        if call["saver"] is None:
+    def save_checkpoint(self, request: CheckpointRequest):
+        """The production engines' signature (``checked``)."""
+        call = checked(request)
+        self.saves.append((self.step, list(call.pending_lease_ids), call.acked_lease_count))
+        path = call.root / f"global_step_{self.step}"
+        if call.saver is None:
             return path
         self.futures.append(Future())  # the test completes (or fails) it: the background write
         self.future_paths.append(path)
@@ -276,23 +271,23 @@ class CommittingEngine(FakeLearnerEngine):
 
     stores_group_ids = False
 
-    def save_checkpoint(self, *args, **kwargs):
+    def save_checkpoint(self, request: CheckpointRequest):
         from learner import checkpoint as ckpt
 
-        call = real_save_arguments(*args, **kwargs)
-        root, leases = call["root"], list(call["pending_lease_ids"])
-        self.saves.append((self.step, leases, call["acked_lease_count"]))
+        call = checked(request)
+        root, leases = call.root, list(call.pending_lease_ids)
+        self.saves.append((self.step, leases, call.acked_lease_count))
         tmp = ckpt.temp_path(root, self.step)
         (tmp / "deepspeed").mkdir(parents=True)
         (tmp / "deepspeed" / "model.pt").write_bytes(bytes([self.step]) * 1024)
-        groups = list(call["pending_group_ids"]) if self.stores_group_ids else []
+        groups = list(call.pending_group_ids) if self.stores_group_ids else []
         final = ckpt.commit(tmp, ckpt.checkpoint_path(root, self.step),
                             ckpt.CheckpointMetadata(step=self.step, policy_version=self.version,
                                                     pending_lease_ids=leases, pending_group_ids=groups))
-        if call["keep_last_n"]:
-            ckpt.prune(root, call["keep_last_n"])
-        if call["after_commit"] is not None:
-            call["after_commit"](final)
+        if call.keep_last_n:
+            ckpt.prune(root, call.keep_last_n)
+        if call.after_commit is not None:
+            call.after_commit(final)
         return final
 
 

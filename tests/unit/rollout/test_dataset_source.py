@@ -203,8 +203,8 @@ def test_a_rollout_worker_generates_dataset_prompts_from_their_messages_and_coun
 
     from replay.buffer import TrajectoryBuffer
     from replay.config import ReplayConfig
-    from rollout.config import SamplingConfig
-    from rollout.worker import RolloutConfig, RolloutWorker
+    from rollout.config import RolloutConfig, SamplingConfig
+    from rollout.worker import RolloutWorker
     from tests.fakes import FakeEngine, FakeReplay, FakeTokenizer, until
 
     rows = ROWS + [{"problem": "y" * 300, "solution": "0", "level": 7}]

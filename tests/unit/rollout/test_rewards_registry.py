@@ -8,7 +8,7 @@ import pytest
 from rollout.rewards.math_exact import extract_final_answer, math_exact_match, normalize
 from rollout.rewards.registry import (RewardConfig, RewardFn, UnknownRewardError, known_rewards, make_reward,
                                       register_reward)
-from rollout.rewards.scoring import score_many
+from rollout.rewards.base import score_many
 
 
 class Raising(RewardFn):

@@ -2,10 +2,10 @@ import asyncio
 
 from replay.buffer import TrajectoryBuffer
 from replay.config import ReplayConfig
-from rollout.config import SamplingConfig
+from rollout.config import RolloutConfig, SamplingConfig
 from rollout.evaluation import EvalConfig
 from rollout.tasks import TaskConfig, TaskSource
-from rollout.worker import RolloutConfig, RolloutWorker
+from rollout.worker import RolloutWorker
 from rollout.types import Sample
 from tests.fakes import FakeEngine, FakeReplay, FakeTokenizer, until
 

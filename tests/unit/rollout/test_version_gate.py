@@ -7,9 +7,9 @@ from pydantic import ValidationError
 
 from replay.buffer import TrajectoryBuffer
 from replay.config import ReplayConfig
-from rollout.config import EngineConfig, SamplingConfig
+from rollout.config import EngineConfig, RolloutConfig, SamplingConfig
 from rollout.tasks import TaskConfig, TaskSource
-from rollout.worker import RolloutConfig, RolloutWorker
+from rollout.worker import RolloutWorker
 from tests.fakes import FakeEngine, FakeReplay, FakeTokenizer, SlowEngine, until
 
 TASK = TaskSource(TaskConfig(params={"min_terms": 2, "max_terms": 2, "max_digits": 1, "operators": ["+"],
