@@ -6,6 +6,7 @@ ends, and a re-attached actor does not count as an incarnation."""
 import pytest
 
 import faults
+from services.common.logs import LOG_DIR_ENV
 from services.control import supervisor
 from services.control.recipe import RecipeError, load_recipe
 from services.control.supervisor import ServiceFactory
@@ -85,13 +86,14 @@ def test_each_incarnation_gets_its_own_fault_spec():
     factory = ServiceFactory(recipe, dict(BASE_ENV), "fp")
     cls = FakeActorClass()
     log = str(recipe.out_dir.resolve() / "faults_fired.jsonl")
+    base = {**base, LOG_DIR_ENV: str(recipe.out_dir.resolve() / "logs")}  # every service logs into the run dir
     learners = [factory._create(cls, "learner", "learner") for _ in range(3)]
     assert [env_of(h) for h in learners] == [
-        {**BASE_ENV, faults.ENV: "learner.ckpt.mid_write#2", faults.LOG_ENV: log, faults.SERVICE_ENV: "learner",
+        {**base, faults.ENV: "learner.ckpt.mid_write#2", faults.LOG_ENV: log, faults.SERVICE_ENV: "learner",
          faults.INCARNATION_ENV: "0"},
-        {**BASE_ENV, faults.ENV: "learner.publish.mid_stream", faults.LOG_ENV: log, faults.SERVICE_ENV: "learner",
+        {**base, faults.ENV: "learner.publish.mid_stream", faults.LOG_ENV: log, faults.SERVICE_ENV: "learner",
          faults.INCARNATION_ENV: "1"},
-        BASE_ENV,  # the third learner runs clean
+        base,  # the third learner runs clean
     ]
     rollouts = [factory._create(cls, "rollout", "rollout-1") for _ in range(3)]
     assert [env_of(h) for h in rollouts] == [BASE_ENV, {

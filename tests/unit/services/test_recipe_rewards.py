@@ -6,6 +6,7 @@ are imported — get the runtime_env."""
 import pytest
 import yaml
 
+from services.common.logs import LOG_DIR_ENV
 from services.control.factory import ServiceFactory
 from services.control.recipe import RecipeError, load_recipe
 from tests.tiny_model import SMOLLM2_DIR
@@ -38,11 +39,12 @@ def test_relative_reward_files_and_runtime_env_resolve_from_the_working_director
     assert recipe.ray.runtime_env["working_dir"] == str(folder)
     assert recipe.ray.runtime_env["py_modules"] == [str(folder / "lib"), "s3://bucket/m.zip"]
     factory = ServiceFactory(recipe, {"PYTHONPATH": "/repo"}, "fp")
+    logs = str(recipe.out_dir.resolve() / "logs")
     rollout = factory._create(FakeActorClass(), "rollout", "rollout-0").opts["runtime_env"]
     assert rollout == {"working_dir": str(folder), "py_modules": [str(folder / "lib"), "s3://bucket/m.zip"],
-                       "env_vars": {"MY_VAR": "1", "PYTHONPATH": "/repo"}}  # gyre's env_vars win
+                       "env_vars": {"MY_VAR": "1", "PYTHONPATH": "/repo", LOG_DIR_ENV: logs}}  # gyre's env_vars win
     for role in ("replay", "learner"):  # only the rollouts import rewards
-        assert factory._create(FakeActorClass(), role, role).opts["runtime_env"] == {"env_vars": {"PYTHONPATH": "/repo"}}
+        assert factory._create(FakeActorClass(), role, role).opts["runtime_env"] == {"env_vars": {"PYTHONPATH": "/repo", LOG_DIR_ENV: logs}}
 
 
 @pytest.mark.parametrize("source, message", [
