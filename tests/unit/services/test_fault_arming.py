@@ -86,7 +86,7 @@ def test_each_incarnation_gets_its_own_fault_spec():
     factory = ServiceFactory(recipe, dict(BASE_ENV), "fp")
     cls = FakeActorClass()
     log = str(recipe.out_dir.resolve() / "faults_fired.jsonl")
-    base = {**base, LOG_DIR_ENV: str(recipe.out_dir.resolve() / "logs")}  # every service logs into the run dir
+    base = {**BASE_ENV, LOG_DIR_ENV: str(recipe.out_dir.resolve() / "logs")}  # every service logs into the run dir
     learners = [factory._create(cls, "learner", "learner") for _ in range(3)]
     assert [env_of(h) for h in learners] == [
         {**base, faults.ENV: "learner.ckpt.mid_write#2", faults.LOG_ENV: log, faults.SERVICE_ENV: "learner",
@@ -96,13 +96,13 @@ def test_each_incarnation_gets_its_own_fault_spec():
         base,  # the third learner runs clean
     ]
     rollouts = [factory._create(cls, "rollout", "rollout-1") for _ in range(3)]
-    assert [env_of(h) for h in rollouts] == [BASE_ENV, {
-        **BASE_ENV, faults.ENV: "rollout.apply_weights", faults.LOG_ENV: log, faults.SERVICE_ENV: "rollout-1",
-        faults.INCARNATION_ENV: "1"}, BASE_ENV]
+    assert [env_of(h) for h in rollouts] == [base, {
+        **base, faults.ENV: "rollout.apply_weights", faults.LOG_ENV: log, faults.SERVICE_ENV: "rollout-1",
+        faults.INCARNATION_ENV: "1"}, base]
     # services without a faults entry, and the factory's own env, are never armed
-    assert env_of(factory._create(cls, "replay", "replay")) == BASE_ENV
-    assert env_of(factory._create(cls, "rollout", "rollout-0")) == BASE_ENV
-    assert factory.env == BASE_ENV
+    assert env_of(factory._create(cls, "replay", "replay")) == base
+    assert env_of(factory._create(cls, "rollout", "rollout-0")) == base
+    assert factory.env == base
     assert factory.incarnations == {"learner": 3, "rollout-1": 3, "replay": 1, "rollout-0": 1}
 
 
