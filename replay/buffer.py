@@ -30,27 +30,9 @@ from replay.records import Record, encode_parts
 from replay.snapshot import SnapshotData
 from replay.state import ReplayState
 from replay.stats import RateWindow
-from replay.types import InsertResult, UnknownLeaseError
+from replay.types import InsertResult, UnknownLeaseError, checked_sample_args
 
 __all__ = ["TrajectoryBuffer", "InsertResult", "UnknownLeaseError", "RateLimitedError"]
-
-MAX_REQUEST_ID = 128
-"""Longest ``Sample`` idempotency key (characters); a uuid4 hex is 32."""
-
-
-def _checked_sample_args(num_groups: int, prompt_indices, request_id: str) -> list[int] | None:
-    """``prompt_indices`` as ints after checking ``sample``'s arguments; raises ``ValueError`` naming the bad one."""
-    if num_groups < 1:
-        raise ValueError(f"num_groups ({num_groups}) must be >= 1")
-    if len(request_id) > MAX_REQUEST_ID:
-        raise ValueError(f"request_id is {len(request_id)} characters; at most {MAX_REQUEST_ID} allowed")
-    if prompt_indices is None:
-        return None
-    prompt_indices = [int(i) for i in prompt_indices]
-    if len(prompt_indices) != num_groups or len(set(prompt_indices)) != num_groups or min(prompt_indices) < 0:
-        raise ValueError(f"prompt_indices {prompt_indices[:8]} must be num_groups ({num_groups}) distinct indices >= 0")
-    return prompt_indices
-
 
 class TrajectoryBuffer:
     """Stores GRPO groups as Arrow tables and leases them out whole.
@@ -222,7 +204,7 @@ class TrajectoryBuffer:
             ValueError: ``num_groups < 1``; ``prompt_indices`` not ``num_groups`` distinct indices >= 0;
                 ``request_id`` longer than 128 characters, or naming a lease of another ``num_groups``.
         """
-        prompt_indices = _checked_sample_args(num_groups, prompt_indices, request_id)
+        prompt_indices = checked_sample_args(num_groups, prompt_indices, request_id)
         deadline = time.monotonic() + max(timeout_s, 0.0)
         if request_id:
             with self._lock:

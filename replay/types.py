@@ -1,4 +1,5 @@
-"""The nouns of replay in one place: stored groups, insert splits, leases, results and counters.
+"""The nouns of replay in one place: stored groups, insert splits, leases, results and counters, and the
+check of a sample request's arguments.
 
 Frozen dataclasses with a docstring per field (shapes are row counts; versions are policy versions).
 """
@@ -138,3 +139,21 @@ class Counters:
 
 class SnapshotError(ValueError):
     """A snapshot that cannot be used; the message names the snapshot, the file and the check."""
+
+
+MAX_REQUEST_ID = 128
+"""Longest ``Sample`` idempotency key (characters); a uuid4 hex is 32."""
+
+
+def checked_sample_args(num_groups: int, prompt_indices, request_id: str) -> list[int] | None:
+    """``prompt_indices`` as ints after checking ``sample``'s arguments; raises ``ValueError`` naming the bad one."""
+    if num_groups < 1:
+        raise ValueError(f"num_groups ({num_groups}) must be >= 1")
+    if len(request_id) > MAX_REQUEST_ID:
+        raise ValueError(f"request_id is {len(request_id)} characters; at most {MAX_REQUEST_ID} allowed")
+    if prompt_indices is None:
+        return None
+    prompt_indices = [int(i) for i in prompt_indices]
+    if len(prompt_indices) != num_groups or len(set(prompt_indices)) != num_groups or min(prompt_indices) < 0:
+        raise ValueError(f"prompt_indices {prompt_indices[:8]} must be num_groups ({num_groups}) distinct indices >= 0")
+    return prompt_indices
