@@ -1,10 +1,10 @@
 """One driver per run directory: a second `gyre run` of a live run is refused with the holder's pid, and a
 driver killed with SIGKILL leaves no stale lock."""
 
-import multiprocessing as mp
 import os
 import signal
-import time
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,25 +16,26 @@ from services.control.run_lock import RunDirBusyError, hold_run_dir, lock_paths
 REPO = Path(__file__).resolve().parents[3]
 
 
-def _hold(out_dir: str, ready) -> None:
-    with hold_run_dir(Path(out_dir)):
-        ready.set()
-        time.sleep(600)
+HOLD = """
+import sys, time
+from pathlib import Path
+from services.control.run_lock import hold_run_dir
+with hold_run_dir(Path(sys.argv[1])):
+    print("ready", flush=True)
+    time.sleep(600)
+"""
 
 
 @pytest.fixture
 def holder(tmp_path):
-    """A spawned process holding ``tmp_path/runs/r``'s lock; yields (out_dir, process)."""
-    ctx = mp.get_context("spawn")
-    ready = ctx.Event()
+    """A process (importing only the lock module) holding ``tmp_path/runs/r``'s lock; yields (out_dir, process)."""
     out = tmp_path / "runs" / "r"
-    proc = ctx.Process(target=_hold, args=(str(out), ready), daemon=True)
-    proc.start()
-    assert ready.wait(60), "the holder process did not take the lock"
+    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(out)], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready", "the holder process did not take the lock"
     yield out, proc
-    if proc.is_alive():
+    if proc.poll() is None:
         os.kill(proc.pid, signal.SIGKILL)
-    proc.join(10)
+    proc.wait(10)
 
 
 def test_a_second_holder_is_refused_naming_the_pid_and_the_lock_file(holder):
@@ -48,7 +49,7 @@ def test_a_second_holder_is_refused_naming_the_pid_and_the_lock_file(holder):
 def test_a_killed_holder_leaves_no_stale_lock(holder):
     out, proc = holder
     os.kill(proc.pid, signal.SIGKILL)
-    proc.join(10)
+    proc.wait(10)
     with hold_run_dir(out) as lock_file:  # taken at once: the OS released the dead process's lock
         assert lock_file == lock_paths(out)[0]
     assert not lock_paths(out)[1].exists()  # the holder record goes with the lock
