@@ -15,9 +15,11 @@ from typing import Protocol
 import pyarrow as pa
 import structlog
 from pydantic import BaseModel, ConfigDict, Field
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type
 
 from faults import fault_point
 from proto.lockstep import LockstepConfig
+from proto.retry import doubling
 from proto.timeline import SHARED, is_new, label
 from proto.trajectory import Trajectory, make_ids, to_table
 from rollout.config import EngineConfig, SamplingConfig
@@ -30,6 +32,8 @@ from rollout.rewards.scoring import score_groups
 from rollout.tasks import TaskSource
 
 log = structlog.get_logger("rollout")
+INSERT_BACKOFF_CAP_S = 30.0
+"""Longest wait (seconds) before re-sending a batch replay did not acknowledge (``retry_backoff_s`` is the first)."""
 
 
 class RolloutConfig(BaseModel):
@@ -50,7 +54,8 @@ class RolloutConfig(BaseModel):
     sampling: SamplingConfig = SamplingConfig()
     """Sampling parameters of training rollouts (temperature, top-p, max_new_tokens)."""
     retry_backoff_s: float = Field(1.0, gt=0)
-    """First wait (seconds) before re-sending a batch replay did not acknowledge; doubles up to 30 s."""
+    """First wait (seconds) before re-sending a batch replay did not acknowledge; doubles up to 30 s
+    (``INSERT_BACKOFF_CAP_S``)."""
     spool_dir: str | None = None
     """Durable local spool (``rollout.spool``) of groups replay has not acknowledged; one directory per
     rollout service. ``None``: each group is inserted directly and its generation slot waits for the ack."""
@@ -341,18 +346,25 @@ class RolloutWorker:
         self._flush_wakeup.set()
 
     async def _insert_with_retry(self, table: pa.Table) -> None:
-        """Re-send until replay acknowledges; ids make a retried batch harmless."""
+        """Re-send until replay acknowledges; ids make a retried batch harmless. A ``ConnectionError`` (replay
+        down or slow: the gRPC client maps UNAVAILABLE/DEADLINE_EXCEEDED to it) is counted, logged
+        (``insert_retry``) and re-sent after ``retry_backoff_s`` seconds, doubling up to ``INSERT_BACKOFF_CAP_S``,
+        however long replay stays away; any other error is raised at once. Cancelling the caller (``run()`` does
+        on stop) ends a wait or an insert in flight at once."""
         loop = asyncio.get_running_loop()
-        backoff = self.config.retry_backoff_s
-        while True:
-            try:
-                await loop.run_in_executor(None, self.replay.insert, table)
-                return
-            except ConnectionError as exc:  # replay down or slow (the gRPC client maps UNAVAILABLE/DEADLINE here)
-                self.stats.insert_retries += 1
-                log.warning("insert_retry", rollout=self.rollout_id, error=str(exc)[:200], retry_in_s=backoff)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 30.0)
+
+        async def insert() -> None:
+            await loop.run_in_executor(None, self.replay.insert, table)
+
+        retrying = AsyncRetrying(retry=retry_if_exception_type(ConnectionError),
+                                 wait=doubling(self.config.retry_backoff_s, INSERT_BACKOFF_CAP_S),
+                                 before_sleep=self._insert_retry)
+        await retrying(insert)
+
+    def _insert_retry(self, state: RetryCallState) -> None:
+        self.stats.insert_retries += 1
+        log.warning("insert_retry", rollout=self.rollout_id, error=str(state.outcome.exception())[:200],
+                    retry_in_s=state.upcoming_sleep)
 
     def _prompt_ids(self, question: str) -> list[int]:
         ids = self.tokenizer.apply_chat_template(self.task.messages(question), add_generation_prompt=True,
