@@ -213,7 +213,8 @@ class RolloutConfig(BaseModel):
     sampling: SamplingConfig = SamplingConfig()
     """Sampling parameters of training rollouts (temperature, top-p, max_new_tokens)."""
     retry_backoff_s: float = Field(1.0, gt=0)
-    """First wait (seconds) before re-sending a batch replay did not acknowledge; doubles up to 30 s."""
+    """First wait (seconds) before re-sending a batch replay did not acknowledge; doubles up to 30 s
+    (``rollout.worker.INSERT_BACKOFF_CAP_S``)."""
     spool_dir: str | None = None
     """Durable local spool (``rollout.spool``) of groups replay has not acknowledged; one directory per
     rollout service. ``None``: each group is inserted directly and its generation slot waits for the ack."""

@@ -14,8 +14,10 @@ from typing import Protocol
 
 import pyarrow as pa
 import structlog
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type
 
 from faults import fault_point
+from proto.retry import doubling
 from proto.timeline import SHARED, is_new, label
 from proto.trajectory import Trajectory, make_ids, to_table
 from rollout.config import RolloutConfig
@@ -28,6 +30,8 @@ from rollout.rewards.scoring import score_groups
 from rollout.tasks import TaskSource
 
 log = structlog.get_logger("rollout")
+INSERT_BACKOFF_CAP_S = 30.0
+"""Longest wait (seconds) before re-sending a batch replay did not acknowledge (``retry_backoff_s`` is the first)."""
 
 
 class ReplaySink(Protocol):
@@ -300,18 +304,25 @@ class RolloutWorker:
         self._flush_wakeup.set()
 
     async def _insert_with_retry(self, table: pa.Table) -> None:
-        """Re-send until replay acknowledges; ids make a retried batch harmless."""
+        """Re-send until replay acknowledges; ids make a retried batch harmless. A ``ConnectionError`` (replay
+        down or slow: the gRPC client maps UNAVAILABLE/DEADLINE_EXCEEDED to it) is counted, logged
+        (``insert_retry``) and re-sent after ``retry_backoff_s`` seconds, doubling up to ``INSERT_BACKOFF_CAP_S``,
+        however long replay stays away; any other error is raised at once. Cancelling the caller (``run()`` does
+        on stop) ends a wait or an insert in flight at once."""
         loop = asyncio.get_running_loop()
-        backoff = self.config.retry_backoff_s
-        while True:
-            try:
-                await loop.run_in_executor(None, self.replay.insert, table)
-                return
-            except ConnectionError as exc:  # replay down or slow (the gRPC client maps UNAVAILABLE/DEADLINE here)
-                self.stats.insert_retries += 1
-                log.warning("insert_retry", rollout=self.rollout_id, error=str(exc)[:200], retry_in_s=backoff)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 30.0)
+
+        async def insert() -> None:
+            await loop.run_in_executor(None, self.replay.insert, table)
+
+        retrying = AsyncRetrying(retry=retry_if_exception_type(ConnectionError),
+                                 wait=doubling(self.config.retry_backoff_s, INSERT_BACKOFF_CAP_S),
+                                 before_sleep=self._insert_retry)
+        await retrying(insert)
+
+    def _insert_retry(self, state: RetryCallState) -> None:
+        self.stats.insert_retries += 1
+        log.warning("insert_retry", rollout=self.rollout_id, error=str(state.outcome.exception())[:200],
+                    retry_in_s=state.upcoming_sleep)
 
     def _prompt_ids(self, question: str) -> list[int]:
         ids = self.tokenizer.apply_chat_template(self.task.messages(question), add_generation_prompt=True,

@@ -20,6 +20,7 @@ import ray
 import structlog
 from ray.exceptions import GetTimeoutError, RayActorError
 from rich.console import Console
+from tenacity import RetryCallState, Retrying, retry_if_exception, retry_if_exception_type, stop_after_attempt
 
 from rollout.stats import merge_reward_means
 from services.control.evaluation import PeriodicEval, eval_line, record_eval
@@ -90,16 +91,16 @@ def init_ray(address: str, **kwargs) -> None:
     Attaching to an existing cluster (any other ``address``) is tried once. Raises what ``ray.init`` raised."""
     if address == "local":
         os.environ.setdefault("RAY_gcs_server_port_wait_time_s", GCS_PORT_WAIT_S)
-    for attempt in range(1, RAY_START_ATTEMPTS + 1):
-        try:
-            ray.init(address=address, **kwargs)
-            return
-        except Exception as exc:  # Ray raises a bare Exception / RuntimeError for these
-            missed_window = any(m in str(exc) for m in START_WINDOW_ERRORS)
-            if address != "local" or attempt == RAY_START_ATTEMPTS or not missed_window:
-                raise
-            log.warning("ray_start_timed_out_retrying", attempt=attempt, error=str(exc)[:200])
-            ray.shutdown()
+
+    def restart(state: RetryCallState) -> None:
+        log.warning("ray_start_timed_out_retrying", attempt=state.attempt_number,
+                    error=str(state.outcome.exception())[:200])
+        ray.shutdown()  # the half-started node
+
+    # Ray raises a bare Exception / RuntimeError for these
+    missed_window = retry_if_exception(lambda exc: any(m in str(exc) for m in START_WINDOW_ERRORS))
+    Retrying(retry=missed_window, stop=stop_after_attempt(RAY_START_ATTEMPTS if address == "local" else 1),
+             before_sleep=restart, reraise=True)(ray.init, address=address, **kwargs)
 
 
 def run(recipe: Recipe, console: Console | None = None) -> dict:
@@ -172,14 +173,15 @@ def _release(sup: Supervisor | None, state) -> None:
 
 
 def _supervised(sup: Supervisor, call, attempts: int = 3):
-    """``ray.get(call())``; if the service died meanwhile, let the supervisor restart it and call again."""
-    for _ in range(attempts - 1):
-        try:
-            return ray.get(call())
-        except RayActorError as exc:
-            log.warning("service_died_after_training", error=str(exc)[:200])
-            sup.tick()
-    return ray.get(call())
+    """``ray.get(call())``; if the service died meanwhile (``RayActorError``), let the supervisor restart it
+    (``sup.tick()``) and call again, at most ``attempts`` calls in all. Raises the last call's error (a
+    ``RayActorError`` of the last call, any other error at once)."""
+    def restart(state: RetryCallState) -> None:
+        log.warning("service_died_after_training", error=str(state.outcome.exception())[:200])
+        sup.tick()
+
+    return Retrying(retry=retry_if_exception_type(RayActorError), stop=stop_after_attempt(attempts),
+                    before_sleep=restart, reraise=True)(lambda: ray.get(call()))
 
 
 def prepare_run_dir(recipe: Recipe, console: Console) -> dict | None:

@@ -6,10 +6,10 @@ creates for a service name gets the i-th spec as ``GYRE_FAULT_POINT`` (``Service
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import ray
+from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_fixed
 
 import faults
 from services.common.logs import LOG_DIR_ENV
@@ -23,6 +23,10 @@ from services.rollout.actor import RolloutActor
 ROLES = ("replay", "learner", "rollout")
 FIRE_LOG = "faults_fired.jsonl"
 """File name, under the run directory, of the fault points' fire log (``faults``)."""
+NAME_TAKEN_POLL_S = 0.5
+"""Seconds between tries at creating an actor whose name a killed predecessor still holds."""
+NAME_TAKEN_PATIENCE_S = 60.0
+"""Seconds such tries go on before Ray's "already taken" ``ValueError`` is raised."""
 
 
 def actor_name(run: str, service: str) -> str:
@@ -95,22 +99,19 @@ class ServiceFactory:
             return None
 
     def _create(self, cls, role: str, service: str, *args, scheduling_strategy=None, **kwargs) -> ray.actor.ActorHandle:
-        """A new actor; retries while a killed predecessor still holds the name (``ray.kill`` is async)."""
-        deadline = time.monotonic() + 60
+        """A new actor; retried every ``NAME_TAKEN_POLL_S`` seconds for up to ``NAME_TAKEN_PATIENCE_S`` while a
+        killed predecessor still holds the name (``ray.kill`` is async: Ray's ``ValueError`` "... is already
+        taken"), as the same incarnation. Raises that ``ValueError`` after the patience, other errors at once."""
         incarnation = self.incarnations.get(service, 0)
         self.incarnations[service] = incarnation + 1
         env = self.fault_env(service, incarnation)
         extra = {"max_concurrency": 4} if role == "learner" else {}
         if scheduling_strategy is not None:
             extra["scheduling_strategy"] = scheduling_strategy
-        while True:
-            try:
-                opts = self._options(role, service, env, **extra)
-                return cls.options(**opts).remote(*args, **kwargs)
-            except ValueError as exc:
-                if "already" not in str(exc) or time.monotonic() > deadline:
-                    raise
-                time.sleep(0.5)
+        name_taken = retry_if_exception(lambda exc: isinstance(exc, ValueError) and "already" in str(exc))
+        retrying = Retrying(retry=name_taken, wait=wait_fixed(NAME_TAKEN_POLL_S),
+                            stop=stop_after_delay(NAME_TAKEN_PATIENCE_S), reraise=True)
+        return retrying(lambda: cls.options(**self._options(role, service, env, **extra)).remote(*args, **kwargs))
 
     def replay(self) -> Service:
         handle = self._create(ReplayActor, "replay", "replay", self.recipe.replay.model_dump(),

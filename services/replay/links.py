@@ -11,8 +11,11 @@ import time
 
 import pyarrow as pa
 import structlog
+from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_fixed
 
 log = structlog.get_logger("actors")
+OUTAGE_POLL_S = 1.0
+"""Seconds between the tries of an ``ack`` or ``rejoin`` waiting out a replay outage."""
 
 
 class ReroutableReplay:
@@ -49,15 +52,14 @@ class ReroutableReplay:
         return self._patiently(lambda: self.client.rejoin(consumer, learner_version, timeline))
 
     def _patiently(self, call):
-        deadline = time.monotonic() + self.ack_patience_s
-        while True:
-            try:
-                return call()
-            except ConnectionError as exc:  # replay restarting: the supervisor will reroute us
-                if time.monotonic() > deadline:
-                    raise
-                log.warning("ack_waiting_for_replay", error=str(exc)[:200])
-                time.sleep(1.0)
+        """``call()``, again every ``OUTAGE_POLL_S`` seconds while it raises ``ConnectionError`` (replay
+        restarting: the supervisor will reroute us), each logged (``ack_waiting_for_replay``); raises the last
+        ``ConnectionError`` once ``ack_patience_s`` seconds passed, any other error at once."""
+        retrying = Retrying(retry=retry_if_exception_type(ConnectionError), wait=wait_fixed(OUTAGE_POLL_S),
+                            stop=stop_after_delay(self.ack_patience_s), reraise=True,
+                            before_sleep=lambda state: log.warning(
+                                "ack_waiting_for_replay", error=str(state.outcome.exception())[:200]))
+        return retrying(call)
 
 
 def acked_event(table: pa.Table, resp) -> dict:

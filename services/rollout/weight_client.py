@@ -12,6 +12,7 @@ import structlog
 import torch
 
 from proto import weights_pb2, weights_pb2_grpc
+from proto.retry import reconnect_forever
 from proto.tensor_chunks import ChunkAssembler, ChunkError, TensorChunk
 from proto.timeline import SHARED, is_new
 from services.common import grpc_common
@@ -27,9 +28,10 @@ class WeightSubscriber:
 
     Every chunk must arrive within ``chunk_timeout_s`` seconds of the previous one once a version
     started; a stalled or broken stream is cancelled and retried with exponential backoff
-    (``backoff_s`` up to ``max_backoff_s``), so a dead learner never hangs the rollout. Versions
-    only move forward within a timeline: a version is delivered when it is newer than the last delivered
-    one or of another timeline (``proto.timeline.is_new``: the learner rewound), else ignored.
+    (``backoff_s`` up to ``max_backoff_s``: ``proto.retry.reconnect_forever``), so a dead learner never hangs
+    the rollout; ``stop()`` ends a backoff wait at once. Versions only move forward within a timeline: a
+    version is delivered when it is newer than the last delivered one or of another timeline
+    (``proto.timeline.is_new``: the learner rewound), else ignored.
 
     Args:
         address: ``host:port`` of the learner's WeightService.
@@ -67,19 +69,13 @@ class WeightSubscriber:
         self._thread.join(timeout=10)
 
     def _run(self) -> None:
-        backoff = self.backoff_s
-        while not self._stop.is_set():
-            try:
-                self._stream_once()
-                backoff = self.backoff_s
-            except (grpc.RpcError, ChunkError, TimeoutError, VersionRefusedError) as exc:
-                if self._stop.is_set():
-                    return
-                self.errors += 1
-                log.warning("weight_stream_broken", subscriber=self.name, error=str(exc)[:300],
-                            kind=type(exc).__name__, retry_in_s=backoff)
-                self._stop.wait(backoff)
-                backoff = min(backoff * 2, self.max_backoff_s)
+        broken = (grpc.RpcError, ChunkError, TimeoutError, VersionRefusedError)
+        reconnect_forever(self._stream_once, self._stop, broken, self.backoff_s, self.max_backoff_s, self._broken)
+
+    def _broken(self, exc: BaseException, retry_in_s: float) -> None:
+        self.errors += 1
+        log.warning("weight_stream_broken", subscriber=self.name, error=str(exc)[:300], kind=type(exc).__name__,
+                    retry_in_s=retry_in_s)
 
     def _stream_once(self) -> None:
         with grpc_common.channel(self.address, self.security) as ch:

@@ -26,6 +26,7 @@ import torch
 
 from learner.publisher import WeightPublisher
 from proto import weights_pb2, weights_pb2_grpc
+from proto.retry import reconnect_forever
 from proto.tensor_chunks import (CHECKSUM_KIND, Broadcast, ChunkError, TensorMeta, VersionManifest,
                                  receive_verified, tensor_metas)
 from rollout.config import NcclTransportConfig
@@ -38,6 +39,8 @@ from proto.timeline import SHARED, is_new
 log = structlog.get_logger("weights")
 __all__ = ["Broadcast", "NcclTransport", "NcclWeightSender", "open_trainer_broadcast", "receive_verified",
            "require_cuda", "to_manifest", "torch_distributed_broadcast"]
+MAX_BACKOFF_S = 10.0
+"""Longest wait (seconds) before re-following a broken ``Announce`` stream (the first is ``backoff_s``)."""
 
 
 def torch_distributed_broadcast(group=None) -> Broadcast:
@@ -154,19 +157,13 @@ class NcclTransport(WeightTransport):
         return self._errors
 
     def _run(self) -> None:
-        backoff = self.backoff_s
-        while not self._stop.is_set():
-            try:
-                self._follow()
-                backoff = self.backoff_s
-            except (grpc.RpcError, ChunkError) as exc:
-                if self._stop.is_set():
-                    return
-                self._errors += 1
-                log.warning("weight_announce_broken", subscriber=self.name, error=str(exc)[:300],
-                            kind=type(exc).__name__, retry_in_s=backoff)
-                self._stop.wait(backoff)
-                backoff = min(backoff * 2, 10.0)
+        reconnect_forever(self._follow, self._stop, (grpc.RpcError, ChunkError), self.backoff_s, MAX_BACKOFF_S,
+                          self._broken)
+
+    def _broken(self, exc: BaseException, retry_in_s: float) -> None:
+        self._errors += 1
+        log.warning("weight_announce_broken", subscriber=self.name, error=str(exc)[:300], kind=type(exc).__name__,
+                    retry_in_s=retry_in_s)
 
     def _follow(self) -> None:
         with grpc_common.channel(self.address, self.security) as ch:

@@ -1,5 +1,7 @@
 import asyncio
 
+import pytest
+
 from replay.buffer import TrajectoryBuffer
 from replay.config import ReplayConfig
 from rollout.config import RolloutConfig, SamplingConfig
@@ -165,3 +167,73 @@ def test_a_lockstep_rollout_accepts_a_version_offer_before_its_engine_loaded_any
         loop.call_soon_threadsafe(loop.stop)
         thread.join(timeout=10)
         logs._policy_version = None
+
+
+class _ScriptedInserts:
+    """A replay whose ``insert`` does what ``script`` says per call (an exception class to raise, a
+    ``threading.Event`` to block on, or ``None`` to acknowledge); the last entry repeats."""
+
+    def __init__(self, *script) -> None:
+        self.script, self.calls = list(script), 0
+
+    def insert(self, table):
+        import threading
+
+        step = self.script[min(self.calls, len(self.script) - 1)]
+        self.calls += 1
+        if isinstance(step, threading.Event):
+            step.wait(30)
+            raise ConnectionError("replay answered too late")
+        if step is not None:
+            raise step("scripted")
+
+
+def test_insert_retry_waits_double_up_to_the_cap_and_logs_each_retry(monkeypatch):
+    from structlog.testing import capture_logs
+
+    import rollout.worker
+
+    monkeypatch.setattr(rollout.worker, "INSERT_BACKOFF_CAP_S", 0.04)
+    replay = _ScriptedInserts(ConnectionError, ConnectionError, ConnectionError, ConnectionError, None)
+    worker = make_worker(replay)  # retry_backoff_s=0.01
+    with capture_logs() as logs:
+        asyncio.run(worker._insert_with_retry(None))
+    assert replay.calls == 5 and worker.stats.insert_retries == 4
+    assert [(e["event"], e["rollout"], e["retry_in_s"]) for e in logs] == [
+        ("insert_retry", "r0", w) for w in (0.01, 0.02, 0.04, 0.04)]
+
+
+def test_insert_raises_a_non_connection_error_at_once():
+    replay = _ScriptedInserts(ValueError)
+    worker = make_worker(replay)
+    with pytest.raises(ValueError, match="scripted"):  # a retrying insert would time out here instead
+        asyncio.run(asyncio.wait_for(worker._insert_with_retry(None), 10))
+    assert replay.calls == 1 and worker.stats.insert_retries == 0
+
+
+@pytest.mark.parametrize("phase", ["backoff", "in_flight"])
+def test_stopping_the_worker_ends_an_insert_retry_at_once(phase):
+    """Without a spool a group's slot waits for its insert: ``stop()`` must end the backoff wait (60 s here), and
+    an insert in flight without sending it again (its retry must not swallow the cancellation)."""
+    import threading
+
+    buf, released = TrajectoryBuffer(ReplayConfig()), threading.Event()
+    replay = _ScriptedInserts(ConnectionError if phase == "backoff" else released)
+    replay.lease_prompts = lambda consumer, count, ttl_s=0.0, below=0: buf.lease_prompts(consumer, count)
+    replay.info = FakeReplay(buf).info
+    worker = make_worker(replay, groups_in_flight=1)
+    worker.config = worker.config.model_copy(update={"retry_backoff_s": 60.0})
+    reached = (lambda: worker.stats.insert_retries == 1) if phase == "backoff" else (lambda: replay.calls == 1)
+
+    async def stop_during_the_insert():
+        task = asyncio.create_task(worker.run())
+        try:
+            await until(reached, f"the insert's {phase}")
+            worker.stop()
+            await asyncio.wait_for(task, 30)  # well inside the 60 s backoff
+        except TimeoutError:
+            raise AssertionError(f"run() still going 30 s after stop() during the insert's {phase}") from None
+        finally:
+            released.set()  # the blocked insert thread ends (asyncio.run waits for its executor)
+    asyncio.run(stop_during_the_insert())
+    assert replay.calls == 1 and worker.stats.insert_retries == (phase == "backoff")

@@ -100,3 +100,41 @@ def test_other_ray_start_errors_and_attaching_are_not_retried(monkeypatch):
     with pytest.raises(Exception, match="timed out during startup"):  # twice: the second error is raised
         init_ray("local")
     assert [c[0] for c in calls] == ["init", "shutdown", "init"]
+
+
+def test_supervised_calls_again_after_the_service_died_at_most_attempts_times(monkeypatch):
+    from ray.exceptions import RayActorError
+    from structlog.testing import capture_logs
+
+    from services.control import controller
+
+    monkeypatch.setattr(controller.ray, "get", lambda ref: ref)
+
+    class Supervisor:
+        ticks = 0
+
+        def tick(self):
+            self.ticks += 1
+
+    def scripted(*outcomes):
+        left = list(outcomes)
+
+        def call():
+            outcome = left.pop(0)
+            if isinstance(outcome, Exception):
+                raise outcome
+            return outcome
+        return call, left
+
+    sup, (call, left) = Supervisor(), scripted(RayActorError(), RayActorError(), "summary")
+    with capture_logs() as logs:
+        assert controller._supervised(sup, call) == "summary"
+    assert sup.ticks == 2 and left == [] and [e["event"] for e in logs] == ["service_died_after_training"] * 2
+    sup, (call, left) = Supervisor(), scripted(RayActorError(), RayActorError(), RayActorError(), "never")
+    with pytest.raises(RayActorError):  # the third death is raised
+        controller._supervised(sup, call)
+    assert sup.ticks == 2 and left == ["never"]
+    sup, (call, left) = Supervisor(), scripted(ValueError("bad summary"), "never")
+    with pytest.raises(ValueError, match="bad summary"):  # not a death: raised at once
+        controller._supervised(sup, call)
+    assert sup.ticks == 0 and left == ["never"]

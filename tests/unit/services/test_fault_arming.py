@@ -135,3 +135,31 @@ def test_a_name_still_held_by_a_killed_actor_is_retried_as_the_same_incarnation(
     assert len(calls) == 2 and env_of(handle)[faults.ENV] == "replay.wal.after_roll#3"
     assert env_of(handle)[faults.INCARNATION_ENV] == "0"
     assert factory.incarnations == {"replay": 1}
+
+
+def test_creating_gives_up_on_a_name_held_past_the_patience_and_raises_other_errors_at_once(monkeypatch):
+    from services.control import factory as factory_module
+
+    monkeypatch.setattr(factory_module, "NAME_TAKEN_POLL_S", 0.01)
+    monkeypatch.setattr(factory_module, "NAME_TAKEN_PATIENCE_S", 0.1)
+    factory = ServiceFactory(recipe_with({}), dict(BASE_ENV), "fp")
+
+    class Refusing(FakeActorClass):
+        def __init__(self, message):
+            super().__init__()
+            self.message, self.calls = message, 0
+
+        def options(self, **opts):
+            self.calls += 1
+            if self.calls > 1000:
+                raise RuntimeError("still retrying after 1000 calls")
+            raise ValueError(self.message)
+
+    held = Refusing("The name gyre:tiny-test:replay (namespace=gyre) is already taken")
+    with pytest.raises(ValueError, match="already taken"):
+        factory._create(held, "replay", "replay")
+    assert held.calls >= 2  # it did wait for the name
+    bad = Refusing("invalid num_gpus")
+    with pytest.raises(ValueError, match="invalid num_gpus"):
+        factory._create(bad, "replay", "replay")
+    assert bad.calls == 1
