@@ -12,6 +12,7 @@ from pathlib import Path
 import ray
 
 from services.common.actor_env import node_ip, security_config
+from services.common.describe import RolloutInfo
 from services.common.logs import bind_policy_version
 from services.replay.links import TrackedReplay, replay_connector
 
@@ -192,10 +193,11 @@ class RolloutActor:
     async def stats(self) -> dict:
         return self.worker.stats.as_dict(self._version())
 
-    async def describe(self) -> dict:
-        return {"pid": os.getpid(), "node": node_ip(), "generating": self.task is not None,
-                "metrics_port": self.metrics_port,
-                **self.worker.stats.as_dict(self._version())}
+    async def describe(self) -> RolloutInfo:
+        stats = self.worker.stats.as_dict(self._version())
+        return RolloutInfo(pid=os.getpid(), node=node_ip(), generating=self.task is not None,
+                           metrics_port=self.metrics_port, version=stats["version"],
+                           tokens_per_s=stats["tokens_per_s"], stats=stats)
 
     async def stop(self) -> None:
         await self.pause()
