@@ -2,11 +2,12 @@
 
 Ray actors wrap one service each (its gRPC server and its core) so the controller can place, watch, restart
 and stop it. Configs cross as plain dicts (Ray control messages); data goes over gRPC. Every actor answers
-``describe()`` (pid, node, address, role-specific gauges) for the supervisor and ``gyre status``. Addresses
-change when a service is restarted (a new process binds a new port, maybe on another node); the supervisor
-pushes the new one: ``set_replay_address`` to the learner and every rollout, ``set_weights_address`` to every
-rollout. Clients look the address up on every call, so a call that failed against the dead server is retried
-against the new one (``services.replay.links``).
+``describe()`` with a frozen record of its kind (``services.common.describe``: pid, node, role-specific gauges)
+for the supervisor and ``gyre status``. Addresses change when a service is restarted (a new process binds a new
+port, maybe on another node); the supervisor pushes the new one to the services that dial it, by the methods
+``services.control.topology`` names (``set_replay_address`` to the learner and every rollout,
+``set_weights_address`` to every rollout). Clients look the address up on every call, so a call that failed
+against the dead server is retried against the new one (``services.replay.links``).
 
 The actors: ``services.replay.actor.ReplayActor``, ``services.learner.actor.LearnerActor`` and
 ``LearnerRankActor``, ``services.rollout.actor.RolloutActor``.

@@ -221,14 +221,14 @@ def _print_restored(sup: Supervisor, attached: list[str], console: Console) -> N
     replay = ray.get(sup.replay.handle.info.remote())
     if attached:
         console.print(f"re-attached to running services: {', '.join(attached)}", highlight=False)
-    if learner["resumed_from"]:
-        console.print(f"learner resumed from {learner['resumed_from']} (policy version {learner['version']})",
+    if learner.resumed_from:
+        console.print(f"learner resumed from {learner.resumed_from} (policy version {learner.version})",
                       highlight=False)
     if replay["stored_groups"] or replay["prompts_completed"]:
         console.print(f"replay restored {replay['stored_groups']} groups, {replay['prompts_completed']} prompts "
                       "completed", highlight=False)
-    log.info("run_restored", attached=attached, learner_checkpoint=learner["resumed_from"],
-             learner_version=learner["version"], replay_groups=replay["stored_groups"])
+    log.info("run_restored", attached=attached, learner_checkpoint=learner.resumed_from,
+             learner_version=learner.version, replay_groups=replay["stored_groups"])
 
 
 def _last_step(path: Path) -> int:
@@ -258,7 +258,7 @@ def _train(recipe: Recipe, sup: Supervisor, metrics: MetricsWriter, console: Con
         with console.status("evaluating the final policy on the held-out set…"):
             # the learner's timeline too: after a learner crash the rollout may hold the crashed learner's
             # weights under the same number (proto.timeline)
-            timeline = ray.get(sup.learner.handle.describe.remote(), timeout=30)["timeline"]
+            timeline = ray.get(sup.learner.handle.describe.remote(), timeout=30).timeline
             got = ray.get(lead.wait_for_version.remote(final_version, 600, timeline))
             if got < final_version:
                 raise RuntimeError(f"rollout-0 reached policy version {got}, not {final_version} of the learner's "
@@ -286,23 +286,24 @@ def _supervise_training(recipe: Recipe, sup: Supervisor, metrics: MetricsWriter,
             if generation != sup.learner_generation:  # first pass, or the learner was restarted
                 generation, cursor = sup.learner_generation, 0
                 info = ray.get(learner.describe.remote(), timeout=30)
-                remaining = steps - info["version"]
-                if not info["running"] and remaining > 0:
+                remaining = steps - info.version
+                if not info.running and remaining > 0:
                     learner.run.remote(remaining)
                 elif remaining <= 0:
-                    return info["version"]
+                    return info.version
             rows, done, error = ray.get(learner.progress.remote(cursor), timeout=30)
         except (RayActorError, GetTimeoutError) as exc:  # the next tick restarts it
             log.warning("learner_unreachable", error=str(exc)[:200])
             time.sleep(poll_s)
             continue
-        tokens_per_s = sum(s.info.get("tokens_per_s", 0.0) for s in sup.rollouts())
+        described = [s.info for s in sup.rollouts() if s.info is not None]
+        tokens_per_s = sum(r.tokens_per_s for r in described)
         for row in rows:
             if generation == 0 and row["step"] <= written:
                 continue
             row.update(rollout_tokens_per_s=tokens_per_s, learner_restarts=sup.learner.restarts,
-                       rollout_versions=[s.info.get("version") for s in sup.rollouts()],
-                       rollout_reward_means=merge_reward_means([s.info for s in sup.rollouts()]))
+                       rollout_versions=[s.version for s in sup.rollouts()],
+                       rollout_reward_means=merge_reward_means([r.stats for r in described]))
             metrics.write(row)
             progress.update(row)
         newest = max([newest, *(r["step"] for r in rows)])

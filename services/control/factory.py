@@ -12,7 +12,9 @@ import ray
 from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_fixed
 
 import faults
+from services.common.describe import ServiceInfo
 from services.common.logs import LOG_DIR_ENV
+from services.common.names import ROLES, ServiceName
 from services.control.recipe import Recipe
 from services.learner import group as learner_group
 from services.learner.actor import LearnerActor, LearnerRankActor, rank_env
@@ -20,7 +22,8 @@ from services.replay.actor import ReplayActor
 from services.rollout.actor import RolloutActor
 
 
-ROLES = ("replay", "learner", "rollout")
+__all__ = ["ROLES", "FIRE_LOG", "Service", "ServiceFactory", "actor_name"]
+
 FIRE_LOG = "faults_fired.jsonl"
 """File name, under the run directory, of the fault points' fire log (``faults``)."""
 NAME_TAKEN_POLL_S = 0.5
@@ -38,19 +41,31 @@ def actor_name(run: str, service: str) -> str:
 class Service:
     """One supervised service instance."""
 
-    name: str
+    id: ServiceName
     """``replay``, ``learner`` or ``rollout-{i}``."""
-    role: str
     handle: ray.actor.ActorHandle
     address: str | None
     """gRPC address to health-check (replay's, the learner's WeightService); ``None`` for a rollout."""
     restarts: int = 0
     failures: int = 0
     """Consecutive failed health checks."""
-    info: dict = field(default_factory=dict)
-    """Last ``describe()`` answer (pid, node, version, gauges)."""
+    info: ServiceInfo | None = None
+    """Last ``describe()`` answer (``services.common.describe``: the record of its kind); ``None`` before."""
     followers: list = field(default_factory=list)
     """The learner's ranks >= 1 (``LearnerRankActor`` handles) when ``placement.learner.world_size > 1``."""
+
+    @property
+    def name(self) -> str:
+        return str(self.id)
+
+    @property
+    def role(self) -> str:
+        return self.id.role
+
+    @property
+    def version(self) -> int | None:
+        """Policy version of the last ``describe()`` (``None`` before the first, and for replay)."""
+        return self.info.version if self.info is not None else None
 
 
 class ServiceFactory:
@@ -116,7 +131,7 @@ class ServiceFactory:
     def replay(self) -> Service:
         handle = self._create(ReplayActor, "replay", "replay", self.recipe.replay.model_dump(),
                               dir=self.replay_dir, security=self.security, run_id=self.recipe.name)
-        return Service("replay", "replay", handle, ray.get(handle.address.remote()))
+        return Service(ServiceName("replay"), handle, ray.get(handle.address.remote()))
 
     def learner(self, replay_address: str, restarted: bool = False) -> Service:
         """The learner: one ``LearnerActor``, or with ``placement.learner.world_size > 1`` rank 0 plus
@@ -130,10 +145,10 @@ class ServiceFactory:
         world = self.recipe.placement.learner.world_size
         if world == 1:
             handle = self._create(LearnerActor, "learner", "learner", cfg, replay_address, **kwargs)
-            return Service("learner", "learner", handle, ray.get(handle.weights_address.remote()))
+            return Service(ServiceName("learner"), handle, ray.get(handle.weights_address.remote()))
         group = learner_group.LearnerGroup(self.recipe)
         master_addr, master_port = group.rendezvous()
-        followers = [self._create(LearnerRankActor, "learner", learner_group.rank_name(r), cfg,
+        followers = [self._create(LearnerRankActor, "learner", str(ServiceName("learner", r)), cfg,
                                   rank_env(r, world, master_addr, master_port), run_id=self.recipe.name,
                                   scheduling_strategy=group.bundle(r)) for r in range(1, world)]
         handle = self._create(LearnerActor, "learner", "learner", cfg, replay_address, **kwargs,
@@ -147,17 +162,18 @@ class ServiceFactory:
             for h in [handle, *followers]:  # the group starts whole or not at all; the supervisor retries
                 ray.kill(h, no_restart=True)
             raise
-        return Service("learner", "learner", handle, address, followers=followers)
+        return Service(ServiceName("learner"), handle, address, followers=followers)
 
     def attach_followers(self) -> list | None:
         """The live ranks >= 1 of a re-attached multi-rank learner, or ``None`` if any is missing."""
-        handles = [self.attach(learner_group.rank_name(r)) for r in range(1, self.recipe.placement.learner.world_size)]
+        ranks = range(1, self.recipe.placement.learner.world_size)
+        handles = [self.attach(str(ServiceName("learner", r))) for r in ranks]
         return None if any(h is None for h in handles) else handles
 
     def begin_rollout(self, index: int, replay_address: str, weights_address: str):
         """Create ``rollout-{index}`` and start its setup (vLLM start, weight subscription); returns
         ``(handle, setup ObjectRef)`` without waiting."""
-        name = f"rollout-{index}"
+        name = str(ServiceName.rollout(index))
         handle = self._create(RolloutActor, "rollout", name)
         return handle, handle.setup.remote(name, self.recipe.rollout.model_dump(), self.recipe.task.model_dump(),
                                            replay_address, weights_address, self.recipe.seed + index, self.security,
@@ -167,4 +183,4 @@ class ServiceFactory:
         """Rollouts ``rollout-{i}`` for each index, set up concurrently (blocks until all are)."""
         started = [self.begin_rollout(i, replay_address, weights_address) for i in indices]
         ray.get([ref for _, ref in started])
-        return [Service(f"rollout-{i}", "rollout", h, None) for i, (h, _) in zip(indices, started)]
+        return [Service(ServiceName.rollout(i), h, None) for i, (h, _) in zip(indices, started)]

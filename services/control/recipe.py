@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -18,6 +17,7 @@ from rollout.config import RolloutConfig, SamplingConfig
 from rollout.dataset_files import is_hub, resolve_paths
 from rollout.evaluation import EvalConfig, resolve_recipe_eval
 from rollout.tasks import TaskConfig
+from services.common.names import ServiceName
 from services.common.security import SecurityConfig
 from services.control.placement import PlacementConfig, RayConfig
 
@@ -220,8 +220,14 @@ MODEL_KEYS = ("model", "model_id", "model_revision")
 """Top-level recipe keys copied into ``rollout.engine`` and ``learner.engine``."""
 
 
-FAULT_SERVICE = re.compile(r"^(replay|learner|rollout-(0|[1-9][0-9]*))$")
-"""Service names a recipe's ``faults`` section may arm (``rollout-<i>``: any index, scaled ones too)."""
+def fault_service(service: Any) -> ServiceName | None:
+    """The service a recipe's ``faults`` key names, if it may be armed: ``replay``, ``learner`` or ``rollout-<i>``
+    (any index, scaled ones too; not the ranks >= 1 of a multi-rank learner); else ``None``."""
+    try:
+        name = ServiceName.parse(service)
+    except ValueError:
+        return None
+    return None if name.role == "learner" and name.index else name
 
 
 def validate_fault_specs(service: Any, specs: Any) -> list[str]:
@@ -233,12 +239,13 @@ def validate_fault_specs(service: Any, specs: Any) -> list[str]:
         ValueError: an unknown service name, a spec that is not a string, an unknown point, a bad hit count or
             errno, or a point of another service — naming the key, the spec and what was expected.
     """
-    if not isinstance(service, str) or not FAULT_SERVICE.match(service):
+    name = fault_service(service)
+    if name is None:
         raise ValueError(f"faults: unknown service {service!r}; expected 'replay', 'learner' or 'rollout-<i>'")
     specs = [specs] if isinstance(specs, str) else specs
     if not isinstance(specs, list):
         raise ValueError(f"faults.{service}: expected a list of fault specs (one per incarnation), got {specs!r}")
-    prefix = service.split("-")[0] + "."
+    prefix = name.role + "."
     for i, spec in enumerate(specs):
         if not isinstance(spec, str):
             raise ValueError(f"faults.{service}[{i}]: expected a fault spec string like "

@@ -8,10 +8,10 @@ for replay and the learner the standard gRPC health service at its address answe
 ``fail_threshold`` consecutive failed checks (hung). A restart is ``ray.kill`` + a new actor of the same
 name and config: replay restores from its directory (snapshot + WAL), the learner resumes from its newest
 verified checkpoint and re-publishes it, a rollout re-subscribes to the newest weights (its prompt leases
-expire in replay and are re-issued). The new address is pushed to the clients (``set_replay_address``,
-``set_weights_address``). A rollout's replacement starts in the background, like one added by ``scale``
-(its engine takes tens of seconds), and joins once it holds the learner's version; the ticks meanwhile
-keep checking the other services.
+expire in replay and are re-issued). A server's new address is pushed to the services that dial it, by the
+method ``services.control.topology`` names (the one table of who dials whom). A rollout's replacement starts
+in the background, like one added by ``scale`` (its engine takes tens of seconds), and joins once it holds
+the learner's version; the ticks meanwhile keep checking the other services.
 
 Services are created by ``services.control.factory.ServiceFactory`` (fault arming per incarnation there).
 """
@@ -25,7 +25,10 @@ import ray
 import structlog
 from ray.exceptions import GetTimeoutError, RayActorError
 
+from services.common.describe import LearnerInfo
 from services.common.grpc_common import check_health
+from services.common.names import ServiceName
+from services.control import topology
 from services.control.factory import Service, ServiceFactory
 from services.learner import group as learner_group
 
@@ -33,8 +36,9 @@ log = structlog.get_logger("supervisor")
 
 @dataclass
 class Starting:
-    """A rollout added by ``scale`` that is not generating yet."""
+    """A rollout added by ``scale`` (or replacing a failed one) that is not generating yet."""
 
+    id: ServiceName
     handle: ray.actor.ActorHandle
     setup: ray.ObjectRef | None
     """Its ``setup`` call; ``None`` once it returned."""
@@ -77,39 +81,34 @@ class Supervisor:
         return self.services["learner"]
 
     def rollouts(self) -> list[Service]:
-        return sorted((s for s in self.services.values() if s.role == "rollout"), key=lambda s: int(s.name[8:]))
+        return sorted((s for s in self.services.values() if s.role == "rollout"), key=lambda s: s.id)
 
     def running_rollouts(self) -> list[Service]:
         """``rollouts()`` without those being restarted (their entry is the killed incarnation)."""
         return [s for s in self.rollouts() if s.name not in self.starting]
 
     def start(self, num_rollouts: int) -> list[str]:
-        """Re-attach to live actors of this run or create them: replay, learner, then rollouts.
+        """Re-attach to live actors of this run or create them: replay, learner, then rollouts. A re-attached
+        service is told the address of each server created anew that it dials (``topology``).
         Returns the names of the services re-attached."""
         attached: list[str] = []
         for name, make in (("replay", self.factory.replay),
                            ("learner", lambda: self.factory.learner(self.replay.address))):
-            handle = self.factory.attach(name)
-            followers = self.factory.attach_followers() if name == "learner" else []
-            if handle is not None and followers is not None and all(map(self._alive, [handle, *followers])):
-                addr = ray.get(handle.address.remote() if name == "replay" else handle.weights_address.remote())
-                self.services[name] = Service(name, name, handle, addr, followers=followers)
+            svc = self._attach_server(name)
+            if svc is not None:
                 attached.append(name)
-            else:
-                for h in [handle, *(followers or [])]:  # a learner group is only whole or restarted whole
-                    if h is not None:
-                        ray.kill(h, no_restart=True)
-                self.services[name] = make()
-        if "learner" in attached and "replay" not in attached:
-            self._push("set_replay_address", self.replay.address, [self.learner])
+            self.services[name] = svc if svc is not None else make()
+        for server in topology.servers():
+            if server not in attached:  # a new address
+                self._announce(self.services[server], [self.services[n] for n in attached])
         missing = []
         for i in range(num_rollouts):
-            handle = self.factory.attach(f"rollout-{i}")
+            sid = ServiceName.rollout(i)
+            handle = self.factory.attach(str(sid))
             if handle is not None and self._alive(handle):
-                self.services[f"rollout-{i}"] = Service(f"rollout-{i}", "rollout", handle, None)
-                ray.get([handle.set_replay_address.remote(self.replay.address),
-                         handle.set_weights_address.remote(self.learner.address)])
-                attached.append(f"rollout-{i}")
+                self.services[str(sid)] = Service(sid, handle, None)
+                ray.get(self._tell_addresses(handle, "rollout"))
+                attached.append(str(sid))
             else:
                 missing.append(i)
         if missing:
@@ -117,6 +116,20 @@ class Supervisor:
         log.info("services_started", replay=self.replay.address, weights=self.learner.address,
                  rollouts=num_rollouts, reattached=attached)
         return attached
+
+    def _attach_server(self, role: str) -> Service | None:
+        """The live ``role`` service (replay, or the learner with all its ranks) an earlier driver of this run
+        left, or ``None`` after killing whatever part of it is left (a learner group is only whole or restarted
+        whole)."""
+        handle = self.factory.attach(role)
+        followers = self.factory.attach_followers() if role == "learner" else []
+        if handle is not None and followers is not None and all(map(self._alive, [handle, *followers])):
+            address = ray.get(getattr(handle, topology.endpoint(role).address_method).remote())
+            return Service(ServiceName(role), handle, address, followers=followers)
+        for h in [handle, *(followers or [])]:
+            if h is not None:
+                ray.kill(h, no_restart=True)
+        return None
 
     def start_generation(self) -> None:
         """Every rollout starts leasing prompts (after the optional evaluation before training)."""
@@ -136,10 +149,32 @@ class Supervisor:
         new = self.factory.rollouts(indices, self.replay.address, self.learner.address)
         self.services.update({svc.name: svc for svc in new})
         if self.generating:
-            version = self.learner.info.get("version", 0)
+            version = self._learner_version()
             ray.get([svc.handle.wait_for_version.remote(version, 300) for svc in new])
             ray.get([svc.handle.start.remote() for svc in new])
         return new
+
+    def _learner_version(self) -> int:
+        """The learner's policy version as of its last ``describe()`` (0 before the first)."""
+        return self.learner.version if self.learner.info is not None else 0
+
+    # ---- addresses (who dials whom: ``services.control.topology``) ------------------------------
+    def _tell_addresses(self, handle, role: str) -> list:
+        """Push the current address of every server ``role`` dials to ``handle``; returns the calls' refs."""
+        return [getattr(handle, topology.endpoint(server).push_method).remote(self.services[server].address)
+                for server in topology.dialled_by(role)]
+
+    def _announce(self, server: Service, among: list[Service]) -> None:
+        """Push ``server``'s (new) address to the services in ``among`` whose role dials it."""
+        clients = [c for c in among if c.role in topology.clients_of(server.role)]
+        self._push(topology.endpoint(server.role).push_method, server.address, clients)
+
+    def _push(self, method: str, address: str, clients: list[Service]) -> None:
+        for c in clients:
+            try:
+                ray.get(getattr(c.handle, method).remote(address), timeout=60)
+            except (RayActorError, GetTimeoutError) as exc:  # that client is down itself: restarted later,
+                log.warning("address_push_failed", service=c.name, error=str(exc)[:200])  # with the new address
 
     # ---- one supervision round ----------------------------------------------------------------
     def tick(self) -> None:
@@ -187,38 +222,30 @@ class Supervisor:
             log.error("restart_failed_retrying", service=svc.name, error=str(exc)[:300])
 
     def restart(self, svc: Service, reason: str) -> Service:
-        """Kill and recreate ``svc`` with the same config; push its new address to its clients."""
+        """Kill and recreate ``svc`` with the same config; push its new address to the services dialling it."""
         log.warning("restarting_service", service=svc.name, reason=reason, restarts=svc.restarts + 1)
         for handle in [svc.handle, *svc.followers]:  # every learner rank: DeepSpeed groups restart whole
             ray.kill(handle, no_restart=True)
         if svc.role == "replay":
             new = self.factory.replay()
-            self._push("set_replay_address", new.address, [self.services["learner"]] + self.running_rollouts())
         elif svc.role == "learner":
             new = self.factory.learner(self.replay.address, restarted=True)
             self.learner_generation += 1
-            self._push("set_weights_address", new.address, self.running_rollouts())
         else:  # starts in the background (the tick goes on checking the others meanwhile); the dead entry
             # stays until the new one joins in ``_adopt_started`` (a start that fails is retried next tick)
             pending = self.starting.pop(svc.name, None)  # restarted again while its replacement starts
             if pending is not None:
                 ray.kill(pending.handle, no_restart=True)
-            handle, ref = self.factory.begin_rollout(int(svc.name[8:]), self.replay.address, self.learner.address)
-            self.starting[svc.name] = Starting(handle, ref, restarts=svc.restarts + 1)
+            handle, ref = self.factory.begin_rollout(svc.id.index, self.replay.address, self.learner.address)
+            self.starting[svc.name] = Starting(svc.id, handle, ref, restarts=svc.restarts + 1)
             return svc
+        self._announce(new, [s for s in self.services.values() if s.name not in self.starting])
         new.restarts = svc.restarts  # counted once it answers: a start that dies is retried, not counted
         self.services[svc.name] = new
         new.info = ray.get(new.handle.describe.remote())
         new.restarts += 1
-        log.info("service_restarted", service=svc.name, address=new.address, pid=new.info.get("pid"))
+        log.info("service_restarted", service=svc.name, address=new.address, pid=new.info.pid)
         return new
-
-    def _push(self, method: str, address: str, clients: list[Service]) -> None:
-        for c in clients:
-            try:
-                ray.get(getattr(c.handle, method).remote(address), timeout=60)
-            except (RayActorError, GetTimeoutError) as exc:  # that client is down itself: restarted later,
-                log.warning("address_push_failed", service=c.name, error=str(exc)[:200])  # with the new address
 
     def scale(self, desired: int | None) -> None:
         """Begin adding rollouts (they join in ``_adopt_started``), or drop starting ones and drain and
@@ -227,16 +254,16 @@ class Supervisor:
         if desired is None or desired == len(running) + len(self.starting):
             return
         log.info("scaling_rollouts", running=len(running), starting=len(self.starting), desired=desired)
-        used = {int(n[8:]) for n in self.starting} | {int(s.name[8:]) for s in running}
+        used = {st.id.index for st in self.starting.values()} | {s.id.index for s in running}
         free = (i for i in range(desired + len(used)) if i not in used)
         for _ in range(desired - len(running) - len(self.starting)):
-            i = next(free)
-            handle, ref = self.factory.begin_rollout(i, self.replay.address, self.learner.address)
-            self.starting[f"rollout-{i}"] = Starting(handle, ref)
+            sid = ServiceName.rollout(next(free))
+            handle, ref = self.factory.begin_rollout(sid.index, self.replay.address, self.learner.address)
+            self.starting[str(sid)] = Starting(sid, handle, ref)
         excess = len(running) + len(self.starting) - desired
-        for name in sorted(self.starting, key=lambda n: -int(n[8:]))[:max(excess, 0)]:
-            ray.kill(self.starting.pop(name).handle, no_restart=True)
-            self.services.pop(name, None)  # a restart's killed incarnation goes with its replacement
+        for st in sorted(self.starting.values(), key=lambda st: st.id, reverse=True)[:max(excess, 0)]:
+            ray.kill(self.starting.pop(str(st.id)).handle, no_restart=True)
+            self.services.pop(str(st.id), None)  # a restart's killed incarnation goes with its replacement
             excess -= 1
         for svc in running[::-1][:max(excess, 0)]:
             self.remove_rollout(svc)
@@ -254,19 +281,18 @@ class Supervisor:
                     log.error("rollout_start_failed", service=name, error=str(exc)[:500])
                     ray.kill(self.starting.pop(name).handle, no_restart=True)
                     continue
-                st.setup, st.target_version = None, self.learner.info.get("version", 0)
+                st.setup, st.target_version = None, self._learner_version()
                 # replay or the learner may have been restarted (new address) while this one started
-                ray.get([st.handle.set_replay_address.remote(self.replay.address),
-                         st.handle.set_weights_address.remote(self.learner.address)])
+                ray.get(self._tell_addresses(st.handle, "rollout"))
             info = ray.get(st.handle.describe.remote(), timeout=self.check_timeout_s)
-            if info["version"] < st.target_version:
+            if info.version < st.target_version:
                 continue  # still fetching the newest weights
             del self.starting[name]
-            self.services[name] = Service(name, "rollout", st.handle, None, restarts=st.restarts, info=info)
+            self.services[name] = Service(st.id, st.handle, None, restarts=st.restarts, info=info)
             if self.generating:
                 ray.get(st.handle.start.remote())
-            log.info("service_restarted" if st.restarts else "rollout_added", service=name, version=info["version"],
-                     pid=info["pid"], restarts=st.restarts)
+            log.info("service_restarted" if st.restarts else "rollout_added", service=name, version=info.version,
+                     pid=info.pid, restarts=st.restarts)
 
     def remove_rollout(self, svc: Service, drain_s: float = 120.0) -> None:
         """Drain (no new prompt leases; the groups it holds leases for are finished and delivered, for up to
@@ -282,26 +308,22 @@ class Supervisor:
         del self.services[svc.name]
 
     def status(self) -> dict:
-        """Plain status of the run (what ``gyre status`` prints)."""
-        learner, replay = self.learner.info, self.replay.info
-        rollouts = [s.info for s in self.running_rollouts() if s.info]
-        version = learner.get("version")
+        """Plain status of the run (what ``gyre status`` prints): plain values read from the services'
+        ``describe()`` records, so it crosses the controller actor and ``--json`` as is."""
+        rollouts = [s.info for s in self.running_rollouts() if s.info is not None]
+        version, replay = self.learner.version, self.replay.info
         return {
-            "services": [{"name": s.name, "role": s.role, "pid": s.info.get("pid"), "node": s.info.get("node"),
-                          "address": s.address, "metrics_port": s.info.get("metrics_port"),
-                          "version": s.info.get("version"), "restarts": s.restarts,
-                          "failures": s.failures} for s in self.services.values() if s.name not in self.starting]
+            "services": [_service_row(s) for s in self.services.values() if s.name not in self.starting]
             + [{"name": n, "role": "rollout", "pid": None, "node": None, "address": None, "metrics_port": None,
                 "version": None, "restarts": st.restarts, "failures": 0, "starting": True}
                for n, st in self.starting.items()],
             "learner_version": version,
             "learner_ranks": 1 + len(self.learner.followers),
-            "rollout_versions": [r.get("version") for r in rollouts],
-            "lag": (version - min(r["version"] for r in rollouts)) if rollouts and version is not None else None,
-            "rollout_tokens_per_s": sum(r.get("tokens_per_s", 0.0) for r in rollouts),
-            "learner_tokens_per_s": learner.get("tokens_per_s"),
-            "replay_groups": replay.get("replay_groups"), "checkpoint_age_s": learner.get("checkpoint_age_s"),
-            "last_checkpoint": learner.get("last_checkpoint"), "learner_resumed_from": learner.get("resumed_from"),
+            "rollout_versions": [r.version for r in rollouts],
+            "lag": (version - min(r.version for r in rollouts)) if rollouts and version is not None else None,
+            "rollout_tokens_per_s": sum(r.tokens_per_s for r in rollouts),
+            **_learner_columns(self.learner.info),
+            "replay_groups": replay.replay_groups if replay is not None else None,
             "restarts": {s.name: s.restarts for s in self.services.values()},
             "logs": str(self.factory.log_dir),
             "updated_at": time.time(),
@@ -322,3 +344,20 @@ class Supervisor:
             for handle in [svc.handle, *svc.followers]:
                 ray.kill(handle, no_restart=True)
         learner_group.remove(self.factory.recipe)
+
+
+def _service_row(s: Service) -> dict:
+    """One row of the status's service table."""
+    info = s.info
+    return {"name": s.name, "role": s.role, "pid": info.pid if info is not None else None,
+            "node": info.node if info is not None else None, "address": s.address,
+            "metrics_port": info.metrics_port if info is not None else None, "version": s.version,
+            "restarts": s.restarts, "failures": s.failures}
+
+
+def _learner_columns(info: LearnerInfo | None) -> dict:
+    """The status's learner columns (each ``None`` before the learner's first ``describe()``)."""
+    if info is None:
+        return dict.fromkeys(("learner_tokens_per_s", "checkpoint_age_s", "last_checkpoint", "learner_resumed_from"))
+    return {"learner_tokens_per_s": info.tokens_per_s, "checkpoint_age_s": info.checkpoint_age_s,
+            "last_checkpoint": info.last_checkpoint, "learner_resumed_from": info.resumed_from}

@@ -17,7 +17,9 @@ import structlog
 
 from learner.loop import StopRequested
 from services.common.actor_env import advertised_host, node_ip, security_config
+from services.common.describe import LearnerInfo, LearnerRankInfo
 from services.common.logs import bind_policy_version
+from services.common.names import ServiceName
 from services.replay.links import ReroutableReplay
 from services.rollout.transport.bootstrap import write_export_version
 
@@ -158,15 +160,15 @@ class LearnerActor:
         self.loop.checkpoint()
         return str(self.loop.last_checkpoint)
 
-    def describe(self) -> dict:
+    def describe(self) -> LearnerInfo:
         last = self.loop.last_checkpoint
         age = time.time() - last.stat().st_mtime if last is not None and last.exists() else None
-        return {"pid": os.getpid(), "node": node_ip(), "address": self.weights_address(),
-                "metrics_port": self.metrics_port,
-                "version": self.engine.version, "timeline": self.publisher.latest()[1],
-                "running": self._running, "resumed_from": str(self.resumed_from or ""),
-                "last_checkpoint": str(last or ""), "checkpoint_age_s": age,
-                "tokens_per_s": self._rows[-1].get("tokens_per_s") if self._rows else None}
+        return LearnerInfo(pid=os.getpid(), node=node_ip(), address=self.weights_address(),
+                           metrics_port=self.metrics_port,
+                           version=self.engine.version, timeline=self.publisher.latest()[1],
+                           running=self._running, resumed_from=str(self.resumed_from or ""),
+                           last_checkpoint=str(last or ""), checkpoint_age_s=age,
+                           tokens_per_s=self._rows[-1].get("tokens_per_s") if self._rows else None)
 
     def finalize(self, out_dir: str) -> dict:
         """Checkpoint (then ack the pending leases) and export the final policy as an HF folder; returns
@@ -211,7 +213,7 @@ class LearnerRankActor:
 
         if ranks["rank"] < 1:
             raise ValueError(f"LearnerRankActor is for ranks >= 1, got rank {ranks['rank']} (rank 0 is LearnerActor)")
-        configure_logging(run_id, f"learner-rank-{ranks['rank']}")
+        configure_logging(run_id, str(ServiceName("learner", ranks["rank"])))
         set_rank_env(ranks)
         self.rank = ranks["rank"]
         cfg = LearnerLoopConfig(**config)
@@ -233,9 +235,9 @@ class LearnerRankActor:
         finally:
             self._following = False
 
-    def describe(self) -> dict:
-        return {"pid": os.getpid(), "node": node_ip(), "rank": self.rank, "version": self.engine.version,
-                "following": self._following}
+    def describe(self) -> LearnerRankInfo:
+        return LearnerRankInfo(pid=os.getpid(), node=node_ip(), rank=self.rank, version=self.engine.version,
+                               following=self._following)
 
 
 def set_rank_env(ranks: dict | None) -> None:

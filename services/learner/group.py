@@ -3,8 +3,8 @@
 One bundle per DeepSpeed rank (``services.control.placement.LearnerPlacement.bundles``), reserved with the recipe's strategy (PACK,
 SPREAD, STRICT_*), detached and named ``gyre:{run}:learner-pg`` so it outlives the driver and a restarted
 learner lands in the same reservation. Rank ``r`` runs in bundle ``r``; rank 0 is the ``learner`` service
-(``LearnerActor``), ranks >= 1 are ``learner-rank-{r}`` (``LearnerRankActor``). The torch.distributed
-rendezvous is a free port on bundle 0's node, found by a zero-CPU task placed there.
+(``LearnerActor``), ranks >= 1 are ``learner-rank-{r}`` (``LearnerRankActor``; names: ``services.common.names``).
+The torch.distributed rendezvous is a free port on bundle 0's node, found by a zero-CPU task placed there.
 """
 
 from __future__ import annotations
@@ -20,11 +20,6 @@ log = structlog.get_logger("supervisor")
 
 READY_TIMEOUT_S = 300.0
 """How long the reservation may take (a cluster autoscaler may have to add learner nodes)."""
-
-
-def rank_name(rank: int) -> str:
-    """Service name of learner rank ``rank`` (rank 0 is ``learner``)."""
-    return "learner" if rank == 0 else f"learner-rank-{rank}"
 
 
 @ray.remote(num_cpus=0)

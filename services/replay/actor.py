@@ -8,6 +8,7 @@ import os
 import ray
 
 from services.common.actor_env import advertised_host, node_ip, security_config
+from services.common.describe import ReplayInfo
 
 
 @ray.remote
@@ -54,11 +55,11 @@ class ReplayActor:
         data = self.buffer.capture()
         return [t for g in data.groups for t in g.table.column("trajectory_id").to_pylist()]
 
-    def describe(self) -> dict:
+    def describe(self) -> ReplayInfo:
         info = self.buffer.info()
-        return {"pid": os.getpid(), "node": node_ip(), "address": self.address(), "metrics_port": self.metrics_port,
-                "replay_groups": info["size_groups"], "replay_trajectories": info["size_trajectories"],
-                "learner_version": info["learner_version"], "inserts_per_s": info["inserts_per_s"]}
+        return ReplayInfo(pid=os.getpid(), node=node_ip(), address=self.address(), metrics_port=self.metrics_port,
+                          replay_groups=info["size_groups"], replay_trajectories=info["size_trajectories"],
+                          learner_version=info["learner_version"], inserts_per_s=info["inserts_per_s"])
 
     def stop(self) -> None:
         self.server.stop(grace=2).wait()

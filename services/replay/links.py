@@ -1,13 +1,14 @@
 """The learner's and the rollouts' replay connections, re-pointable after a replay restart.
 
-The supervisor pushes a restarted replay's new address (``set_replay_address`` on each actor); these
-wrappers make every call look the client up afresh, so a call that failed against the dead server is
-retried against the new one.
+The supervisor pushes a restarted replay's new address (``set_replay_address`` on each actor, which calls
+``ReplayLink.reroute``: the one way a replay connection is re-pointed); these wrappers make every call look
+the client up afresh, so a call that failed against the dead server is retried against the new one.
 """
 
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 import pyarrow as pa
 import structlog
@@ -18,7 +19,36 @@ OUTAGE_POLL_S = 1.0
 """Seconds between the tries of an ``ack`` or ``rejoin`` waiting out a replay outage."""
 
 
-class ReroutableReplay:
+def replay_connector(security=None) -> Callable[[str], object]:
+    """``address -> ReplayClient`` with ``security`` (a ``SecurityConfig`` or ``None``: plaintext)."""
+    from services.replay.client import ReplayClient
+
+    return lambda address: ReplayClient(address, security=security)
+
+
+class ReplayLink:
+    """A replay connection the supervisor can re-point after a replay restart (``reroute``).
+
+    Args:
+        client: the ``ReplayClient`` (or a test double with ``address``) used until the first reroute.
+        connect: ``address -> client`` for a rerouted address (``replay_connector``).
+    """
+
+    def __init__(self, client, connect: Callable[[str], object]) -> None:
+        self.client, self._connect = client, connect
+
+    @property
+    def address(self) -> str:
+        return self.client.address
+
+    def reroute(self, address: str) -> None:
+        """Use ``address`` from the next call on (the old channel is left to close on its own so a call
+        in flight on it fails as UNAVAILABLE and is retried, never as a closed-channel error)."""
+        if address != self.client.address:
+            self.client = self._connect(address)
+
+
+class ReroutableReplay(ReplayLink):
     """The learner's replay connection: a ``ReplayClient`` the supervisor can re-point after a replay
     restart (``reroute``). ``ack`` (after a checkpoint commit) and ``rejoin`` (on resume) wait out a replay outage, retrying for up
     to ``ack_patience_s`` seconds, since failing it would fail the whole step; acks are idempotent per
@@ -26,18 +56,10 @@ class ReroutableReplay:
     (the loop already retries ``sample`` on ``ConnectionError``)."""
 
     def __init__(self, address: str, security=None, ack_patience_s: float = 300.0) -> None:
-        from services.replay.client import ReplayClient
-
-        self._make = lambda addr: ReplayClient(addr, security=security)
+        connect = replay_connector(security)
+        super().__init__(connect(address), connect)
         self.security = security
-        self.client = self._make(address)
         self.ack_patience_s = ack_patience_s
-
-    def reroute(self, address: str) -> None:
-        """Use ``address`` from the next call on (the old channel is left to close on its own so a call
-        in flight on it fails as UNAVAILABLE and is retried here, never as a closed-channel error)."""
-        if address != self.client.address:
-            self.client = self._make(address)
 
     def sample(self, *args, **kwargs):
         return self.client.sample(*args, **kwargs)
@@ -85,22 +107,18 @@ def acked_event(table: pa.Table, resp) -> dict:
             "dropped_stale": stale, "time": time.time()}
 
 
-class TrackedReplay:
+class TrackedReplay(ReplayLink):
     """A rollout's replay connection: remembers the prompt indices leased and not yet delivered, and can
     stop leasing (``draining``) so a rollout being removed finishes what it holds instead of dropping it.
-    ``client`` is swapped by ``set_replay_address`` after a replay restart (each call reads it afresh).
+    Re-pointed by ``reroute`` after a replay restart, like the learner's (each call reads ``client`` afresh).
     With a ``journal`` (``proto.journal.Journal``) every acknowledged insert is journaled (``acked_event``)."""
 
-    def __init__(self, client, journal=None) -> None:
-        self.client = client
+    def __init__(self, client, journal=None, *, connect: Callable[[str], object]) -> None:
+        super().__init__(client, connect)
         self.journal = journal
         self.outstanding: set[int] = set()
         """Prompt indices leased to this rollout whose group replay has not acknowledged yet."""
         self.draining = False
-
-    @property
-    def address(self) -> str:
-        return self.client.address
 
     def lease_prompts(self, consumer: str, count: int, ttl_s: float = 0.0, below: int = 0) -> list[tuple[int, int]]:
         if self.draining:

@@ -12,8 +12,9 @@ from pathlib import Path
 import ray
 
 from services.common.actor_env import node_ip, security_config
+from services.common.describe import RolloutInfo
 from services.common.logs import bind_policy_version
-from services.replay.links import TrackedReplay
+from services.replay.links import TrackedReplay, replay_connector
 
 
 @ray.remote
@@ -34,7 +35,6 @@ class RolloutActor:
         from rollout.worker import RolloutWorker
         from services.common.logs import configure_logging
         from services.common.observability import RolloutMetrics, serve
-        from services.replay.client import ReplayClient
         from transformers import AutoTokenizer
 
         configure_logging(run_id, rollout_id)
@@ -55,7 +55,8 @@ class RolloutActor:
         self.journaled_version: tuple[int, int] | None = None
         """``(version, timeline)`` last journaled."""
         self._journal_lock = threading.Lock()  # setup (event loop) and the subscriber thread both journal
-        self.replay = TrackedReplay(ReplayClient(replay_address, security=self.security), self.journal)
+        connect = replay_connector(self.security)
+        self.replay = TrackedReplay(connect(replay_address), self.journal, connect=connect)
         # dataset prompts that do not fit are skipped; evaluation's budget defaults to the training one (eval:)
         budget = PromptBudget.for_tokenizer(tokenizer, cfg.engine.max_model_len, cfg.sampling.max_new_tokens,
                                             cfg.sampling.max_new_tokens)
@@ -100,11 +101,8 @@ class RolloutActor:
             self.subscriber.start()
 
     async def set_replay_address(self, address: str) -> None:
-        """Send leases/inserts to a restarted replay (each call looks ``worker.replay`` up afresh)."""
-        from services.replay.client import ReplayClient
-
-        if address != self.replay.address:
-            self.replay.client = ReplayClient(address, security=self.security)
+        """Send leases/inserts to a restarted replay (``ReplayLink.reroute``; no-op for the same address)."""
+        self.replay.reroute(address)
 
     def _on_version(self, version, tensors, timeline) -> None:
         # Called in the subscriber thread: apply on the actor's event loop and wait for it.
@@ -195,10 +193,11 @@ class RolloutActor:
     async def stats(self) -> dict:
         return self.worker.stats.as_dict(self._version())
 
-    async def describe(self) -> dict:
-        return {"pid": os.getpid(), "node": node_ip(), "generating": self.task is not None,
-                "metrics_port": self.metrics_port,
-                **self.worker.stats.as_dict(self._version())}
+    async def describe(self) -> RolloutInfo:
+        stats = self.worker.stats.as_dict(self._version())
+        return RolloutInfo(pid=os.getpid(), node=node_ip(), generating=self.task is not None,
+                           metrics_port=self.metrics_port, version=stats["version"],
+                           tokens_per_s=stats["tokens_per_s"], stats=stats)
 
     async def stop(self) -> None:
         await self.pause()

@@ -41,11 +41,11 @@ class KillRank1(threading.Thread):
             state = self._actor("controller")
             self._wait(lambda: (ops.status(state) or {}).get("learner_version") or 0, 2)
             rank1 = self._actor("learner-rank-1")
-            self.killed_pid = ray.get(rank1.describe.remote(), timeout=30)["pid"]
+            self.killed_pid = ray.get(rank1.describe.remote(), timeout=30).pid
             os.kill(self.killed_pid, signal.SIGKILL)
             self._wait(lambda: ops.status(state)["restarts"].get("learner", 0), 1)
             self.restarts_seen = dict(ops.status(state)["restarts"])
-            self.new_pid = ray.get(self._actor("learner-rank-1").describe.remote(), timeout=60)["pid"]
+            self.new_pid = ray.get(self._actor("learner-rank-1").describe.remote(), timeout=60).pid
         except BaseException as exc:  # surfaced by the test
             self.error = exc
 

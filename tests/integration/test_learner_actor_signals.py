@@ -43,11 +43,11 @@ def test_sigusr1_checkpoints_and_sigterm_checkpoints_then_exits(tiny_llama, tmp_
         address = ray.get(replay.address.remote())
         learners = [LearnerActor.options(max_concurrency=4, **opts).remote(
             config, address, checkpoint_dir=str(tmp_path / name)) for name in ("usr1", "term")]
-        usr1, term = (ray.get(a.describe.remote())["pid"] for a in learners)
+        usr1, term = (ray.get(a.describe.remote()).pid for a in learners)
 
         os.kill(usr1, signal.SIGUSR1)
         _wait(lambda: ckpt.find_latest_verified(tmp_path / "usr1") is not None, 120, "a SIGUSR1 checkpoint")
-        assert ray.get(learners[0].describe.remote())["pid"] == usr1  # still serving
+        assert ray.get(learners[0].describe.remote()).pid == usr1  # still serving
         assert ckpt.verify(tmp_path / "usr1" / "global_step_0").step == 0
 
         assert ckpt.find_latest_verified(tmp_path / "term") is None

@@ -70,7 +70,7 @@ def test_a_rollouts_replay_link_journals_each_acknowledged_insert(tmp_path):
     from tests.fakes import FakeReplay, group_table
 
     buf = TrajectoryBuffer(ReplayConfig(max_staleness=0))
-    link = TrackedReplay(FakeReplay(buf), Journal(tmp_path / "rollout-0.jsonl"))
+    link = TrackedReplay(FakeReplay(buf), Journal(tmp_path / "rollout-0.jsonl"), connect=lambda address: None)
     link.insert(group_table(3, spans=([0, 1], [0, 2])))
     link.insert(group_table(3))  # a retry: replay answers duplicates
     buf.sample(1, 5)  # learner version 5: a version-0 group is now too stale at insert

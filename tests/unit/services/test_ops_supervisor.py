@@ -1,15 +1,35 @@
 """Supervisor decisions with hand-written actor doubles (no Ray): when a service is restarted, what the
 restart pushes to its clients, how restarts are counted, and how the rollout fleet scales."""
 
+import inspect
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 from ray.exceptions import GetTimeoutError, RayActorError
 
-from services.control import supervisor as sup_mod
+from services.common.describe import LearnerInfo, LearnerRankInfo, ReplayInfo, RolloutInfo
+from services.common.names import ROLES, ServiceName
+from services.control import supervisor as sup_mod, topology
 from services.control.ops import FleetRequests
 from services.control.supervisor import Service, Supervisor
+from services.learner.actor import LearnerActor
+from services.replay.actor import ReplayActor
+from services.rollout.actor import RolloutActor
+
+
+def replay_info() -> ReplayInfo:
+    return ReplayInfo(pid=1, node="n", address="replay:1", replay_groups=0, replay_trajectories=0, learner_version=0,
+                      inserts_per_s=0.0)
+
+
+def learner_info(version: int = 5) -> LearnerInfo:
+    return LearnerInfo(pid=2, node="n", address="weights:1", version=version, timeline=0, running=True,
+                       resumed_from="", last_checkpoint="", checkpoint_age_s=None, tokens_per_s=None)
+
+
+def rollout_info(pid: int, version: int = 5) -> RolloutInfo:
+    return RolloutInfo(pid=pid, node="n", version=version, generating=True, tokens_per_s=0.0)
 
 
 class Call:
@@ -24,7 +44,7 @@ class FakeHandle:
 
     def __init__(self, name: str, **behaviour):
         self.name, self.calls, self.killed = name, [], False
-        self.behaviour = {"describe": lambda: {"pid": 1, "node": "n", "version": 0}, **behaviour}
+        self.behaviour = {"describe": replay_info, **behaviour}
 
     def __getattr__(self, method):
         def remote(*args):
@@ -53,38 +73,44 @@ class FakeFactory:
 
     def replay(self):
         self.made["replay"] += 1
-        return Service("replay", "replay", FakeHandle("replay"), f"replay:{self.made['replay']}")
+        return Service(ServiceName("replay"), FakeHandle("replay"), f"replay:{self.made['replay']}")
 
     def learner(self, replay_address, restarted=False):
         self.made["learner"] += 1
-        handle = FakeHandle("learner", describe=lambda: {"pid": 2, "version": 5})
-        return Service("learner", "learner", handle, f"weights:{self.made['learner']}")
+        handle = FakeHandle("learner", describe=learner_info)
+        return Service(ServiceName("learner"), handle, f"weights:{self.made['learner']}")
 
     def attach_followers(self):
         return []
 
     def begin_rollout(self, index, replay_address, weights_address):
         self.made["rollout"] += 1
-        handle = FakeHandle(f"rollout-{index}", describe=lambda: {"pid": 10 + index, "version": 5})
+        handle = FakeHandle(f"rollout-{index}", describe=lambda: rollout_info(10 + index))
         return handle, handle.setup.remote()
 
     def rollouts(self, indices, replay_address, weights_address):
-        return [Service(f"rollout-{i}", "rollout", self.begin_rollout(i, replay_address, weights_address)[0], None)
+        return [Service(ServiceName.rollout(i), self.begin_rollout(i, replay_address, weights_address)[0], None)
                 for i in indices]
 
 
-@pytest.fixture
-def sup(monkeypatch):
+def unstarted(monkeypatch, attach=None) -> Supervisor:
+    """A supervisor over ``FakeFactory`` with Ray faked; ``attach``: service name → live handle to re-attach."""
     fake_ray = SimpleNamespace(get=_get, kill=lambda h, no_restart=True: setattr(h, "killed", True),
                                wait=lambda refs, timeout=0: (refs, []), exceptions=sup_mod.ray.exceptions)
     monkeypatch.setattr(sup_mod, "ray", fake_ray)
     monkeypatch.setattr(sup_mod, "check_health", lambda address, timeout_s, security=None: True)
     state = FleetRequests("r", "gyre", 1)
     s = Supervisor(FakeFactory(), FakeHandle("state", take_requests=state.take_requests, publish=state.publish))
-    s.factory.attach = lambda name: None
-    s.start(1)
-    s.learner.info = {"version": 5}
+    s.factory.attach = lambda name: (attach or {}).get(name)
     s.state_body = state
+    return s
+
+
+@pytest.fixture
+def sup(monkeypatch):
+    s = unstarted(monkeypatch)
+    s.start(1)
+    s.learner.info = learner_info()
     return s
 
 
@@ -100,7 +126,8 @@ def test_dead_actor_is_restarted_at_once_and_its_address_pushed(sup):
 
 
 def test_a_dead_learner_rank_restarts_every_rank_of_the_group(sup):
-    follower = FakeHandle("learner-rank-1", describe=lambda: {"pid": 3, "rank": 1})
+    follower = FakeHandle("learner-rank-1", describe=lambda: LearnerRankInfo(pid=3, node="n", rank=1, version=5,
+                                                                             following=True))
     sup.learner.followers = [follower]
     old = sup.learner.handle
     sup.tick()
@@ -152,7 +179,7 @@ def test_a_rollout_behind_the_learner_waits_before_generating(sup):
     sup.generating = True
     sup.state_body.request_scale("rollout", 2)
     versions = iter([3, 5, 5])
-    handle = FakeHandle("rollout-1", describe=lambda: {"pid": 7, "version": next(versions)})
+    handle = FakeHandle("rollout-1", describe=lambda: rollout_info(7, next(versions)))
     sup.factory.begin_rollout = lambda i, r, w: (handle, handle.setup.remote())
     sup.tick()
     assert "rollout-1" in sup.starting and [s.name for s in sup.rollouts()] == ["rollout-0"]
@@ -211,3 +238,62 @@ def test_restarting_a_rollout_again_while_it_starts_replaces_the_pending_start(s
     first = sup.starting["rollout-0"].handle
     sup.restart(sup.rollouts()[0], reason="requested")
     assert first.killed and sup.starting["rollout-0"].handle is not first and len(sup.starting) == 1
+
+
+# ---- the supervisor's wiring against the topology table (services.control.topology) ----------------------
+PUSH_METHODS = {topology.endpoint(server).push_method for server in topology.servers()}
+
+
+def pushes(handles) -> set[tuple[str, str, tuple]]:
+    """``(actor, method, args)`` of every address push the handles received."""
+    return {(h.name, method, args) for h in handles for method, args in h.calls if method in PUSH_METHODS}
+
+
+@pytest.mark.parametrize("server", topology.servers())
+def test_restarting_a_server_pushes_its_new_address_to_exactly_the_roles_that_dial_it(sup, server):
+    sup.state_body.request_scale("rollout", 2)
+    sup.tick()
+    before = list(sup.services.values())
+    for svc in before:
+        svc.handle.calls.clear()
+    old = sup.services[server].handle
+    old.killed = True
+    sup.tick()
+    new = sup.services[server]
+    assert new.restarts == 1 and new.handle is not old
+    expected = {(c.name, topology.endpoint(server).push_method, (new.address,))
+                for c in before if c.role in topology.clients_of(server)}
+    assert len(expected) >= 2  # the learner and/or both rollouts: the check below cannot pass vacuously
+    assert pushes([*(s.handle for s in before), new.handle]) == expected
+
+
+@pytest.mark.parametrize("attached", [("learner",), ("replay",), ("replay", "learner")])
+def test_a_reattached_service_is_told_the_addresses_it_dials_that_changed(monkeypatch, attached):
+    """``start`` after a driver restart: a re-attached server is told each new server address it dials; a
+    re-attached rollout every address it dials (it joins like a rollout that finished starting)."""
+    live = {"replay": FakeHandle("replay", address=lambda: "replay:old"),
+            "learner": FakeHandle("learner", describe=learner_info, weights_address=lambda: "weights:old"),
+            "rollout-0": FakeHandle("rollout-0", describe=lambda: rollout_info(10))}
+    s = unstarted(monkeypatch, attach={name: live[name] for name in [*attached, "rollout-0"]})
+    assert s.start(1) == [*attached, "rollout-0"]
+    expected = {(c, topology.endpoint(server).push_method, (s.services[server].address,))
+                for c in [*attached, "rollout-0"] for server in topology.dialled_by(s.services[c].role)
+                if c == "rollout-0" or server not in attached}
+    assert pushes(live.values()) == expected
+    assert ("rollout-0", "set_replay_address", ("replay:old" if "replay" in attached else "replay:1",)) in expected
+
+
+def test_the_topology_names_the_actors_real_methods_and_address_arguments():
+    """Each server actor answers its address by the table's method, each client actor takes a pushed address by
+    the table's method, and each actor is created with exactly the address arguments of the servers it dials."""
+    actors = {"replay": (ReplayActor, "__init__"), "learner": (LearnerActor, "__init__"),
+              "rollout": (RolloutActor, "setup")}
+    assert set(actors) == set(topology.TOPOLOGY) == set(ROLES)
+    for role, (actor, create) in actors.items():
+        cls = actor.__ray_actor_class__
+        address_args = {p for p in inspect.signature(getattr(cls, create)).parameters if p.endswith("_address")}
+        assert address_args == {topology.endpoint(s).address_arg for s in topology.dialled_by(role)}, role
+        for server in topology.dialled_by(role):
+            assert callable(getattr(cls, topology.endpoint(server).push_method, None)), (role, server)
+        if topology.TOPOLOGY[role].serves is not None:
+            assert callable(getattr(cls, topology.endpoint(role).address_method, None)), role

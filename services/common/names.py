@@ -1,0 +1,57 @@
+"""Service names of a run: ``replay``, ``learner``, ``learner-rank-{r}`` (ranks >= 1 of a multi-rank learner) and
+``rollout-{i}``. Parsed once (``ServiceName.parse``) and formatted once (``str``): nothing else slices names."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+ROLES = ("replay", "learner", "rollout")
+
+_NAME = re.compile(r"^(?:(replay)|(learner)(?:-rank-([1-9][0-9]*))?|(rollout)-(0|[1-9][0-9]*))$")
+
+
+@dataclass(frozen=True, order=True)
+class ServiceName:
+    """One service of a run: its ``role`` and ``index``.
+
+    ``index`` is the rollout's number for ``rollout``, the DeepSpeed rank for ``learner`` (0: the ``learner``
+    service itself, ``LearnerActor``; ``r >= 1``: ``learner-rank-{r}``, a ``LearnerRankActor``), and 0 for
+    ``replay``. Ordered by (role, index), so rollouts sort by number (``rollout-2`` before ``rollout-10``).
+
+    Raises:
+        ValueError: an unknown role, a negative index, or an index for ``replay``.
+    """
+
+    role: str
+    index: int = 0
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"unknown service role {self.role!r}; expected one of {', '.join(ROLES)}")
+        if not isinstance(self.index, int) or self.index < 0 or (self.role == "replay" and self.index):
+            raise ValueError(f"bad index {self.index!r} for a {self.role} service")
+
+    @classmethod
+    def rollout(cls, index: int) -> ServiceName:
+        return cls("rollout", index)
+
+    @classmethod
+    def parse(cls, name: str) -> ServiceName:
+        """The service named ``name`` (exactly as ``str`` formats it: no leading zeros).
+
+        Raises:
+            ValueError: not a service name.
+        """
+        m = _NAME.match(name) if isinstance(name, str) else None
+        if m is None:
+            raise ValueError(f"not a service name: {name!r} (replay, learner, learner-rank-<r> or rollout-<i>)")
+        replay, learner, rank, _, index = m.groups()
+        if replay:
+            return cls("replay")
+        return cls("learner", int(rank or 0)) if learner else cls("rollout", int(index))
+
+    def __str__(self) -> str:
+        if self.role == "rollout":
+            return f"rollout-{self.index}"
+        return f"learner-rank-{self.index}" if self.role == "learner" and self.index else self.role
