@@ -2,6 +2,8 @@ from __future__ import annotations
 
 import os
 import secrets
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -25,6 +27,27 @@ if not (os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH"
     _token.write_text(secrets.token_hex(32))
     _token.chmod(0o600)
     os.environ["RAY_AUTH_TOKEN_PATH"] = str(_token)
+
+
+BUILD_DEEPSPEED_OP = ("from deepspeed.accelerator import get_accelerator\n"
+                      "builder = get_accelerator().create_op_builder('ShareMemCommBuilder')\n"
+                      "builder is not None and builder.load()\n")
+
+
+def pytest_sessionstart(session):
+    """Build DeepSpeed's CPU communication op once, before any test starts a learner. A learner that builds it
+    holds a file lock in ``TORCH_EXTENSIONS_DIR`` for the build (~50 s); the crash tests ``kill -9`` learners,
+    and a builder killed there leaves the lock behind, so every later learner waits for it forever. Once it is
+    built, learners only load it. Runs in the xdist controller (or the only process), not in each worker, and
+    only when ``$TORCH_EXTENSIONS_DIR`` (``make test`` sets it) has no build yet.
+
+    (Seen with git worktrees that reach the venv through a symlink: their Python's ``sys.prefix`` differs, so
+    the op's source paths and ninja's command differ, every worktree rebuilds it, and a partial-restart test's
+    ``kill -9`` hit a building learner.)"""
+    built = Path(os.environ.get("TORCH_EXTENSIONS_DIR", "/nonexistent")) / "deepspeed_shm_comm" / "deepspeed_shm_comm.so"
+    if hasattr(session.config, "workerinput") or built.is_file():
+        return
+    subprocess.run([sys.executable, "-c", BUILD_DEEPSPEED_OP], check=True, capture_output=True, timeout=900)
 
 
 @pytest.fixture(scope="module")
