@@ -232,4 +232,4 @@ class RolloutConfig(BaseModel):
     """Deterministic mode (set by the recipe's ``determinism: lockstep``, ``proto.lockstep``): prompt i is
     generated with exactly policy version ``max(0, i // P - lag)``, loaded from the version store, with a
     sampling seed that depends on the prompt index only. Weight versions streamed by the learner are then
-    only noted (``newest_offered``), never applied directly."""
+    only noted (``rollout.versions.LockstepVersions``), never applied directly."""

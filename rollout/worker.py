@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-import zlib
 from typing import Protocol
 
 import pyarrow as pa
@@ -22,12 +21,12 @@ from proto.timeline import SHARED, is_new, label
 from proto.trajectory import Trajectory, make_ids, to_table
 from rollout.config import RolloutConfig
 from rollout.evaluation import EvalConfig, EvalResult, evaluate
-from rollout.lockstep_gate import LockstepGate
 from rollout.spool import Spool, SpoolFlusher
 from rollout.stats import RolloutStats
 from rollout.rewards.base import Group
 from rollout.rewards.scoring import score_groups
 from rollout.tasks import TaskSource
+from rollout.versions import VersionSource, version_source
 
 log = structlog.get_logger("rollout")
 INSERT_BACKOFF_CAP_S = 30.0
@@ -50,10 +49,12 @@ class RolloutWorker:
         replay: the replay connection; its blocking calls run in the default executor.
         tokenizer: HF tokenizer of the policy (chat template for prompts).
         seed: base of the per-request sampling seeds (derived from prompt index and attempt).
+        versions: where each group's policy version comes from (``rollout.versions``; ``engine`` is bound to
+            it); None: ``version_source(config)``.
     """
 
     def __init__(self, rollout_id: str, config: RolloutConfig, task: TaskSource, engine, replay: ReplaySink,
-                 tokenizer, seed: int = 0) -> None:
+                 tokenizer, seed: int = 0, versions: VersionSource | None = None) -> None:
         self.rollout_id, self.config, self.task = rollout_id, config, task
         self.engine, self.replay, self.tokenizer, self.seed = engine, replay, tokenizer, seed
         self.stats = RolloutStats(prompts_too_long=task.too_long())
@@ -62,9 +63,8 @@ class RolloutWorker:
                       if config.spool_dir else None)
         self.stats.spool = self.spool
         self.flusher = SpoolFlusher(self.spool, self._insert_with_retry) if self.spool else None
-        self.lockstep = LockstepGate(engine, config.lockstep) if config.lockstep is not None else None
-        self.newest_offered = -1
-        """Newest policy version the learner streamed (lockstep applies versions through its gate instead)."""
+        self.versions = (versions if versions is not None else version_source(config)).bind(engine)
+        """Where each group's policy version comes from (``rollout.versions``)."""
         self.timeline = SHARED
         """Timeline (``proto.timeline``) of the weights the engine serves: ``SHARED`` for the initial ones."""
         self._tasks: set[asyncio.Task] = set()  # groups being generated (run's tasks)
@@ -83,10 +83,10 @@ class RolloutWorker:
         A version of another timeline than the engine's (the learner resumed from an older checkpoint) is
         applied whatever its number: first the groups in generation are cancelled, since their tokens came
         from weights no learner will continue (their prompt leases expire and are re-issued), and no group
-        starts until the new weights are in. Raises what ``engine.update_weights`` raises.
+        starts until the new weights are in. Raises what ``engine.update_weights`` raises. Only noted when
+        ``self.versions`` does not use streamed weights (lockstep: exact versions come from the version store).
         """
-        if self.lockstep is not None:  # exact versions come from the version store, per prompt
-            self.newest_offered = max(self.newest_offered, version)
+        if not self.versions.offer(version):
             return
         if not is_new(version, timeline, self.engine.version, self.timeline):
             return
@@ -117,11 +117,9 @@ class RolloutWorker:
         log.info("weights_applied", rollout=self.rollout_id, version=version, seconds=round(seconds, 3))
 
     def serves(self, version: int, timeline: int) -> bool:
-        """Whether the engine serves ``version`` of ``timeline`` or a newer version of that timeline (lockstep:
-        whether that version was offered)."""
-        if self.lockstep is not None:
-            return self.newest_offered >= version
-        return self.engine.version >= version and self.timeline == timeline
+        """Whether the engine serves ``version`` of ``timeline`` or a newer version of that timeline
+        (``VersionSource.serves``)."""
+        return self.versions.serves(version, timeline, self.timeline)
 
     async def _cancel_groups(self) -> None:
         """Cancel every group in generation and wait for them (a generated group's delivery still finishes)."""
@@ -220,13 +218,10 @@ class RolloutWorker:
         info = await loop.run_in_executor(None, self.replay.info)
         if info.size_groups >= self.config.max_ready_groups:
             return []
-        if self.lockstep is not None:  # only prompts whose exact policy version is already published
-            lock = self.config.lockstep
-            below = (self.newest_offered + lock.lag + 1) * lock.groups_per_step
-            if below <= 0:
-                return []
-            return await loop.run_in_executor(None, self.replay.lease_prompts, self.rollout_id, 1, 0.0, below)
-        return await loop.run_in_executor(None, self.replay.lease_prompts, self.rollout_id, 1)
+        bound = self.versions.lease_args()  # lockstep: only prompts whose exact version is already published
+        if bound is None:
+            return []
+        return await loop.run_in_executor(None, self.replay.lease_prompts, self.rollout_id, 1, *bound)
 
     async def _one_group(self, prompt_index: int, attempt: int) -> None:
         problem = self.task.problem(prompt_index)
@@ -234,16 +229,10 @@ class RolloutWorker:
         prompt_ids = self._prompt_ids(problem)
         _, group_id = make_ids(prompt_index, 0, attempt)
         await self._steady.wait()  # leased while the weights switched timeline: start on the new ones
-        if self.lockstep is None:
-            seed = zlib.crc32(f"{self.seed}-{group_id}".encode())
+        async with self.versions.generating(prompt_index):  # lockstep: the prompt's exact policy version
             samples = await self.engine.generate(prompt_ids, self.config.group_size, self.config.sampling,
-                                                 request_id=f"{group_id}@{self.rollout_id}", seed=seed)
-        else:  # the prompt's exact policy version and a seed that a regenerated attempt shares
-            lock = self.config.lockstep
-            async with self.lockstep.hold(lock.version_for(prompt_index)):
-                samples = await self.engine.generate(prompt_ids, self.config.group_size, self.config.sampling,
-                                                     request_id=f"{group_id}@{self.rollout_id}",
-                                                     seed=lock.seed_for(prompt_index))
+                                                 request_id=f"{group_id}@{self.rollout_id}",
+                                                 seed=self.versions.sampling_seed(prompt_index, group_id, self.seed))
         timeline = self.timeline  # of the weights that sampled the newest tokens (no await since they did)
         finish = self._finish_group(prompt_index, attempt, problem, reward_fn, prompt_ids, samples, timeline)
         if self.spool is None:

@@ -32,6 +32,7 @@ class RolloutActor:
         from rollout.dataset_source import PromptBudget
         from rollout.tasks import TaskConfig, TaskSource
         from rollout.config import RolloutConfig
+        from rollout.versions import version_source
         from rollout.worker import RolloutWorker
         from services.common.logs import configure_logging
         from services.common.observability import RolloutMetrics, serve
@@ -47,9 +48,8 @@ class RolloutActor:
             from rollout.sim_engine import SimulatedEngine as Engine
         else:
             from rollout.engine import RolloutEngine as Engine
-        # lockstep: version 0 too comes from the version store, so every load of a version takes one path
-        self.engine = await (Engine.start(cfg.engine, initial_version=-1) if cfg.lockstep is not None
-                             else Engine.start(cfg.engine))
+        versions = version_source(cfg)  # where each group's policy version comes from (rollout.versions)
+        self.engine = await Engine.start(cfg.engine, initial_version=versions.initial_engine_version)
         tokenizer = AutoTokenizer.from_pretrained(cfg.engine.model)
         self.journal = Journal(Path(journal_dir) / f"{rollout_id}.jsonl") if journal_dir is not None else None
         self.journaled_version: tuple[int, int] | None = None
@@ -61,7 +61,7 @@ class RolloutActor:
         budget = PromptBudget.for_tokenizer(tokenizer, cfg.engine.max_model_len, cfg.sampling.max_new_tokens,
                                             cfg.sampling.max_new_tokens)
         self.worker = RolloutWorker(rollout_id, cfg, TaskSource(TaskConfig(**task_config), budget), self.engine,
-                                    self.replay, tokenizer, seed)
+                                    self.replay, tokenizer, seed, versions)
         self.engine_config, self.subscriber, self.bootstrapped = cfg.engine, None, None
         self.metrics = RolloutMetrics(run_id, rollout_id, source=lambda: self.worker.stats.as_dict(self._version()))
         host = self.security.bind_host if self.security is not None else "127.0.0.1"
@@ -87,12 +87,9 @@ class RolloutActor:
         self.subscriber = make_transport(self.engine_config.weight_transport, address, self._on_version,
                                          have_version=self.engine.version, name=self.rollout_id,
                                          security=self.security, have_timeline=self.worker.timeline)
-        if self.bootstrapped is None and self.worker.lockstep is not None:
-            # lockstep loads each prompt's exact version from the version store: nothing to catch up to
-            self.subscriber.start()
-            self.bootstrapped = BootstrapResult(self.engine.version, "lockstep", None)
-        elif self.bootstrapped is None:
-            self.bootstrapped = await bootstrap(self.engine, self.subscriber, self.engine_config)  # starts it
+        if self.bootstrapped is None:  # lockstep: nothing to catch up to (VersionSource.first_subscription)
+            self.bootstrapped = await self.worker.versions.first_subscription(
+                self.subscriber, lambda: bootstrap(self.engine, self.subscriber, self.engine_config), BootstrapResult)
             if self.bootstrapped.source == "disk":  # an export of unknown timeline: the learner's next offer wins
                 from proto.timeline import UNKNOWN
 
@@ -156,9 +153,9 @@ class RolloutActor:
             self.task = None
 
     def _version(self) -> int:
-        """The policy version this rollout serves; in lockstep, the newest it was offered (each prompt then
-        loads its own exact version from the version store)."""
-        return max(self.engine.version, self.worker.newest_offered)
+        """The policy version this rollout serves (``VersionSource.served``; in lockstep, the newest it was
+        offered: each prompt then loads its own exact version from the version store)."""
+        return self.worker.versions.served()
 
     async def wait_for_version(self, version: int, timeout_s: float, timeline: int | None = None) -> int:
         """Wait up to ``timeout_s`` seconds until this rollout serves ``version`` (or newer); with ``timeline``
@@ -185,10 +182,8 @@ class RolloutActor:
         cfg = EvalConfig(**(config or {}))
         if min_version > self._version():
             await self.wait_for_version(min_version, wait_s)
-        if self.worker.lockstep is not None:  # score the newest offered version, loaded exactly
-            async with self.worker.lockstep.hold(self._version()):
-                return await self.worker.evaluate(cfg)
-        return await self.worker.evaluate(cfg)
+        async with self.worker.versions.evaluating():  # lockstep: the newest offered version, loaded exactly
+            return await self.worker.evaluate(cfg)
 
     async def stats(self) -> dict:
         return self.worker.stats.as_dict(self._version())

@@ -139,27 +139,31 @@ def test_full_outage_groups_in_flight_land_in_spool_and_nothing_is_lost(tmp_path
     assert worker.stats.insert_retries > 0 and len(generated) >= 4 and engine.generated[:2] == ["0-0@r0", "1-0@r0"]
 
 
-def test_a_lockstep_rollout_accepts_a_version_offer_before_its_engine_loaded_any():
+def test_a_lockstep_rollout_accepts_a_version_offer_before_its_engine_loaded_any(tmp_path):
     """Lockstep engines start at version -1 and load each prompt's version themselves; the subscriber's
     offer must still count as taken (binding the engine's -1 to the logs raised, so the offer was
     reported refused and sent again)."""
     import threading
 
+    from proto.lockstep import LockstepConfig
+    from rollout.versions import LockstepVersions
     from services.common import logs
     from services.rollout.actor import RolloutActor
 
-    class LockstepWorker:
-        newest_offered = -1
+    engine = FakeEngine(["7"], version=-1)
+
+    class LockstepWorker:  # the worker's weight path: offered versions are only noted
+        versions = LockstepVersions(LockstepConfig(groups_per_step=2, weights_dir=str(tmp_path))).bind(engine)
 
         async def apply_weights(self, version, named_tensors, timeline=0):
-            self.newest_offered = max(self.newest_offered, version)
+            assert not self.versions.offer(version)
 
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
     cls = RolloutActor.__ray_actor_class__  # the class under @ray.remote, without a Ray cluster
     actor = cls.__new__(cls)
-    actor.engine, actor.worker, actor.loop, actor.journal = FakeEngine(["7"], version=-1), LockstepWorker(), loop, None
+    actor.engine, actor.worker, actor.loop, actor.journal = engine, LockstepWorker(), loop, None
     try:
         actor._on_version(3, [], 0)
         assert logs._policy_version == 3 and actor._version() == 3
