@@ -23,7 +23,31 @@ log = structlog.get_logger("weights")
 OnVersion = Callable[[int, list[tuple[str, torch.Tensor]], int], None]
 
 
-class WeightSubscriber:
+class StreamThread:
+    """A background thread running ``self._run`` over one gRPC stream at a time (``self._call``): ``start()``
+    starts it; ``stop()`` sets ``self._stop`` (ending a backoff wait), cancels the stream in flight and joins the
+    thread (at most 10 s). Shared by the weight subscriber and the NCCL transport's announce stream."""
+
+    def _init_stream_thread(self, thread_name: str) -> None:
+        self._stop = threading.Event()
+        self._call = None
+        self._thread = threading.Thread(target=self._run, name=thread_name, daemon=True)
+
+    def _run(self) -> None:
+        raise NotImplementedError
+
+    def start(self):
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._call is not None:
+            self._call.cancel()
+        self._thread.join(timeout=10)
+
+
+class WeightSubscriber(StreamThread):
     """Streams versions new to ``(have_version, have_timeline)`` and hands each verified one to ``on_version``.
 
     Every chunk must arrive within ``chunk_timeout_s`` seconds of the previous one once a version
@@ -54,19 +78,7 @@ class WeightSubscriber:
         self.chunk_timeout_s = chunk_timeout_s
         self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
         self.errors = 0
-        self._stop = threading.Event()
-        self._call = None
-        self._thread = threading.Thread(target=self._run, name=f"weights-{name}", daemon=True)
-
-    def start(self) -> "WeightSubscriber":
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._call is not None:
-            self._call.cancel()
-        self._thread.join(timeout=10)
+        self._init_stream_thread(f"weights-{name}")
 
     def _run(self) -> None:
         broken = (grpc.RpcError, ChunkError, TimeoutError, VersionRefusedError)

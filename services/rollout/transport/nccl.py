@@ -19,7 +19,6 @@ The group has a fixed size; a rank that dies stalls the others until the group's
 
 from __future__ import annotations
 
-import threading
 import grpc
 import structlog
 import torch
@@ -33,7 +32,7 @@ from rollout.config import NcclTransportConfig
 from services.common import grpc_common
 from services.common.security import SecurityConfig
 from services.rollout.transport.base import OnVersion, TransportUnavailableError, WeightTransport
-from services.rollout.weight_client import latest_version
+from services.rollout.weight_client import StreamThread, latest_version
 from proto.timeline import SHARED, is_new
 
 log = structlog.get_logger("weights")
@@ -110,7 +109,7 @@ def open_trainer_broadcast(config: NcclTransportConfig) -> Broadcast:
     return broadcast
 
 
-class NcclTransport(WeightTransport):
+class NcclTransport(StreamThread, WeightTransport):
     """Rollout side: follows ``WeightService.Announce`` and hands each newer ``VersionManifest`` to
     ``on_version`` (which must join the broadcast: ``RolloutEngine.update_weights`` does).
 
@@ -131,19 +130,7 @@ class NcclTransport(WeightTransport):
         """Newest announced ``(version, timeline)`` whose broadcast this rank took part in (applied or refused)."""
         self.backoff_s = config.backoff_s
         self._errors = 0
-        self._stop = threading.Event()
-        self._call = None
-        self._thread = threading.Thread(target=self._run, name=f"weights-nccl-{name}", daemon=True)
-
-    def start(self) -> "NcclTransport":
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._call is not None:
-            self._call.cancel()
-        self._thread.join(timeout=10)
+        self._init_stream_thread(f"weights-nccl-{name}")
 
     def latest_version(self, timeout_s: float = 2.0) -> int | None:
         return latest_version(self.address, timeout_s, self.security)
