@@ -27,8 +27,8 @@ from learner.async_save import BackgroundSaver
 from learner.ckpt_request import CheckpointRequest
 from learner.publisher import WeightPublisher
 from learner.loop_config import LearnerLoopConfig
-from proto.lockstep import VersionStore
-from proto.timeline import label, new_timeline
+from learner.versions import learner_versions
+from proto.timeline import label
 from learner.run_journal import LearnerJournal, group_ids_of
 from learner.step_metrics import dead_timeline_rows
 
@@ -91,11 +91,11 @@ class LearnerLoop:
         self._emergency: int | None = None  # signal number awaiting an emergency checkpoint
         self._rejoin: tuple | None = None
         """``(checkpoint metadata or None,)`` after ``resume`` until ``rejoin_replay`` ran (first ``step``)."""
-        lock = config.lockstep
-        self._versions = VersionStore(lock.weights_dir, keep=lock.lag + 2) if lock is not None else None
+        self.versions = learner_versions(config)
+        """The determinism mode's seam (``learner.versions``): timeline, lease bounds, version store."""
         self.start_version = 0
         """Policy version this learner started at (``resume``): its predecessor's versions above it are dead."""
-        self.timeline = new_timeline(lockstep=lock is not None)
+        self.timeline = self.versions.timeline
         """This learner incarnation's timeline (``proto.timeline``): every version it publishes but 0 carries it,
         so rollouts drop the weights a crashed predecessor published under the same numbers."""
 
@@ -135,8 +135,7 @@ class LearnerLoop:
         """
         t0 = time.monotonic()
         named = self.engine.named_weights()
-        if self._versions is not None:  # lockstep: rollouts load exact (also older) versions from disk
-            self._versions.write(self.engine.version, named)
+        self.versions.published(self.engine.version, named)  # lockstep: into the version store
         self.publisher.publish(self.engine.version, named, timeline=label(self.engine.version, self.timeline))
         return time.monotonic() - t0
 
@@ -293,11 +292,11 @@ class LearnerLoop:
             log.info("cold_start", resume=mode, checkpoint_dir=str(self.checkpoint_dir))
             self._journal_resume(None, None)
             self._rejoin = (None,)
-            self._set_versions_aside()
+            self.versions.starting_at(self.engine.version)
             return None
         meta = self.engine.load_checkpoint(path, fingerprint=self.config.fingerprint, force=self.config.force_resume)
         self.start_version = self.engine.version
-        self._set_versions_aside()
+        self.versions.starting_at(self.engine.version)
         self._journal_resume(path, meta)  # before restore acks the checkpoint's leases
         self.acked_lease_count = meta.acked_lease_count
         self._rejoin = (meta,)
@@ -305,14 +304,6 @@ class LearnerLoop:
         log.info("resumed", path=str(path), step=meta.step, version=meta.policy_version,
                  pending_leases=len(meta.pending_lease_ids))
         return path
-
-    def _set_versions_aside(self) -> None:
-        """Lockstep: versions a predecessor wrote above the one this learner starts at are set aside, so no
-        rollout loads them until this learner re-wrote each one and its hash matched (``VersionStore``)."""
-        if self._versions is not None:
-            moved = self._versions.set_aside_after(self.engine.version)
-            if moved:
-                log.warning("lockstep_versions_set_aside", start_version=self.engine.version, versions=moved)
 
     def rejoin_replay(self) -> int:
         """After ``resume``: ack the leases the restored checkpoint committed (``restore``), then ``Rejoin``
@@ -368,11 +359,9 @@ class LearnerLoop:
                     f"no batch of {self.config.groups_per_step} groups within {self.config.sample_timeout_s}s "
                     f"at learner version {self.engine.version}; are the rollouts alive?")
             try:
-                lock = self.config.lockstep
-                exact = {"prompt_indices": lock.prompts_of_step(self.engine.step)} if lock is not None else {}
                 got = self.replay.sample(self.config.groups_per_step, self.engine.version,
                                          timeout_s=min(remaining, 10.0), consumer=CONSUMER, request_id=request_id,
-                                         **exact)
+                                         **self.versions.sample_args(self.engine.step))
             except ConnectionError as exc:
                 log.warning("replay_unreachable", error=str(exc)[:200])
                 time.sleep(1.0)

@@ -6,7 +6,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from learner.archive import ArchiveConfig
 from learner.config import AlgorithmConfig, LearnerConfig
-from proto.lockstep import LockstepConfig, deterministic_kernels
+from proto.lockstep import LockstepConfig
 
 
 class SaveRange(BaseModel):
@@ -85,11 +85,3 @@ class LearnerLoopConfig(BaseModel):
             if r.from_step <= step:
                 interval = r.interval
         return interval
-
-
-def prepare_learner_process(config: LearnerLoopConfig) -> None:
-    """Process-wide settings a learner rank needs before its engine is built (before CUDA starts): in lockstep,
-    deterministic kernels (``proto.lockstep.deterministic_kernels``), without which a resumed learner cannot
-    re-produce the lost versions bit for bit. Nothing otherwise. Raises what ``deterministic_kernels`` raises."""
-    if config.lockstep is not None:
-        deterministic_kernels()

@@ -53,7 +53,7 @@ class LearnerActor:
                  metrics_port: int | None = 0, ranks: dict | None = None) -> None:
         from learner.engine import LearnerEngine
         from learner.loop import LearnerLoop, LearnerLoopConfig
-        from learner.loop_config import prepare_learner_process
+        from learner.versions import prepare_learner_process
         from learner.ranks import LeaderEngine
         from learner.publisher import WeightPublisher
         from services.common.logs import configure_logging
@@ -208,7 +208,7 @@ class LearnerRankActor:
     def __init__(self, config: dict, ranks: dict, run_id: str = "run") -> None:
         from learner.engine import LearnerEngine
         from learner.loop import LearnerLoopConfig
-        from learner.loop_config import prepare_learner_process
+        from learner.versions import prepare_learner_process
         from services.common.logs import configure_logging
 
         if ranks["rank"] < 1:

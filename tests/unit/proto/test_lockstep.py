@@ -180,7 +180,8 @@ def test_a_resumed_lockstep_learner_checks_its_predecessors_versions_before_roll
 
 def test_lockstep_learner_process_runs_deterministic_kernels(monkeypatch, tmp_path):
     from learner.config import LearnerConfig
-    from learner.loop_config import LearnerLoopConfig, prepare_learner_process
+    from learner.loop_config import LearnerLoopConfig
+    from learner.versions import prepare_learner_process
     from tests.tiny_model import SMOLLM2_DIR
 
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
