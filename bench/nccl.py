@@ -4,7 +4,7 @@ Runs gyre's NCCL path end to end except vLLM's worker glue: the learner process 
 behind a real weight server (``WeightService.Announce`` over gRPC) and sends each policy version with
 ``NcclWeightSender`` over a ``torch.distributed`` NCCL group; each rollout receiver is its own process whose
 ``NcclTransport`` follows the announces and takes every version with ``receive_verified`` into CUDA buffers
-(the body of ``rollout.weight_files.load_broadcast_verified``, minus the model load).
+(the body of ``rollout.weights.load_broadcast_verified``, minus the model load).
 
 Reported:
 - ``checksum_parity``: ``device_checksum`` on CUDA equals the CPU value (bf16/fp16/fp32, odd byte counts,
@@ -111,9 +111,9 @@ def receiver_main(rank: int, world: int, store_port: int, weights_address: str, 
     _nccl_env(f"rollout-{rank}")
     import torch.distributed as dist
 
-    from proto.tensor_chunks import receive_verified
-    from rollout.config import NcclTransportConfig
-    from services.rollout.transport.nccl import NcclTransport, torch_distributed_broadcast
+    from proto.broadcast import receive_verified, torch_distributed_broadcast
+    from rollout.weights import NcclTransportConfig
+    from services.rollout.transport.nccl import NcclTransport
 
     store = _group(store_port, rank, world, is_master=False)
     shapes = model_shapes(MODELS[model])
@@ -165,7 +165,8 @@ def learner_main(receivers: int, rounds: int, model: str) -> dict:
 
     from learner.publisher import WeightPublisher
     from services.learner import weight_server
-    from services.rollout.transport.nccl import NcclWeightSender, torch_distributed_broadcast
+    from proto.broadcast import torch_distributed_broadcast
+    from services.learner.weight_broadcast import NcclWeightSender
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

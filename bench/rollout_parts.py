@@ -19,7 +19,7 @@ from learner.publisher import WeightPublisher
 from proto.tensor_chunks import encode_tensors
 from services.common import grpc_common
 from services.learner import weight_server
-from services.rollout.weight_client import WeightSubscriber
+from services.rollout.transport.subscriber import WeightSubscriber
 
 REPO = Path(__file__).resolve().parents[1]
 RAW_SERVICE, RAW_METHOD = "gyre.bench.v1.RawWeights", "/gyre.bench.v1.RawWeights/Subscribe"

@@ -18,7 +18,7 @@ class WeightPublisher:
     default); a subscriber holding another timeline gets the newest version whatever its number. Thread-safe. ``publish`` encodes the tensors to bytes + CRC-32C once; every subscriber stream
     reads the same ``EncodedTensor`` list. ``announce`` instead records only a version's manifest
     (names, shapes, checksums) for transports whose bytes travel over NCCL
-    (``services.rollout.transport.nccl``); one publisher holds one kind of version at a time.
+    (``services.learner.weight_broadcast``); one publisher holds one kind of version at a time.
     """
 
     def __init__(self) -> None:

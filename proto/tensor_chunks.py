@@ -11,7 +11,7 @@ from __future__ import annotations
 import warnings
 import zlib
 from dataclasses import dataclass
-from typing import Callable, Iterator, Protocol
+from typing import Callable, Iterator
 
 import google_crc32c
 import torch
@@ -341,34 +341,3 @@ class VersionManifest:
     checksum_kind: str = CHECKSUM_KIND
     timeline: int = 0
     """Timeline of ``version`` (``proto.timeline``)."""
-
-
-class Broadcast(Protocol):
-    """One collective: send ``tensor`` from rank ``src``; other ranks receive into it in place
-    (``torch.distributed.broadcast``, vLLM's ``PyNcclCommunicator.broadcast``)."""
-
-    def __call__(self, tensor: torch.Tensor, src: int) -> None: ...
-
-
-def receive_verified(broadcast: Broadcast, metas: list[TensorMeta] | tuple[TensorMeta, ...],
-                     device: torch.device | str, src: int = 0) -> list[tuple[str, torch.Tensor]]:
-    """Receive every tensor of a manifest (in order) from rank ``src``, then verify them all.
-
-    Every tensor is received before any check, so a bad one never leaves the group's collectives out of
-    step. Returns ``[(name, tensor)]`` on ``device``, shapes/dtypes as in the manifest.
-
-    Raises:
-        ChunkError: unknown dtype in the manifest, or a tensor whose checksum differs (named).
-    """
-    for m in metas:
-        if m.dtype not in DTYPES:
-            raise ChunkError(f"tensor {m.name!r}: unknown dtype {m.dtype!r}; expected one of {sorted(DTYPES)}")
-    received = []
-    for m in metas:
-        buf = torch.empty(m.shape, dtype=DTYPES[m.dtype], device=device)
-        broadcast(buf, src)
-        received.append((m.name, buf))
-    sums = device_checksums([t for _, t in received])  # queued behind the broadcasts; one sync
-    for m, (_, t), got in zip(metas, received, sums):
-        verify_tensor(m, t, got)
-    return received

@@ -60,8 +60,8 @@ from proto.tensor_chunks import DTYPES, VersionManifest
 from proto.trajectory import FINISH_REASONS
 from rollout.config import EngineConfig, SamplingConfig
 from rollout.types import Sample
-from rollout.config import NcclTransportConfig
-from rollout.weight_files import (NCCL_BACKEND, GyreWorkerExtension, expected_shapes, register_nccl_backend,
+from rollout.weights import NcclTransportConfig
+from rollout.weights import (NCCL_BACKEND, GyreWorkerExtension, expected_shapes, register_nccl_backend,
                                   write_safetensors)
 
 register_nccl_backend()  # runs in vLLM's worker process too: it imports this module for the extension class

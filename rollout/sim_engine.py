@@ -35,7 +35,7 @@ import torch
 
 from rollout.config import EngineConfig, SamplingConfig
 from rollout.types import Sample
-from rollout.weight_files import expected_shapes
+from rollout.weights import expected_shapes
 
 log = structlog.get_logger("sim_engine")
 

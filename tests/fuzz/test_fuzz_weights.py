@@ -23,7 +23,7 @@ from proto.tensor_chunks import (CHUNK_CHECKSUMS, DTYPES, ChunkAssembler, ChunkE
                                  iter_chunks)
 from services.common import grpc_common
 from services.learner import weight_server
-from services.rollout.weight_client import parse_chunk
+from services.rollout.transport.subscriber import parse_chunk
 
 def chunk_of(msg: weights_pb2.WeightChunk) -> TensorChunk:
     """The ``TensorChunk`` a parsed ``WeightChunk`` message stands for (field by field)."""

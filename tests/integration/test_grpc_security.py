@@ -25,7 +25,7 @@ from services.common import grpc_common
 from services.common.security import SecurityConfig
 from services.learner import weight_server
 from services.replay import server as replay_server
-from services.rollout.weight_client import WeightSubscriber
+from services.rollout.transport.subscriber import WeightSubscriber
 from tests.fakes import group_table
 
 TOKEN = "tok-" + "a1b2c3d4" * 4

@@ -20,7 +20,7 @@ from services.learner import weight_server
 from services.replay import server as replay_server
 from services.replay.client import ReplayClient
 from services.replay.metrics import serve_metrics
-from services.rollout.weight_client import WeightSubscriber
+from services.rollout.transport.subscriber import WeightSubscriber
 from tests.fakes import group_table
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rollout.config import GrpcTransportConfig, NcclTransportConfig
+from rollout.weights import GrpcTransportConfig, NcclTransportConfig
 from services.common.security import SecurityConfig
 from services.rollout.transport.base import OnVersion, Payload, TransportUnavailableError, WeightTransport
 

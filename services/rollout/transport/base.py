@@ -7,7 +7,10 @@ from typing import Callable, Union
 
 import torch
 
+from proto.broadcast import TransportUnavailableError
 from proto.tensor_chunks import VersionManifest
+
+__all__ = ["OnVersion", "Payload", "TransportUnavailableError", "WeightTransport"]
 
 Payload = Union[list[tuple[str, torch.Tensor]], VersionManifest]
 """What ``on_version`` gets: the named tensors themselves (gRPC), or the manifest of tensors that the
@@ -17,10 +20,6 @@ OnVersion = Callable[[int, Payload, int], None]
 """``on_version(version, payload, timeline)``: called in the transport's thread, once per new version
 (``proto.timeline.is_new``: newer, or of another timeline), in publish order. If it raises, the version is
 not counted as delivered."""
-
-
-class TransportUnavailableError(RuntimeError):
-    """The configured transport cannot run here (e.g. ``type: nccl`` on a machine without CUDA)."""
 
 
 class WeightTransport(abc.ABC):

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from rollout.config import GrpcTransportConfig
+from rollout.weights import GrpcTransportConfig
 from services.common.security import SecurityConfig
 from services.rollout.transport.base import OnVersion, WeightTransport
-from services.rollout.weight_client import WeightSubscriber, latest_version
+from services.rollout.transport.subscriber import WeightSubscriber, latest_version
 
 
 class GrpcTransport(WeightTransport):
-    """Wraps ``services.rollout.weight_client.WeightSubscriber`` (staging, CRC-32C per tensor, chunk deadline,
+    """Wraps ``services.rollout.transport.subscriber.WeightSubscriber`` (staging, CRC-32C per tensor, chunk deadline,
     exponential backoff, versions only forward within a timeline) behind the ``WeightTransport`` ABC.
 
     Args:

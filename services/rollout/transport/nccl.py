@@ -1,6 +1,6 @@
 """``NcclTransport``: manifests over gRPC ``WeightService.Announce``, bytes over an NCCL broadcast.
 
-Learner side (``NcclWeightSender``): for each version, compute every tensor's checksum on the GPU
+Learner side (``services.learner.weight_broadcast.NcclWeightSender``): for each version, compute every tensor's checksum on the GPU
 (``proto.tensor_chunks.device_checksum``), announce ``(version, manifest)`` on the publisher, then
 broadcast the tensors in manifest order from rank 0. Rollout side (``NcclTransport``): follow the
 ``Announce`` stream and hand each newer ``VersionManifest`` to ``on_version``; the rollout engine then
@@ -12,7 +12,7 @@ version is *not* retried: its bytes went by in the one broadcast this rank took 
 moves its announce cursor past it and waits for the next version (re-asking would block this rank in a
 broadcast the learner never repeats, then pair the next version's bytes with the old manifest).
 
-Both sides are written against ``Broadcast`` (``broadcast(tensor, src)`` in place on receivers):
+Both sides are written against ``proto.broadcast.Broadcast`` (``broadcast(tensor, src)`` in place on receivers):
 ``torch.distributed`` (NCCL in production, gloo in the CPU tests) or vLLM's ``PyNcclCommunicator``.
 The group has a fixed size; a rank that dies stalls the others until the group's own timeout.
 """
@@ -21,92 +21,22 @@ from __future__ import annotations
 
 import grpc
 import structlog
-import torch
 
-from learner.publisher import WeightPublisher
 from proto import weights_pb2, weights_pb2_grpc
+from proto.broadcast import require_cuda
 from proto.retry import reconnect_forever
-from proto.tensor_chunks import (CHECKSUM_KIND, Broadcast, ChunkError, TensorMeta, VersionManifest,
-                                 receive_verified, tensor_metas)
-from rollout.config import NcclTransportConfig
+from proto.tensor_chunks import CHECKSUM_KIND, ChunkError, TensorMeta, VersionManifest
+from proto.timeline import SHARED, is_new
+from rollout.weights import NcclTransportConfig
 from services.common import grpc_common
 from services.common.security import SecurityConfig
-from services.rollout.transport.base import OnVersion, TransportUnavailableError, WeightTransport
-from services.rollout.weight_client import StreamThread, latest_version
-from proto.timeline import SHARED, is_new
+from services.rollout.transport.base import OnVersion, WeightTransport
+from services.rollout.transport.subscriber import StreamThread, latest_version
 
 log = structlog.get_logger("weights")
-__all__ = ["Broadcast", "NcclTransport", "NcclWeightSender", "open_trainer_broadcast", "receive_verified",
-           "require_cuda", "to_manifest", "torch_distributed_broadcast"]
+__all__ = ["NcclTransport", "to_manifest"]
 MAX_BACKOFF_S = 10.0
 """Longest wait (seconds) before re-following a broken ``Announce`` stream (the first is ``backoff_s``)."""
-
-
-def torch_distributed_broadcast(group=None) -> Broadcast:
-    """``Broadcast`` over ``torch.distributed``: the default group (``group=None``, e.g. NCCL initialised
-    by ``init_process_group``) or a ``ProcessGroup`` object (e.g. ``ProcessGroupGloo`` on CPU)."""
-    import torch.distributed as dist
-
-    def broadcast(tensor: torch.Tensor, src: int) -> None:
-        if group is None:
-            dist.broadcast(tensor, src=src)
-            return
-        opts = dist.BroadcastOptions()
-        opts.rootRank = src
-        group.broadcast([tensor], opts).wait()
-    return broadcast
-
-
-def require_cuda(what: str) -> None:
-    """Raise ``TransportUnavailableError`` naming ``what`` when this machine has no CUDA device."""
-    if not torch.cuda.is_available():
-        raise TransportUnavailableError(
-            f"{what}: weight_transport type 'nccl' needs a CUDA GPU, but torch.cuda.is_available() is False "
-            f"on this machine (torch {torch.__version__}); use weight_transport type 'grpc' here")
-
-
-class NcclWeightSender:
-    """Learner side: announce a version on ``publisher`` (served by ``WeightService.Announce``), then
-    broadcast its tensors from rank ``src`` in manifest order.
-
-    Args:
-        publisher: the learner's ``WeightPublisher`` (its server carries the control channel).
-        broadcast: the data path (``open_trainer_broadcast`` in production).
-    """
-
-    def __init__(self, publisher: WeightPublisher, broadcast: Broadcast, src: int = 0) -> None:
-        self.publisher, self.broadcast, self.src = publisher, broadcast, src
-
-    def send(self, version: int, named: list[tuple[str, torch.Tensor]], timeline: int = SHARED) -> list[TensorMeta]:
-        """Publish ``version`` of ``timeline``: checksums on the tensors' device, manifest, then the broadcast.
-
-        Blocks until every rank received every tensor. Raises ``ValueError`` for a version that is not
-        newer than the published one (nothing is sent) and ``ChunkError`` for an unsupported dtype.
-        """
-        contiguous = [(n, t.detach().contiguous()) for n, t in named]
-        metas = tensor_metas(contiguous)
-        self.publisher.announce(version, metas, timeline)
-        for _, t in contiguous:
-            self.broadcast(t, self.src)
-        return metas
-
-
-def open_trainer_broadcast(config: NcclTransportConfig) -> Broadcast:
-    """Learner side of vLLM's NCCL weight-transfer group (rank 0, TCPStore rendezvous at
-    ``master_address:master_port``); blocks until all ``world_size`` ranks joined.
-
-    Raises:
-        TransportUnavailableError: no CUDA device here.
-    """
-    require_cuda("open_trainer_broadcast")
-    from vllm.distributed.weight_transfer.nccl_common import trainer_init
-
-    comm = trainer_init({"master_address": config.master_address, "master_port": config.master_port,
-                         "world_size": config.world_size})
-
-    def broadcast(tensor: torch.Tensor, src: int) -> None:
-        comm.broadcast(tensor, src=src, stream=torch.cuda.current_stream())
-    return broadcast
 
 
 class NcclTransport(StreamThread, WeightTransport):

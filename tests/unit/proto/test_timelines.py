@@ -14,7 +14,7 @@ from proto.timeline import SHARED, is_new
 from replay.buffer import TrajectoryBuffer
 from replay.config import ReplayConfig
 from services.learner import weight_server
-from services.rollout.weight_client import WeightSubscriber
+from services.rollout.transport.subscriber import WeightSubscriber
 from tests.fakes import FakeEngine, FakeReplay, SlowEngine, until
 from tests.unit.rollout.test_rollout_worker import make_worker
 

@@ -11,7 +11,7 @@ import torch
 from proto import weights_pb2
 from proto.tensor_chunks import (CHUNK_CHECKSUM_KIND, ChunkAssembler, ChunkError, encode_tensors, iter_chunks)
 from services.learner.weight_server import serialize_chunk
-from services.rollout.weight_client import parse_chunk
+from services.rollout.transport.subscriber import parse_chunk
 
 
 def named(v: float = 0.0):

@@ -1,6 +1,6 @@
 """RolloutEngine's NCCL update path (a ``VersionManifest``) against a recording stand-in for vLLM's
 AsyncLLM: the order of vLLM calls, what crosses to the workers, and refusals that keep the old version.
-The worker side (``rollout.weight_files.load_broadcast_verified``) runs with a gloo-free fake group."""
+The worker side (``rollout.weights.load_broadcast_verified``) runs with a gloo-free fake group."""
 
 import asyncio
 import inspect
@@ -15,9 +15,10 @@ from safetensors.torch import load_file
 from vllm.v1.engine.async_llm import AsyncLLM
 
 from proto.tensor_chunks import VersionManifest, tensor_metas
-from rollout.config import EngineConfig, NcclTransportConfig
+from rollout.config import EngineConfig
+from rollout.weights import NcclTransportConfig
 from rollout.engine import EngineFailedError, RolloutEngine, WeightMismatchError
-from rollout.weight_files import load_broadcast_verified
+from rollout.weights import load_broadcast_verified
 
 
 class RecordingLLM:

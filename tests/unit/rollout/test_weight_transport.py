@@ -16,15 +16,18 @@ from safetensors.torch import save_file
 
 from learner.publisher import WeightPublisher
 from proto import weights_pb2, weights_pb2_grpc
-from proto.tensor_chunks import ChunkError, TensorMeta, device_checksum, receive_verified, tensor_metas
-from rollout.config import EngineConfig, GrpcTransportConfig, NcclTransportConfig
+from proto.broadcast import receive_verified, torch_distributed_broadcast
+from proto.tensor_chunks import ChunkError, TensorMeta, device_checksum, tensor_metas
+from rollout.config import EngineConfig
+from rollout.weights import GrpcTransportConfig, NcclTransportConfig
 from services.common import grpc_common
 from services.learner import weight_server
 from services.rollout.transport import TransportUnavailableError, make_transport
 from services.rollout.transport.bootstrap import newest_export, write_export_version
 from services.rollout.transport.grpc_transport import GrpcTransport
-from services.rollout.transport.nccl import NcclTransport, NcclWeightSender, torch_distributed_broadcast
-from services.rollout.weight_client import WeightSubscriber, parse_chunk
+from services.learner.weight_broadcast import NcclWeightSender
+from services.rollout.transport.nccl import NcclTransport
+from services.rollout.transport.subscriber import WeightSubscriber, parse_chunk
 
 NCCL_CFG = NcclTransportConfig(master_address="127.0.0.1", master_port=29500, world_size=2, rank_offset=1,
                                backoff_s=0.1)
@@ -252,7 +255,7 @@ def test_hand_appended_data_field_parses_like_protobufs_own_encoding(size):
 
 
 def test_parse_chunk_finds_data_wherever_protobuf_put_it_and_refuses_garbage():
-    from services.rollout.weight_client import parse_chunk
+    from services.rollout.transport.subscriber import parse_chunk
     msg = weights_pb2.WeightChunk(version=3, name="b.bias", dtype="float32", shape=[2, 3], offset=8,
                                   data=bytes(range(24)), nbytes=32, last_of_tensor=True, checksum=2**32 - 1,
                                   checksum_kind="crc32c")
