@@ -2,7 +2,7 @@
 # The GPU check, one command on a lent CUDA machine: `bash bench/gpu_check.sh` from the repo root, carrying .whl.
 #
 # The machine has torch (CUDA), transformers, accelerate, pyarrow, pytest, ... but not deepspeed and some of
-# gyre's pins: .whl/ (ignored, never committed; made by the session that calls this) holds those as py3.12
+# gyre's pins: .whl/ (ignored, never committed; `bash bench/gpu_wheels.sh` fills it) holds those as py3.12
 # wheels. They install into /tmp/site, first on PYTHONPATH (its grpcio/protobuf/typing_extensions shadow the
 # image's).
 # Then: tests/gpu (LearnerEngine on CUDA, the NCCL weight transport) and `bench.nccl --quick`.
@@ -38,6 +38,7 @@ import torch
 print("cuda", torch.version.cuda, "available", torch.cuda.is_available(),
       torch.cuda.get_device_name(0) if torch.cuda.is_available() else "-")
 import proto.weights_pb2_grpc, proto.replay_pb2_grpc, learner.engine  # gencode version checks, deepspeed import
+import services.rollout.transport.nccl, services.learner.weight_broadcast  # the NCCL path's deps (tenacity, ...)
 print("gyre imports ok")
 EOF
 } 2>&1 | tee -a "$LOG" || rc=1
