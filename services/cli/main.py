@@ -98,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         return _check(args.run_dir, console)
     if args.command in ("status", "scale", "restart", "checkpoint"):
         return _ops(args, console)
+    _let_sigint_stop_the_driver()
     try:
         if args.resume not in ("auto", "none") and not Path(args.resume).is_dir():
             raise RecipeError(f"--resume {args.resume!r}: expected auto, none or an existing checkpoint directory")
@@ -118,9 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     from services.control.controller import run
     from services.control.run_lock import RunDirBusyError
 
-    # `kill -USR2 <driver pid>` prints every thread's Python stack to stderr (a driver that seems stuck, e.g.
-    # one that does not stop on Ctrl-C), and the run goes on
-    faulthandler.register(signal.SIGUSR2, all_threads=True)
+    _dump_stacks_on_sigusr2()
     try:
         summary = run(recipe, console)
     except RunDirBusyError as exc:
@@ -129,6 +128,37 @@ def main(argv: list[str] | None = None) -> int:
     if not summary.get("already_finished"):
         console.print(f"done in {summary['wall_time_s']:.0f} s; outputs in {recipe.out_dir}", highlight=False)
     return 0
+
+
+def _let_sigint_stop_the_driver() -> None:
+    """Make Ctrl-C (SIGINT) raise ``KeyboardInterrupt`` in ``gyre run``'s main thread, whatever the driver
+    inherited: a non-interactive shell starts a background job (``gyre run ... &``, ``make test > log &``) with
+    SIGINT ignored, that disposition survives ``exec``, and Python then installs no ``KeyboardInterrupt`` handler,
+    so the driver went on supervising after a Ctrl-C. A SIGINT blocked by the parent (the signal mask is
+    inherited too) is unblocked for the same reason."""
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
+def _sigint_state() -> str:
+    """How this process handles SIGINT: Python's handler, and the kernel's view (``/proc/self/status``; the
+    blocked mask is the calling thread's) for a handler a native library may have replaced underneath Python."""
+    try:
+        lines = Path("/proc/self/status").read_text().splitlines()
+    except OSError:
+        lines = []
+    kernel = " ".join(line.replace(":\t", "=") for line in lines
+                      if line.startswith(("SigPnd", "ShdPnd", "SigBlk", "SigIgn", "SigCgt")))
+    return f"SIGINT handler: {signal.getsignal(signal.SIGINT)!r}; {kernel or 'no /proc/self/status'} (SIGINT: 0x2)"
+
+
+def _dump_stacks_on_sigusr2() -> None:
+    """``kill -USR2 <driver pid>`` prints every thread's Python stack to stderr (a driver that seems stuck, e.g.
+    one that does not stop on Ctrl-C) at once, from faulthandler's C handler; it then chains to a Python
+    handler that prints ``_sigint_state()`` when the main thread next runs Python code. The run goes on."""
+    signal.signal(signal.SIGUSR2, lambda *_: print(_sigint_state(), file=sys.stderr, flush=True))
+    faulthandler.register(signal.SIGUSR2, all_threads=True, chain=True)
 
 
 def _ops(args: argparse.Namespace, console: Console) -> int:
