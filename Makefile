@@ -82,7 +82,8 @@ proto: $(DEV_STAMP)
 	$(BIN)/python -m proto.gen
 
 # Regenerate the four locks (needs the network; TORCH_INDEX may be a local folder of CPU torch wheels).
-# The -dev locks add the test, dev and docs extras, constrained to the pins of their target's lock.
+# The -dev locks add the test, dev, docs and tracking extras, constrained to the pins of their target's lock
+# (requirements/tracking-overrides.txt: one upper bound of mlflow-skinny's lifted, see there).
 UV_COMPILE = $(BIN)/uv pip compile pyproject.toml -q --python-version 3.11 \
   --python-platform x86_64-manylinux_2_28 --custom-compile-command "make lock"
 CPU_ONLY = $(TORCH_SOURCE) --index-strategy unsafe-best-match \
@@ -90,8 +91,10 @@ CPU_ONLY = $(TORCH_SOURCE) --index-strategy unsafe-best-match \
 lock: $(DEV_STAMP)
 	$(UV_COMPILE) --extra cpu $(CPU_ONLY) -o requirements/cpu.lock
 	$(UV_COMPILE) --extra cuda -o requirements/cuda.lock
-	$(UV_COMPILE) --extra cpu --extra test --extra dev --extra docs $(CPU_ONLY) -c requirements/cpu.lock -o requirements/cpu-dev.lock
-	$(UV_COMPILE) --extra cuda --extra test --extra dev --extra docs -c requirements/cuda.lock -o requirements/cuda-dev.lock
+	$(UV_COMPILE) --extra cpu --extra test --extra dev --extra docs --extra tracking $(CPU_ONLY) \
+	  -c requirements/cpu.lock --override requirements/tracking-overrides.txt -o requirements/cpu-dev.lock
+	$(UV_COMPILE) --extra cuda --extra test --extra dev --extra docs --extra tracking \
+	  -c requirements/cuda.lock --override requirements/tracking-overrides.txt -o requirements/cuda-dev.lock
 
 clean:
 	rm -rf $(VENV) .cache runs

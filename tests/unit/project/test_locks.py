@@ -14,8 +14,8 @@ from packaging.version import Version
 
 REPO = Path(__file__).resolve().parents[3]
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-LOCKS = {"cpu": ("cpu",), "cuda": ("cuda",), "cpu-dev": ("cpu", "test", "dev", "docs"),
-         "cuda-dev": ("cuda", "test", "dev", "docs")}
+LOCKS = {"cpu": ("cpu",), "cuda": ("cuda",), "cpu-dev": ("cpu", "test", "dev", "docs", "tracking"),
+         "cuda-dev": ("cuda", "test", "dev", "docs", "tracking")}
 
 
 def read_lock(path: Path) -> dict[str, Version]:
