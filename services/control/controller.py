@@ -31,6 +31,7 @@ from services.control.recipe import Recipe
 from services.control.report import MetricsWriter, plot_run, read_metrics
 from services.control.run_lock import hold_run_dir
 from services.control.supervisor import ServiceFactory, Supervisor
+from services.control.tracking import Trackers, open_trackers
 
 log = structlog.get_logger("controller")
 REPO = Path(__file__).resolve().parents[2]
@@ -122,6 +123,21 @@ def _run(recipe: Recipe, console: Console) -> dict:
         return finished
     (out / "recipe.json").write_text(recipe.model_dump_json(indent=2))
     console.print(f"outputs in {out}; each service's log in {out / 'logs'}/<service>.log", highlight=False)
+    trackers = open_trackers(recipe.tracking, out, recipe.name, recipe.model_dump(mode="json"))
+    console.print(trackers.describe(), highlight=False)
+    try:
+        summary = _run_services(recipe, console, trackers)
+    except BaseException:  # a failed or interrupted run still closes its tracker runs, marked failed
+        trackers.close(failed=True)
+        raise
+    trackers.log_summary(summary, summary.get("final_version", 0))
+    trackers.close()
+    return summary
+
+
+def _run_services(recipe: Recipe, console: Console, trackers: Trackers) -> dict:
+    """Start (or re-attach) the services, train, evaluate, finalize; write ``summary.json`` and return it."""
+    out = recipe.out_dir
     t0 = time.time()
     init_ray(recipe.ray.address, num_cpus=recipe.ray.num_cpus, namespace=recipe.ray.namespace,
              include_dashboard=False, log_to_driver=False, object_store_memory=256 * 1024**2
@@ -129,7 +145,7 @@ def _run(recipe: Recipe, console: Console) -> dict:
     # for `gyre status` and friends: the address (kept for scripts) and how to join (address, auth mode, token file)
     (out / "ray_address").write_text(ray.get_runtime_context().gcs_address)
     record_connection(out)
-    metrics = MetricsWriter(out / "metrics.jsonl")
+    metrics = MetricsWriter(out / "metrics.jsonl", trackers)
     state = sup = None
     try:
         state = create_state(recipe.name, recipe.ray.namespace, recipe.rollout.num_workers)

@@ -45,10 +45,11 @@ def write_completions(out_dir: Path, version: int, completions: list[dict]) -> P
 
 
 def record_eval(result: EvalResult, out_dir: Path, metrics, label: str, **extra) -> dict:
-    """Write one evaluation's ``metrics.jsonl`` row (via ``metrics.write``; ``extra`` keys join it) and its
-    completions file; returns the row (``step`` = ``result.metrics["version"]``)."""
+    """Write one evaluation's ``metrics.jsonl`` row (via ``metrics.write``, with its completions for the
+    experiment trackers' table; ``extra`` keys join the row) and its completions file; returns the row
+    (``step`` = ``result.metrics["version"]``)."""
     row = {"step": result.metrics["version"], "time": time.time(), "eval": label, **extra, **result.metrics}
-    metrics.write(row)
+    metrics.write(row, completions=result.completions)
     write_completions(out_dir, row["step"], result.completions)
     return row
 

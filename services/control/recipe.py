@@ -20,6 +20,7 @@ from rollout.tasks import TaskConfig
 from services.common.names import ServiceName
 from services.common.security import SecurityConfig
 from services.control.placement import PlacementConfig, RayConfig
+from services.control.tracking.config import TrackingConfig
 
 
 class RecipeError(ValueError):
@@ -65,6 +66,9 @@ class Recipe(BaseModel):
     """Held-out evaluation before, during (``every_steps``) and after training (``rollout.evaluation``). The old
     keys ``eval_before``, ``eval_after`` and ``rollout.eval_max_new_tokens`` still load, as aliases of
     ``eval.before``, ``eval.after`` and ``eval.max_new_tokens``."""
+    tracking: TrackingConfig = TrackingConfig()
+    """Experiment trackers fed with the metrics rows, evaluation completions and the resolved recipe: TensorBoard
+    (on by default, ``{run_dir}/{name}/tb``), W&B, MLflow, trackio (on when written); a failing one warns once."""
     determinism: Literal["async", "lockstep"] = "async"
     """``lockstep`` (``proto.lockstep``): prompt i is generated with exactly policy version
     ``max(0, i // groups_per_step - lockstep_lag)`` and a seed of its own, and step s trains exactly prompts

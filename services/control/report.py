@@ -6,20 +6,33 @@ import fnmatch
 import json
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from services.control.tracking import Trackers
 
 
 class MetricsWriter:
-    """Appends one JSON object per line to ``path``, flushed per row so a crash keeps what was written."""
+    """Appends one JSON object per line to ``path``, flushed per row so a crash keeps what was written, and hands
+    each row to the experiment trackers (``trackers``, a ``services.control.tracking.Trackers``; ``None``: none).
+    Closing it closes the file only: the controller closes the trackers after the run's summary."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, trackers: Trackers | None = None) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._f = self.path.open("a", encoding="utf-8")
+        self.trackers = trackers
 
-    def write(self, row: dict) -> None:
+    def write(self, row: dict, completions: list[dict] | None = None) -> None:
+        """Append ``row``; the trackers get its metrics and, for an evaluation's row, a table of its
+        ``completions`` (``EvalResult.completions``) at its step."""
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
         self._f.write(json.dumps(clean, sort_keys=True) + "\n")
         self._f.flush()
+        if self.trackers is not None:
+            self.trackers.log_row(row)
+            if completions:
+                self.trackers.log_completions(completions, row["step"])
 
     def close(self) -> None:
         self._f.close()

@@ -33,10 +33,11 @@ def _result(version: int, acc: float = 0.5, k: int | None = 2) -> EvalResult:
 
 class Writer:
     def __init__(self) -> None:
-        self.rows = []
+        self.rows, self.completions = [], []
 
-    def write(self, row):
+    def write(self, row, completions=None):
         self.rows.append(row)
+        self.completions.append(completions)
 
 
 # ---- the recipe's eval: section -------------------------------------------------------------------------
@@ -70,6 +71,7 @@ def test_an_evaluation_is_one_metrics_row_and_one_completions_file(tmp_path):
     writer = Writer()
     row = record_eval(_result(4), tmp_path, writer, "periodic")
     assert writer.rows == [row] and row["step"] == 4 and row["eval"] == "periodic" and "loss" not in row
+    assert writer.completions == [_result(4).completions]  # for the experiment trackers' table
     lines = (tmp_path / "eval" / "step_4.jsonl").read_text().splitlines()
     assert [json.loads(line) for line in lines] == _result(4).completions
     write_completions(tmp_path, 4, [{"a": 1}, {"a": 2}])  # the same version again replaces the file
