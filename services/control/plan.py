@@ -37,6 +37,7 @@ def describe(recipe: Recipe) -> str:
         f"T={r.sampling.temperature} max_new_tokens={r.sampling.max_new_tokens}",
         _eval_line(recipe),
         f"outputs    metrics.jsonl, reward_accuracy.png, checkpoints/global_step_{l.num_steps}/, final_policy/",
+        f"tracking   {', '.join(recipe.tracking.enabled()) or 'none'}",
         f"resume     {l.resume}{' (forced)' if l.force_resume else ''}",
         (f"determinism lockstep: prompt i generated with policy version max(0, i // {l.groups_per_step} - "
          f"{recipe.lockstep_lag}); versions in {l.lockstep.weights_dir}" if l.lockstep is not None

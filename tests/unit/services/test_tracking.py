@@ -8,6 +8,7 @@ import sys
 import pytest
 from structlog.testing import capture_logs
 
+from services.control.plan import describe
 from services.control.recipe import RecipeError, load_recipe
 from services.control.report import MetricsWriter, read_metrics
 from services.control.tracking import Tracker, TrackingConfig, flatten, metric_values, open_trackers
@@ -80,6 +81,7 @@ def test_a_recipe_carries_its_tracking_section():
                                 "tracking.wandb": {"mode": "offline", "tags": ["lag2"]}})
     assert recipe.tracking.enabled() == ["tensorboard", "wandb", "mlflow"]
     assert recipe.tracking.mlflow.experiment == "ablation" and recipe.tracking.wandb.tags == ["lag2"]
+    assert "tracking   tensorboard, wandb, mlflow" in describe(recipe).splitlines()  # gyre run --dry-run
 
 
 # ---- what trackers are given --------------------------------------------------------------------------------
