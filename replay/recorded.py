@@ -157,10 +157,13 @@ def _consumed(config: ReplayConfig, segments: list[Path]) -> tuple[list[str], li
                 torn = scan.size - scan.good_bytes  # a crash mid-append: that record was never acknowledged
                 break
             raise RecordingError(f"corrupt recording: WAL segment {path}: {scan.error}")
-    seen: set[str] = set()
-    ordered = [(gid, rows) for lease_id, got in leases.items() if lease_id in acked for gid, rows in got
-               if not (gid in seen or seen.add(gid))]
-    return [gid for gid, _ in ordered], [rows for _, rows in ordered], expected, torn
+    ordered: dict[str, pa.Table] = {}
+    """group id → its rows, at its first acknowledged lease."""
+    for lease_id, got in leases.items():
+        if lease_id in acked:
+            for gid, rows in got:
+                ordered.setdefault(gid, rows)
+    return list(ordered), list(ordered.values()), expected, torn
 
 
 def recorded_replay_config(config: ReplayConfig, num_groups: int) -> ReplayConfig:

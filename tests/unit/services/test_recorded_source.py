@@ -4,14 +4,17 @@ built from the recording at start (``services.control.recorded.use_recording``),
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
 
+from learner.run_journal import LearnerJournal
 from replay.buffer import TrajectoryBuffer
 from replay.config import ReplayConfig
 from replay.recorded import NO_STALENESS_GATE, read_manifest, sha256_files
 from replay.wal_read import list_segments
+from services.cli.invariants import RunDirError, check_run
 from services.control.plan import describe
 from services.control.recipe import RecipeError, load_recipe
 from services.control.recorded import RecordingError, rollouts_to_start, use_recording
@@ -125,3 +128,26 @@ def test_rollouts_run_only_to_evaluate(tmp_path):
     assert rollouts_to_start(recipe(tmp_path, rec, **{"eval.every_steps": 2})) == 1
     plain = load_recipe(TINY, {"run_dir": str(tmp_path / "runs"), "rollout.num_workers": 3}, dry_run=True)
     assert rollouts_to_start(plain) == 3 and use_recording(plain) is plain
+
+
+def test_gyre_check_takes_a_run_that_trained_from_a_recording_without_rollouts(tmp_path):
+    r = recipe(tmp_path, recorded_run(tmp_path / "rec"), **{"learner.groups_per_step": 2})
+    used = use_recording(r)
+    out = r.out_dir
+    (out / "recipe.json").write_text(used.model_dump_json())  # as the controller writes it
+    buf = TrajectoryBuffer(used.replay.model_copy(update={"dir": str(out / "replay")}))
+    lease, table = buf.sample(2, learner_version=7, consumer="learner")
+    groups = sorted(set(table.column("group_id").to_pylist()))
+    journal = LearnerJournal(out / "learner_journal.jsonl")
+    journal.save_begin(1, 1, groups)
+    journal.commit(Path("global_step_1"), groups)
+    buf.ack([lease])
+    buf.close()
+    report = check_run(out)
+    assert report.ok and report.counts["trained_groups"] == 2 and report.counts["in_replay_groups"] == 3, \
+        report.to_json()
+    plain = json.loads((out / "recipe.json").read_text())
+    plain["replay"]["source"] = None
+    (out / "recipe.json").write_text(json.dumps(plain))
+    with pytest.raises(RunDirError, match="no rollout journal"):  # a usual run without one is still refused
+        check_run(out)
