@@ -5,11 +5,12 @@
 # gyre's pins: .whl/ (ignored, never committed; `bash bench/gpu_wheels.sh` fills it) holds those as py3.12
 # wheels. They install into /tmp/site, first on PYTHONPATH (its grpcio/protobuf/typing_extensions shadow the
 # image's).
-# Then: tests/gpu (LearnerEngine on CUDA, the NCCL weight transport) and `bench.nccl --quick`.
+# Then: tests/gpu (LearnerEngine on CUDA, lockstep's exact resume with deterministic kernels, the NCCL weight
+# transport) and `bench.nccl --quick`.
 # Writes to $OUT: gpu_check.log (everything), learner_cuda.jsonl (a line per learner config),
-# nccl_quick.json (bench.nccl's result line). Each part runs even if one before it failed; the exit code
-# is non-zero if any did. Bounded by timeouts to ~8.3 minutes
-# (a normal run on an H100: ~3-4 minutes).
+# lockstep_cuda lines in learner_cuda.jsonl, nccl_quick.json (bench.nccl's result line). Each part runs even if one before it failed; the exit code
+# is non-zero if any did. Bounded by timeouts to ~10 minutes
+# (a normal run on an H100 or H200: ~5 minutes).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gyre-gpu-check}
@@ -43,7 +44,7 @@ print("gyre imports ok")
 EOF
 } 2>&1 | tee -a "$LOG" || rc=1
 
-{ step pytest tests/gpu; timeout -k 10 300 python3 -m pytest -q -s -p no:cacheprovider --durations=5 tests/gpu; } \
+{ step pytest tests/gpu; timeout -k 10 420 python3 -m pytest -q -s -p no:cacheprovider --durations=5 tests/gpu; } \
     2>&1 | tee -a "$LOG" || rc=1
 
 { step bench.nccl --quick; timeout -k 10 120 python3 -m bench.nccl --quick; } 2>&1 | tee "$OUT/nccl_quick.out" \

@@ -5,8 +5,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
-NAMES="annotated_types filelock google_crc32c grpcio grpcio_health_checking hjson protobuf pydantic
-pydantic_core structlog tenacity typing_extensions typing_inspection zstandard"
+NAMES="annotated_types cffi cryptography filelock google_crc32c grpcio grpcio_health_checking hjson protobuf pydantic
+pycparser pydantic_core structlog tenacity typing_extensions typing_inspection zstandard"
 grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo /.whl/ >> .git/info/exclude
 mkdir -p .whl
 for name in $NAMES; do

@@ -99,7 +99,7 @@ async def generation(engine, prompts, n: int, max_tokens: int, rounds: int) -> d
 
 async def sync_apply(feed: WeightFeed, rounds: int) -> dict:
     """SmolLM2 versions published on ``feed``: seconds until the engine reports each (median)."""
-    from services.rollout.transport.bootstrap import load_export
+    from proto.exports import load_export
 
     base, engine = load_export(SMOLLM2), feed.engine
     times, delivered = [], []

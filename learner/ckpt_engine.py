@@ -18,6 +18,7 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointComm
 from learner import checkpoint as ckpt
 from learner.async_save import snapshot, write_captured
 from learner.ckpt_request import CheckpointedLearner, CheckpointRequest
+from learner.ranks import control_group
 
 log = structlog.get_logger("learner")
 
@@ -38,7 +39,7 @@ def save_checkpoint(learner: CheckpointedLearner, request: CheckpointRequest) ->
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
     holder = torch.tensor([os.getpid()], dtype=torch.int64)  # rank 0's pid names the temp dir on every rank
-    dist.broadcast(holder, src=0)
+    dist.broadcast(holder, src=0, group=control_group())  # a CPU tensor: gloo, also when training runs on NCCL
     tmp = ckpt.temp_path(root, learner.step, int(holder.item()))
     final = ckpt.checkpoint_path(root, learner.step)
     meta = ckpt.CheckpointMetadata(

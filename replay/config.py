@@ -6,9 +6,10 @@ WAL, snapshot and rate-limiter parts are nested sections with their own defaults
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 SelectorName = Literal["fifo", "uniform", "prioritized", "recency"]
 """``fifo``: oldest inserted first. ``uniform``: uniformly at random. ``prioritized``: with probability
@@ -47,6 +48,12 @@ class WalConfig(BaseModel):
     zstd_level: int = Field(1, ge=-7, le=22)
     """zstd level with ``compression="zstd"`` (1: ~1 GB/s per core; negative levels are faster and
     compress less)."""
+
+    keep_segments: bool = False
+    """Keep every WAL segment, also those a snapshot covers: the run's whole history (every insert, lease and
+    ack) stays on disk, so the run can be a recording that other learners train from (``replay.source``,
+    ``replay.recorded``). Disk then grows by every inserted byte. ``False``: once the oldest kept snapshot
+    covers a segment it is deleted (a run whose snapshots deleted segments cannot be a recording)."""
 
 
 class SnapshotConfig(BaseModel):
@@ -114,6 +121,24 @@ class RateLimiterConfig(BaseModel):
         return self
 
 
+class RecordedSource(BaseModel):
+    """Where a run's trajectories come from when it trains from a recording instead of live rollouts."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    recorded: str
+    """Directory of a finished run (``runs/NAME``, holding its ``recipe.json`` and replay directory) whose learner's
+    consumed groups this run trains on, in the order that learner acknowledged them (``replay.recorded``). Relative
+    paths resolve from where gyre runs. The recording is only read; this run's replay gets a copy of its own."""
+
+    @field_validator("recorded")
+    @classmethod
+    def _absolute(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("expected the directory of a recorded run, e.g. runs/my-run; got an empty path")
+        return str(Path(value).expanduser().resolve())
+
+
 class ReplayConfig(BaseModel):
     """How replay stores, gates, hands out and persists trajectories."""
 
@@ -177,3 +202,24 @@ class ReplayConfig(BaseModel):
 
     snapshot: SnapshotConfig = SnapshotConfig()
     """Snapshot settings (used only with ``dir``)."""
+
+    source: RecordedSource | None = None
+    """``None``: the rollouts generate the training groups (the usual run). ``{recorded: RUN_DIR}``: record once,
+    train many — at start this run's replay is filled with a copy of the groups a recorded run's learner consumed,
+    in that order; rollouts generate nothing (they run only for evaluation) and the learner takes the groups first
+    in, first out, whatever its policy version: replay's staleness gate (``max_staleness``) is not applied. The run
+    ends when ``learner.num_steps`` steps are done or the recording is used up, whichever comes first. Needs the
+    defaults of ``selector``, ``max_times_sampled`` and ``rate_limiter``, which would change what is consumed."""
+
+    @model_validator(mode="after")
+    def _recorded_order(self) -> "ReplayConfig":
+        if self.source is None:
+            return self
+        limiter = self.rate_limiter.model_dump(exclude_defaults=True)
+        changed = {"selector": (self.selector, "fifo", "'fifo'"), "max_times_sampled": (self.max_times_sampled, 1, "1"),
+                   "rate_limiter": (limiter, {}, "left at its defaults")}
+        for key, (value, wanted, shown) in changed.items():
+            if value != wanted:
+                raise ValueError(f"replay.{key} ({value!r}) must be {shown} with replay.source: a run that trains "
+                                 "from a recording takes its groups once each, in the recorded order")
+        return self

@@ -25,6 +25,9 @@ Garbage collection: restore runs with the cycle collector paused and then ``gc.f
 built; every snapshot freezes the survivors again. Full collections therefore never walk the whole
 store (a 1M-object walk stalls every thread for 100s of ms).
 
+With ``wal.keep_segments`` no WAL segment is ever deleted: the directory is then a recording, the run's
+whole history, that other runs can train from (``replay.recorded``).
+
 WAL failure (disk full, I/O error): the log fails for good (``replay.wal``), ``failure`` says why,
 and listeners (the gRPC server's health status) are told once; every later change raises ``WalError``.
 """
@@ -149,7 +152,8 @@ class Durability:
                 remove_snapshot(old, self.foreground)
             fault_point("replay.snapshot.before_wal_delete")
             kept = list_snapshots(root)
-            deleted = self.wal.delete_covered(int(kept[-1].name[5:])) if kept else []
+            keep_all = self.config.wal.keep_segments  # a recording keeps its whole history (replay.recorded)
+            deleted = self.wal.delete_covered(int(kept[-1].name[5:])) if kept and not keep_all else []
             self._last_lsn, self._last_at = data.lsn, time.time()
             self._bytes_at_last = self.wal.bytes_written
             self.snapshots_written += 1

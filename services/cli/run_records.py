@@ -107,8 +107,9 @@ def load_run(run_dir: str | Path) -> RunRecords:
     """Read ``run_dir``'s recipe, journals and replay state.
 
     Raises:
-        RunDirError: no ``recipe.json``, no replay directory, no learner journal, no rollout journal, a
-            corrupt journal line (named), or replay's directory does not restore.
+        RunDirError: no ``recipe.json``, no replay directory, no learner journal, no rollout journal (unless it
+            trained from a recording: ``replay.source``), a corrupt journal line (named), or replay's directory
+            does not restore.
     """
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
@@ -121,7 +122,7 @@ def load_run(run_dir: str | Path) -> RunRecords:
                           "existed, or the learner never started)")
     learner = _journal(learner_path, torn)
     rollout_paths = sorted((run_dir / ROLLOUT_JOURNALS).glob("*.jsonl"))
-    if not rollout_paths:
+    if not rollout_paths and cfg.source is None:  # a run trained from a recording may start no rollout
         raise RunDirError(f"{run_dir}: no rollout journal under {ROLLOUT_JOURNALS}/ (no rollout ever started?)")
     rollouts = {p.stem: _journal(p, torn) for p in rollout_paths}
     stored, completed, counters = _replay_state(cfg)

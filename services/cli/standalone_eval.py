@@ -42,7 +42,7 @@ def target_kind(path: Path) -> str:
 
 def model_version(folder: Path) -> int:
     """The policy version of an HF folder: ``gyre_version.json``'s ``policy_version`` (an export of a run), else 0."""
-    from services.rollout.transport.bootstrap import VERSION_FILE
+    from proto.exports import VERSION_FILE
 
     file = folder / VERSION_FILE
     return int(json.loads(file.read_text())["policy_version"]) if file.is_file() else 0

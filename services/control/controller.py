@@ -28,6 +28,7 @@ from services.control.ops import create_state
 from services.control.progress import RunProgress
 from services.control.ray_connection import CONNECTION_FILE, record_connection
 from services.control.recipe import Recipe
+from services.control.recorded import rollouts_to_start, use_recording
 from services.control.report import MetricsWriter, plot_run, read_metrics
 from services.control.run_lock import hold_run_dir
 from services.control.supervisor import ServiceFactory, Supervisor
@@ -121,6 +122,7 @@ def _run(recipe: Recipe, console: Console) -> dict:
     finished = prepare_run_dir(recipe, console)
     if finished is not None:
         return finished
+    recipe = use_recording(recipe, console)  # replay.source: replay gets a copy of the recording (record once)
     (out / "recipe.json").write_text(recipe.model_dump_json(indent=2))
     console.print(f"outputs in {out}; each service's log in {out / 'logs'}/<service>.log", highlight=False)
     trackers = open_trackers(recipe.tracking, out, recipe.name, recipe.model_dump(mode="json"))
@@ -148,10 +150,10 @@ def _run_services(recipe: Recipe, console: Console, trackers: Trackers) -> dict:
     metrics = MetricsWriter(out / "metrics.jsonl", trackers)
     state = sup = None
     try:
-        state = create_state(recipe.name, recipe.ray.namespace, recipe.rollout.num_workers)
+        state = create_state(recipe.name, recipe.ray.namespace, rollouts_to_start(recipe))
         sup = Supervisor(ServiceFactory(recipe, actor_env(), task_fingerprint(recipe)), state)
         with console.status("starting replay, learner (DeepSpeed) and rollouts (vLLM)…"):
-            attached = sup.start(recipe.rollout.num_workers)
+            attached = sup.start(rollouts_to_start(recipe))
         _print_restored(sup, attached, console)
         # a re-attached learner still holds the rows an earlier driver already wrote
         written = _last_step(out / "metrics.jsonl") if "learner" in attached else -1
@@ -262,7 +264,8 @@ def _train(recipe: Recipe, sup: Supervisor, metrics: MetricsWriter, console: Con
         summary["heldout_accuracy_before"] = record_eval(before, recipe.out_dir, metrics, "before")["heldout_accuracy"]
         console.print(f"held-out accuracy before training: {before.metrics['heldout_accuracy']:.3f} "
                       f"({eval_line(before.metrics)})", highlight=False)
-    sup.start_generation()
+    if recipe.replay.source is None:  # a recording's run: its rollouts only evaluate
+        sup.start_generation()
     with RunProgress(console, recipe.learner.num_steps) as progress:
         evals = PeriodicEval(recipe.eval, recipe.learner.num_steps, start_version, recipe.out_dir, metrics, progress)
         final_version = _supervise_training(recipe, sup, metrics, progress, written, evals=evals)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from proto.model_source import is_hub_id
 from services.control.recipe import Recipe
+from services.control.recorded import rollouts_to_start
 
 
 def _task_line(recipe: Recipe) -> str:
@@ -26,13 +27,15 @@ def describe(recipe: Recipe) -> str:
         f"task       {_task_line(recipe)}  (held-out {recipe.task.heldout_size}, seed {recipe.task.heldout_seed})",
         f"ray        address={recipe.ray.address} namespace={recipe.ray.namespace}",
         "services",
-        f"  replay    max_staleness={rp.max_staleness} capacity_groups={rp.capacity_groups} lease_ttl_s={rp.lease_ttl_s}",
+        f"  replay    max_staleness={rp.max_staleness} capacity_groups={rp.capacity_groups} lease_ttl_s={rp.lease_ttl_s}"
+        if rp.source is None else f"  replay    a copy of the recording {rp.source.recorded}: the groups its learner "
+        "consumed, in that order, no staleness gate; rollouts only evaluate",
         f"  learner   DeepSpeed ZeRO-{l.engine.zero_stage} {l.engine.dtype} lr={l.engine.lr} "
         f"micro_batch={l.engine.micro_batch_size}{' grad-checkpointing' if l.engine.gradient_checkpointing else ''}"
         f"  steps={l.num_steps}",
         f"            batch = {l.groups_per_step} groups × {r.group_size} samples = {batch} trajectories/step",
         f"            loss: decoupled PPO-clip (ε={l.algorithm.clip_eps_low}/{l.algorithm.clip_eps_high}) × TIS (C={l.algorithm.tis_cap})",
-        f"  rollout×{r.num_workers} vLLM {r.engine.dtype} max_model_len={r.engine.max_model_len} "
+        f"  rollout×{rollouts_to_start(recipe)} vLLM {r.engine.dtype} max_model_len={r.engine.max_model_len} "
         f"{_kv_line(r.engine)}; n={r.group_size}, {r.groups_in_flight} groups in flight, "
         f"T={r.sampling.temperature} max_new_tokens={r.sampling.max_new_tokens}",
         _eval_line(recipe),

@@ -20,6 +20,7 @@ from rollout.tasks import TaskConfig
 from services.common.names import ServiceName
 from services.common.security import SecurityConfig
 from services.control.placement import PlacementConfig, RayConfig
+from services.control.recorded import RecordingError, check_recorded_source
 from services.control.tracking.config import TrackingConfig
 
 
@@ -275,7 +276,7 @@ def load_recipe(path: str | Path, overrides: dict[str, Any] | None = None, dry_r
         RecipeError: missing file, bad YAML, unknown key, wrong type, missing model folder, a Hub id that cannot
             be had (unknown, gated, offline and not cached), unknown task, a reward (name, params, or a
             ``function`` that does not import or cannot take ``(completions, prompts=...)``; the message names
-            its path).
+            its path), a ``replay.source`` recording that is missing, incomplete or corrupt.
     """
     path = Path(path)
     if not path.is_file():
@@ -307,6 +308,10 @@ def load_recipe(path: str | Path, overrides: dict[str, Any] | None = None, dry_r
         sep = " " if "\n" not in problems else "\n"  # one problem: one line
         raise RecipeError(f"recipe {path}:{sep}{problems.strip() if sep == ' ' else problems}") from None
     _check_resources(recipe, path, dry_run)
+    try:
+        check_recorded_source(recipe)  # replay.source: the recording reads whole and verified
+    except RecordingError as exc:
+        raise RecipeError(f"recipe {path}: replay.source: {exc}") from None
     return recipe
 
 

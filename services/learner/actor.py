@@ -16,12 +16,12 @@ import ray
 import structlog
 
 from learner.loop import StopRequested
+from proto.exports import write_export_version
 from services.common.actor_env import advertised_host, node_ip, security_config
 from services.common.describe import LearnerInfo, LearnerRankInfo
 from services.common.logs import bind_policy_version
 from services.common.names import ServiceName
 from services.replay.links import ReroutableReplay
-from services.rollout.transport.bootstrap import write_export_version
 
 log = structlog.get_logger("actors")
 

@@ -20,7 +20,8 @@ from rollout.config import EngineConfig, SamplingConfig
 from rollout.engine import RolloutEngine
 from services.learner import weight_server
 from services.rollout.transport import make_transport
-from services.rollout.transport.bootstrap import bootstrap, write_export_version
+from proto.exports import write_export_version
+from services.rollout.transport.bootstrap import bootstrap
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPT = [1, 2, 3, 4, 5]

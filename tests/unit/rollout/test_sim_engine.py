@@ -10,7 +10,7 @@ from pydantic import ValidationError
 
 from rollout.config import EngineConfig, SamplingConfig, SimulatedEngineConfig
 from rollout.sim_engine import SimulatedEngine, check_weights, version_spans
-from services.rollout.transport.bootstrap import load_export
+from proto.exports import load_export
 
 SAMPLING = SamplingConfig(max_new_tokens=12)
 

@@ -23,7 +23,7 @@ from rollout.weights import GrpcTransportConfig, NcclTransportConfig
 from services.common import grpc_common
 from services.learner import weight_server
 from services.rollout.transport import TransportUnavailableError, make_transport
-from services.rollout.transport.bootstrap import newest_export, write_export_version
+from proto.exports import newest_export, write_export_version
 from services.rollout.transport.grpc_transport import GrpcTransport
 from services.learner.weight_broadcast import NcclWeightSender
 from services.rollout.transport.nccl import NcclTransport

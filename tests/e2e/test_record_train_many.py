@@ -1,0 +1,85 @@
+"""Record once, train many (``replay.source: {recorded: RUN_DIR}``): a tiny run is recorded, then two learners with
+different importance corrections (``learner.algorithm.is_weight``: ``tis_token`` and ``none``) train from it (tiny
+random Llama; real vLLM, DeepSpeed, gRPC, a local Ray).
+
+What must hold: both learners consumed the recorded learner's trajectories — the same ids in the same order, with
+the same rows (tokens, behaviour logprobs, rewards) — read from each run's own replay WAL and, independently, from
+each learner's journal; nothing was generated for training (replay stored only the copy), although the first run's
+rollout evaluated the final policy; the second, asked for 5 steps, stopped when the recording ran out (2 steps);
+the recording's replay directory is byte for byte what it was; and the setting really applied: the learner with the
+recorded run's own correction (``tis_token``) ends with the recorded learner's parameters bit for bit, the other
+one (``none``) with other parameters.
+"""
+
+import pytest
+from safetensors.torch import load_file
+
+from proto.journal import read_journal
+from replay.recorded import read_recording, sha256_files
+from services.cli.invariants import check_run
+from services.control import controller
+from services.control.recipe import load_recipe
+from services.control.recorded import recorded_replay
+from tests.training import assert_trained
+
+pytestmark = pytest.mark.slow
+
+STEPS = 2
+GROUPS_PER_STEP = 2
+GROUP_SIZE = 2  # tiny-test's rollout.group_size
+
+
+def _run(tiny_llama, runs, name, overrides):
+    recipe = load_recipe("deploy/recipes/tiny-test.yaml", {
+        "model": str(tiny_llama), "run_dir": str(runs), "name": name, "ray.num_cpus": 2, "eval_before": False,
+        "eval_after": False, "learner.num_steps": STEPS, "learner.groups_per_step": GROUPS_PER_STEP,
+        "replay.wal.keep_segments": True, **overrides})
+    return controller.run(recipe), runs / name
+
+
+def _journal_groups(out) -> list[str]:
+    """Group ids of the learner's committed checkpoints, in journal order (``learner.run_journal``)."""
+    return [g for e in read_journal(out / "learner_journal.jsonl").events if e["event"] == "commit" for g in e["groups"]]
+
+
+def _params(out) -> dict:
+    return load_file(str(next((out / "final_policy").glob("*.safetensors"))))
+
+
+def test_two_learners_train_on_the_same_recorded_trajectories(tiny_llama, tmp_path):
+    runs = tmp_path / "runs"
+    _, recorded_dir = _run(tiny_llama, runs, "recorded", {})
+    before = sha256_files(recorded_dir / "replay")
+    recording = read_recording(recorded_replay(recorded_dir))
+    assert len(recording.group_ids) == STEPS * GROUPS_PER_STEP  # what the recorded learner consumed
+    assert recording.group_ids == _journal_groups(recorded_dir)
+
+    trained = {}
+    for name, is_weight, extra in (("tis", "tis_token", {"eval_after": True}),
+                                   ("plain", "none", {"learner.num_steps": 5})):
+        summary, out = _run(tiny_llama, runs, name, {"replay.source": {"recorded": str(recorded_dir)},
+                                                     "learner.algorithm.is_weight": is_weight, **extra})
+        assert summary["final_version"] == STEPS  # "plain" asked for 5: the recording holds 2 steps' groups
+        consumed = read_recording(recorded_replay(out))  # this run's own replay WAL: what its learner consumed
+        assert consumed.trajectory_ids == recording.trajectory_ids
+        assert all(a.equals(b) for a, b in zip(consumed.groups, recording.groups))  # the recorded rows, unchanged
+        assert _journal_groups(out) == recording.group_ids  # the learner's own account, in the same order
+        assert summary["replay"]["inserted_total"] == len(recording.group_ids) * GROUP_SIZE  # only the copy
+        report = check_run(out)
+        assert report.ok and report.counts["trained_groups"] == STEPS * GROUPS_PER_STEP, report.to_json()
+        assert_trained(out, tiny_llama, min_fraction=1.0)
+        trained[name] = (summary, _params(out))
+
+    tis, plain = trained["tis"], trained["plain"]
+    assert 0 <= tis[0]["heldout_accuracy_after"] <= 1  # evaluated as usual, by a rollout that generated nothing
+    assert (runs / "tis" / "eval" / f"step_{STEPS}.jsonl").is_file()
+    (stats,) = tis[0]["rollout_stats"]
+    assert stats["groups"] == 0 and stats["version"] == STEPS  # it followed the learner's weights, generated nothing
+    assert plain[0]["rollout_stats"] == []  # no evaluation asked: no rollout started
+    # tis_token is the recorded run's own setting: on the same groups in the same order that learner ends with the
+    # recorded learner's parameters bit for bit (the copy is faithful), while is_weight none ends elsewhere
+    recorded = _params(recorded_dir)
+    assert [n for n in recorded if not recorded[n].equal(tis[1][n])] == []
+    differing = [n for n in tis[1] if not tis[1][n].equal(plain[1][n])]
+    assert len(differing) * 2 > len(tis[1]), f"only {differing} differ between is_weight tis_token and none"
+    assert sha256_files(recorded_dir / "replay") == before  # the recording was only read
