@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -76,6 +77,8 @@ def _wandb_records(path: Path) -> list[bytes]:
         if kind == 0 and length == 0:
             pos += left
             continue
+        if pos + 7 + length > len(data):  # a record still being written
+            break
         chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
         if kind == FULL:
             out.append(chunk)
@@ -92,31 +95,42 @@ def _item_key(item) -> str:
     return item.key or "/".join(item.nested_key)
 
 
-def wandb_offline_runs(root: Path) -> list[WandbOfflineRun]:
-    """Every ``{root}/wandb/offline-run-*/run-*.wandb``, decoded, oldest first."""
+def wandb_offline_runs(root: Path, wait_s: float = 60.0) -> list[WandbOfflineRun | None]:
+    """Every ``{root}/wandb/offline-run-*/run-*.wandb``, decoded, oldest first (``None`` for a file without its
+    run record). W&B's service process writes the file on its own schedule: ``run.finish()`` can return before
+    the last records reach the disk (seen on this machine under load: a file of its 7-byte header only), so this
+    waits up to ``wait_s`` seconds for every file to hold its run's ``exit`` record, then returns what is there."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        runs = [_decode_wandb_file(path) for path in sorted(Path(root).glob("wandb/offline-run-*/run-*.wandb"))]
+        if all(r is not None and r.exit_code is not None for r in runs) or time.monotonic() > deadline:
+            return runs
+        time.sleep(0.2)
+
+
+def _decode_wandb_file(path: Path) -> WandbOfflineRun | None:
     from wandb.proto import wandb_internal_pb2 as pb
 
-    runs = []
-    for path in sorted(Path(root).glob("wandb/offline-run-*/run-*.wandb")):
-        run = None
-        for raw in _wandb_records(path):
-            record = pb.Record()
-            record.ParseFromString(raw)
-            kind = record.WhichOneof("record_type")
-            if kind == "run":
-                r = record.run
-                run = WandbOfflineRun(r.run_id, r.project, r.display_name, r.run_group, list(r.tags))
-                run.config.update({_item_key(i): json.loads(i.value_json) for i in r.config.update})
-            elif kind == "config":
-                run.config.update({_item_key(i): json.loads(i.value_json) for i in record.config.update})
-            elif kind == "history":
-                run.history.append({_item_key(i): json.loads(i.value_json) for i in record.history.item})
-            elif kind == "summary":
-                run.summary.update({_item_key(i): json.loads(i.value_json) for i in record.summary.update})
-            elif kind == "exit":
-                run.exit_code = record.exit.exit_code
-        runs.append(run)
-    return runs
+    run = None
+    for raw in _wandb_records(path):
+        record = pb.Record()
+        record.ParseFromString(raw)
+        kind = record.WhichOneof("record_type")
+        if kind == "run":
+            r = record.run
+            run = WandbOfflineRun(r.run_id, r.project, r.display_name, r.run_group, list(r.tags))
+            run.config.update({_item_key(i): json.loads(i.value_json) for i in r.config.update})
+        elif run is None:
+            continue
+        elif kind == "config":
+            run.config.update({_item_key(i): json.loads(i.value_json) for i in record.config.update})
+        elif kind == "history":
+            run.history.append({_item_key(i): json.loads(i.value_json) for i in record.history.item})
+        elif kind == "summary":
+            run.summary.update({_item_key(i): json.loads(i.value_json) for i in record.summary.update})
+        elif kind == "exit":
+            run.exit_code = record.exit.exit_code
+    return run
 
 
 def trackio_logs(project: str, run: str) -> tuple[list[dict], dict]:
