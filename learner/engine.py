@@ -26,6 +26,8 @@ from learner.comm_timer import CommTimer
 from learner.ckpt_request import CheckpointRequest
 from learner.config import AlgorithmConfig, LearnerConfig
 from learner.ds_setup import _DTYPES, build_ds_config, ensure_distributed
+from learner.objective_check import check_objectives
+from learner.objectives import custom_policy_loss
 from learner.ranks import gather_step_metrics, rank_rows
 from learner.losses import (kl_penalty, loss_normaliser, policy_loss, row_token_scale, scaled_token_sum,
                             token_entropy, value_loss)
@@ -73,6 +75,7 @@ class LearnerEngine:
     def __init__(self, config: LearnerConfig, algo: AlgorithmConfig) -> None:
         self.config = config
         self.algo = algo
+        check_objectives(algo)  # a custom advantage / loss imports and passes its synthetic check on this rank
         self.step = 0
         self.version = 0
         self.config_hash = ckpt.config_hash(config.model_dump_json() + algo.model_dump_json())
@@ -258,7 +261,7 @@ class LearnerEngine:
         behaviour = batch.behaviour_logprobs[rows, cols].to(self.device)
         advantages = batch.advantages[rows] if targets is None else targets.advantages[rows]
         advantages = advantages[:, cols] if advantages.dim() == 2 else advantages
-        loss, metrics = policy_loss(
+        loss, metrics = (custom_policy_loss if self.algo.custom_loss else policy_loss)(
             logprobs,
             proximal,  # one update per batch: the current parameters (with dropout: this forward's draw)
             behaviour,
