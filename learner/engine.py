@@ -128,8 +128,9 @@ class LearnerEngine:
             metrics: ``loss`` and ``grad_norm`` (before clipping), each the mean over the updates, ``updates``,
             ``tokens`` (non-pad tokens of the batch), ``response_tokens``, ``step_time_s``,
             ``optimizer_step_s`` (summed over updates), ``tokens_per_s``, the ``policy_loss`` metrics
-            (token-weighted over every update's micro-batches; ``is_ratio_max`` is the max), ``is_ess_frac``
-            (Kish ESS of ``pi_proximal / pi_behaviour`` over valid tokens, as a fraction), ``entropy``
+            (token-weighted over every update's micro-batches; ``is_ratio_max`` is the max; with a custom
+            ``loss``, ``learner.objectives.custom_policy_loss``'s: the ratio diagnostics and ``custom_loss/<name>``),
+            ``is_ess_frac`` (Kish ESS of ``pi_proximal / pi_behaviour`` over valid tokens, as a fraction), ``entropy``
             (token-mean nats), ``kl_to_ref`` (token-mean k3 estimate of ``KL(pi || pi_ref)``, only with
             ``kl_coef > 0``), ``value_loss`` / ``value_clip_frac`` / ``explained_variance`` (critic only),
             ``reward_mean``, ``reward_std`` (the verifier's raw reward), ``truncated_frac`` (and

@@ -138,7 +138,8 @@ _LOADED: dict[str, Callable] = {}
 """Import path → the function, imported once per process (a run uses one version of it)."""
 
 
-def _fail(key: str, spec: str, what: str) -> ObjectiveError:
+def contract_error(key: str, spec: str, what: str) -> ObjectiveError:
+    """The error for ``learner.algorithm.<key>: <spec>`` doing ``what``, with the contract it breaks."""
     return ObjectiveError(f"learner.algorithm.{key} {spec!r}: {what} (the contract: {EXPECTED[key]})")
 
 
@@ -155,11 +156,11 @@ def load_objective(key: str, spec: str) -> Callable:
         split_spec(spec)
         fn, _ = load_callable(spec)
     except CallableSpecError as exc:
-        raise _fail(key, spec, str(exc)) from None
+        raise contract_error(key, spec, str(exc)) from None
     try:
         inspect.signature(fn).bind(object())
     except TypeError as exc:
-        raise _fail(key, spec, f"{spec.rpartition(':')[2]}{inspect.signature(fn)} cannot be called with one "
+        raise contract_error(key, spec, f"{spec.rpartition(':')[2]}{inspect.signature(fn)} cannot be called with one "
                                f"argument: {exc}") from None
     except ValueError:  # no signature to inspect (some builtins): the call will tell
         pass
@@ -172,14 +173,14 @@ def _check_tensor(key: str, spec: str, name: str, t: Any, shapes: dict[str, tupl
     ``ObjectiveError`` naming ``name``, what it is and what was expected."""
     want = " or ".join(f"{label} = {list(shape)}" if label != "[]" else "[] (0-dim)" for label, shape in shapes.items())
     if not isinstance(t, torch.Tensor):
-        raise _fail(key, spec, f"{name} is a {type(t).__name__}; expected a torch.Tensor of shape {want}")
+        raise contract_error(key, spec, f"{name} is a {type(t).__name__}; expected a torch.Tensor of shape {want}")
     if tuple(t.shape) not in shapes.values():
-        raise _fail(key, spec, f"{name} has shape {list(t.shape)}; expected {want}")
+        raise contract_error(key, spec, f"{name} has shape {list(t.shape)}; expected {want}")
     if t.dtype != torch.float32:
-        raise _fail(key, spec, f"{name} has dtype {t.dtype}; expected torch.float32")
+        raise contract_error(key, spec, f"{name} has dtype {t.dtype}; expected torch.float32")
     bad = int((~torch.isfinite(t.detach())).sum())
     if bad:
-        raise _fail(key, spec, f"{name} has {bad} non-finite value(s) (NaN or inf) of {t.numel()}; expected "
+        raise contract_error(key, spec, f"{name} has {bad} non-finite value(s) (NaN or inf) of {t.numel()}; expected "
                                "finite values")
     return t
 
@@ -202,7 +203,7 @@ def custom_advantages(inputs: AdvantageInputs) -> torch.Tensor:
     try:
         out = fn(inputs)
     except Exception as exc:
-        raise _fail("advantage", spec, f"raised {type(exc).__name__}: {exc}") from exc
+        raise contract_error("advantage", spec, f"raised {type(exc).__name__}: {exc}") from exc
     out = _check_tensor("advantage", spec, "the returned advantages tensor", out, shapes).detach().to("cpu")
     keep = inputs.scored if out.dim() == 1 else mask & inputs.scored.unsqueeze(1)
     return torch.where(keep, out, torch.zeros_like(out))
@@ -236,11 +237,11 @@ def custom_policy_loss(
     try:
         out = fn(inputs)
     except Exception as exc:
-        raise _fail("loss", spec, f"raised {type(exc).__name__}: {exc}") from exc
+        raise contract_error("loss", spec, f"raised {type(exc).__name__}: {exc}") from exc
     loss, extra = out if isinstance(out, tuple) and len(out) == 2 else (out, {})
     _check_tensor("loss", spec, "the returned loss", loss, {"[]": ()})
     if not loss.requires_grad:
-        raise _fail("loss", spec, "the returned loss does not require grad: it has no gradient path to "
+        raise contract_error("loss", spec, "the returned loss does not require grad: it has no gradient path to "
                                   "inputs.logprobs")
     metrics = ratio_metrics(proximal_logprobs, behaviour_logprobs, mask)
     metrics.update(_metrics(spec, extra))
@@ -249,13 +250,13 @@ def custom_policy_loss(
 
 def _metrics(spec: str, extra: Any) -> dict[str, float]:
     if not isinstance(extra, dict):
-        raise _fail("loss", spec, f"the returned metrics are a {type(extra).__name__}, not a dict of str -> float")
+        raise contract_error("loss", spec, f"the returned metrics are a {type(extra).__name__}, not a dict of str -> float")
     out = {}
     for name, value in extra.items():
         if isinstance(value, torch.Tensor) and value.numel() == 1:
             value = value.item()
         if not isinstance(name, str) or isinstance(value, bool) or not isinstance(value, (int, float)) \
                 or not math.isfinite(value):
-            raise _fail("loss", spec, f"metric {name!r} = {value!r:.60} is not a finite real number under a str name")
+            raise contract_error("loss", spec, f"metric {name!r} = {value!r:.60} is not a finite real number under a str name")
         out[f"custom_loss/{name}"] = float(value)
     return out
