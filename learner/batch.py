@@ -9,6 +9,7 @@ import torch
 
 from learner.advantages import group_advantages, masked_group_advantages, overlong_penalty
 from learner.config import AlgorithmConfig
+from learner.objectives import AdvantageInputs, custom_advantages
 from proto.trajectory import validate_table
 
 
@@ -37,7 +38,8 @@ class TrainBatch:
     advantages: torch.Tensor
     """[B] float32: outcome advantage of each row (``AlgorithmConfig.advantage``) of its ``shaped_rewards``,
     computed within its group (``reinforce_pp`` also whitens over the batch's response tokens); all 0 for
-    ``gae``, whose per-token advantages need the critic's values and are computed in ``learner.engine``."""
+    ``gae``, whose per-token advantages need the critic's values and are computed in ``learner.engine``. A custom
+    estimator (``learner.objectives``) may return ``[B, L - 1]`` per-token advantages instead."""
 
     rewards: torch.Tensor
     """[B] float32: raw verifier rewards (for metrics; ``shaped_rewards`` is what the advantages see)."""
@@ -96,7 +98,8 @@ def build_train_batch(
         cfg: ``advantage`` (``gae`` leaves ``advantages`` at 0), ``adv_eps``; ``overlong_buffer_len`` (DAPO's
             soft penalty, added to the rewards before the advantages) and ``overlong_filter`` (``"length"``
             rows get no response tokens and 0 behaviour logprobs, after the advantages); ``failed_scores``
-            (rows with a ``reward_error`` leave the loss and the baselines, ``scored_rows``).
+            (rows with a ``reward_error`` leave the loss and the baselines, ``scored_rows``); a custom ``advantage``
+            is called on the padded rows (``learner.objectives.custom_advantages``).
 
     Raises:
         proto.trajectory.SchemaError: the table does not match the schema.
@@ -104,6 +107,7 @@ def build_train_batch(
             first group's (ragged), whose rows disagree on the prompt tokens, or repeat a
             ``sample_index`` — the message names the group; an outcome estimator (``grpo``, ``dr_grpo``,
             ``rloo``, ``reinforce_pp``) with groups of one sample.
+        learner.objectives.ObjectiveError: a custom advantage that fails or returns a wrong tensor.
     """
     validate_table(table)
     if table.num_rows == 0:
@@ -128,7 +132,10 @@ def build_train_batch(
     row_index = torch.tensor([rows for rows in groups.values()], dtype=torch.int64)  # [G, n]
     failed = torch.tensor([bool(err) for err in cols["reward_error"]], dtype=torch.bool)
     lengths = torch.tensor([len(r) for r in cols["response_token_ids"]], dtype=torch.int64)
-    advantages, baseline = _advantages(cfg, rewards + penalty, row_index, failed, lengths)
+    if cfg.custom_advantage:  # computed below, from the padded rows (``learner.objectives``)
+        advantages, baseline = None, scored_rows(cfg, failed, row_index)
+    else:
+        advantages, baseline = _advantages(cfg, rewards + penalty, row_index, failed, lengths)
     input_ids, attention_mask, response_mask, behaviour = _pad_rows(
         cols["prompt_token_ids"], cols["response_token_ids"], cols["behaviour_logprobs"], pad_token_id
     )
@@ -140,6 +147,9 @@ def build_train_batch(
     staleness = torch.tensor(
         [learner_version - spans[0] for spans in cols["version_span_versions"]], dtype=torch.int64
     )
+    if advantages is None:
+        advantages = custom_advantages(AdvantageInputs(rewards + penalty, row_index, baseline, response_mask,
+                                                       behaviour, staleness, cfg))
     return TrainBatch(
         input_ids=input_ids,
         attention_mask=attention_mask,

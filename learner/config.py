@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from pathlib import Path
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from proto.callable_spec import CallableSpecError, resolve_file_spec, split_spec
 from proto.model_source import localize_model_data
 
 
@@ -15,6 +17,12 @@ position, the sampling distribution held fixed), or ``None`` where that expectat
 exactly in ``tests/unit/learner/test_kl_gradients.py``."""
 
 
+BuiltinAdvantage = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "gae"]
+"""The built-in advantage estimators (``learner.advantages``); anything else is an import path."""
+BuiltinLoss = Literal["ppo_clip"]
+"""The built-in policy loss (``learner.losses.policy_loss``); anything else is an import path."""
+
+
 class AlgorithmConfig(BaseModel):
     """The RL algorithm: advantage estimator, off-policy correction, regularisers and critic
     (see ``learner.advantages`` and ``learner.losses``). The defaults are GRPO advantages with the
@@ -22,7 +30,7 @@ class AlgorithmConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "gae"] = "grpo"
+    advantage: BuiltinAdvantage | str = "grpo"
     """Advantage estimator. ``grpo``: ``(r - mean_g) / (std_g + adv_eps)`` (Shao et al. 2024);
     ``dr_grpo``: ``r - mean_g`` (Liu et al. 2025; with ``loss_agg_mode: auto`` it also gets the constant
     ``seq-mean-token-sum-norm`` aggregation); ``rloo``: leave-one-out baseline ``r_i - mean_{j != i} r_j`` (Ahmadian et al.
@@ -30,7 +38,19 @@ class AlgorithmConfig(BaseModel):
     row's value counted once per token, as OpenRLHF's ``reinforce_baseline`` does; REINFORCE++-baseline,
     Hu 2025); ``gae``: PPO with a value head and GAE over the response tokens (Schulman et al. 2016), the
     outcome reward sitting on the last response token. The four group baselines need groups of >= 2
-    samples (a recipe with ``rollout.group_size < 2`` is refused); ``gae`` takes any group size."""
+    samples (a recipe with ``rollout.group_size < 2`` is refused); ``gae`` takes any group size. Or your own
+    estimator as an import path ``"pkg.module:fn"`` / ``"path/to/file.py:fn"``, called as
+    ``fn(AdvantageInputs) -> [B] or [B, T] float32`` (the contract: ``learner.objectives``); it is imported and
+    run on a tiny synthetic batch when the recipe loads, and again on every learner rank."""
+
+    loss: BuiltinLoss | str = "ppo_clip"
+    """The policy loss. ``ppo_clip``: the PPO-clip surrogate against ``policy_ratio``'s anchor times the
+    ``is_weight`` correction, with ``clip_eps_low/high`` and ``dual_clip_c`` (``learner.losses.policy_loss``; verl's
+    ``loss_mode: vanilla``). Or your own loss as an import path ``"pkg.module:fn"`` / ``"path/to/file.py:fn"``,
+    called once per micro-batch as ``fn(LossInputs) -> loss`` or ``(loss, metrics)`` (the contract:
+    ``learner.objectives``) in place of ``ppo_clip``; the KL, entropy and value terms are still added. It is
+    imported and checked on a tiny synthetic batch (a scalar with a gradient to the logprobs) when the recipe
+    loads, and again on every learner rank."""
 
     policy_ratio: Literal["proximal", "behaviour"] = "proximal"
     """What the PPO ratio ``pi / pi_anchor`` is clipped against. ``proximal``: the learner's own
@@ -198,6 +218,19 @@ class AlgorithmConfig(BaseModel):
     ``reward_error_frac`` (failed rows) and ``reward_error_untrained_frac`` (rows left out for it) metrics
     count them. A 0 in place of a verdict would train as a real score."""
 
+    @field_validator("advantage", "loss")
+    @classmethod
+    def _builtin_or_import_path(cls, value: str, info: ValidationInfo) -> str:
+        builtins = get_args(BuiltinAdvantage if info.field_name == "advantage" else BuiltinLoss)
+        if value in builtins:
+            return value
+        try:
+            split_spec(value)
+        except CallableSpecError as exc:
+            raise ValueError(f"{info.field_name} {value!r}: {exc}; expected one of {', '.join(builtins)} or an import "
+                             "path 'pkg.module:fn' / 'path/to/file.py:fn' (see learner.objectives)") from None
+        return resolve_file_spec(value, Path.cwd())  # a relative file: from where gyre runs, as reward files
+
     @model_validator(mode="after")
     def _check_overlong(self) -> AlgorithmConfig:
         if self.overlong_buffer_len > 0 and self.max_response_tokens is None:
@@ -257,6 +290,16 @@ class AlgorithmConfig(BaseModel):
         if self.loss_agg_mode != "auto":
             return self.loss_agg_mode
         return "seq-mean-token-sum-norm" if self.advantage == "dr_grpo" else "token-mean"
+
+    @property
+    def custom_advantage(self) -> bool:
+        """``advantage`` is an import path (``learner.objectives``), not a built-in estimator."""
+        return self.advantage not in get_args(BuiltinAdvantage)
+
+    @property
+    def custom_loss(self) -> bool:
+        """``loss`` is an import path (``learner.objectives``), not the built-in ``ppo_clip``."""
+        return self.loss not in get_args(BuiltinLoss)
 
     @property
     def updates_per_batch(self) -> int:

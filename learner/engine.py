@@ -26,6 +26,8 @@ from learner.comm_timer import CommTimer
 from learner.ckpt_request import CheckpointRequest
 from learner.config import AlgorithmConfig, LearnerConfig
 from learner.ds_setup import _DTYPES, build_ds_config, ensure_distributed
+from learner.objective_check import check_objectives
+from learner.objectives import custom_policy_loss
 from learner.ranks import gather_step_metrics, rank_rows
 from learner.losses import (kl_penalty, loss_normaliser, policy_loss, row_token_scale, scaled_token_sum,
                             token_entropy, value_loss)
@@ -73,6 +75,7 @@ class LearnerEngine:
     def __init__(self, config: LearnerConfig, algo: AlgorithmConfig) -> None:
         self.config = config
         self.algo = algo
+        check_objectives(algo)  # a custom advantage / loss imports and passes its synthetic check on this rank
         self.step = 0
         self.version = 0
         self.config_hash = ckpt.config_hash(config.model_dump_json() + algo.model_dump_json())
@@ -125,8 +128,9 @@ class LearnerEngine:
             metrics: ``loss`` and ``grad_norm`` (before clipping), each the mean over the updates, ``updates``,
             ``tokens`` (non-pad tokens of the batch), ``response_tokens``, ``step_time_s``,
             ``optimizer_step_s`` (summed over updates), ``tokens_per_s``, the ``policy_loss`` metrics
-            (token-weighted over every update's micro-batches; ``is_ratio_max`` is the max), ``is_ess_frac``
-            (Kish ESS of ``pi_proximal / pi_behaviour`` over valid tokens, as a fraction), ``entropy``
+            (token-weighted over every update's micro-batches; ``is_ratio_max`` is the max; with a custom
+            ``loss``, ``learner.objectives.custom_policy_loss``'s: the ratio diagnostics and ``custom_loss/<name>``),
+            ``is_ess_frac`` (Kish ESS of ``pi_proximal / pi_behaviour`` over valid tokens, as a fraction), ``entropy``
             (token-mean nats), ``kl_to_ref`` (token-mean k3 estimate of ``KL(pi || pi_ref)``, only with
             ``kl_coef > 0``), ``value_loss`` / ``value_clip_frac`` / ``explained_variance`` (critic only),
             ``reward_mean``, ``reward_std`` (the verifier's raw reward), ``truncated_frac`` (and
@@ -258,7 +262,7 @@ class LearnerEngine:
         behaviour = batch.behaviour_logprobs[rows, cols].to(self.device)
         advantages = batch.advantages[rows] if targets is None else targets.advantages[rows]
         advantages = advantages[:, cols] if advantages.dim() == 2 else advantages
-        loss, metrics = policy_loss(
+        loss, metrics = (custom_policy_loss if self.algo.custom_loss else policy_loss)(
             logprobs,
             proximal,  # one update per batch: the current parameters (with dropout: this forward's draw)
             behaviour,

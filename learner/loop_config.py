@@ -6,6 +6,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from learner.archive import ArchiveConfig
 from learner.config import AlgorithmConfig, LearnerConfig
+from learner.objective_check import check_objectives
 from proto.lockstep import LockstepConfig
 
 
@@ -77,6 +78,12 @@ class LearnerLoopConfig(BaseModel):
         if starts != sorted(set(starts)):
             raise ValueError(f"save_schedule from_step values {starts} must be strictly increasing")
         return schedule
+
+    @field_validator("algorithm")
+    @classmethod
+    def _check_objectives(cls, algorithm: AlgorithmConfig) -> AlgorithmConfig:
+        check_objectives(algorithm)  # a custom advantage / loss: imported and run on a synthetic batch
+        return algorithm
 
     def save_interval_at(self, step: int) -> int:
         """The checkpoint interval in force at optimizer step ``step``."""

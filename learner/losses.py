@@ -240,6 +240,19 @@ def _metrics(log_rho, ppo_clipped, truncated, dropped, mask) -> dict[str, float]
     }
 
 
+@torch.no_grad()
+def ratio_metrics(proximal_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, mask: torch.Tensor
+                  ) -> dict[str, float]:
+    """The importance-ratio diagnostics of ``policy_loss`` that do not depend on the loss (reported beside a
+    custom loss, ``learner.objectives``): ``is_ratio_mean``, ``is_ratio_max`` and ``approx_kl`` (k3) of
+    ``rho = exp(proximal - behaviour)`` over the ``[B, T]`` bool ``mask``, and ``valid_tokens``."""
+    zeros = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+    log_rho = torch.where(mask, proximal_logprobs.float() - behaviour_logprobs.float(), zeros)
+    none = torch.zeros_like(mask)
+    full = _metrics(log_rho, none, none, none, mask)
+    return {k: full[k] for k in ("is_ratio_mean", "is_ratio_max", "approx_kl", "valid_tokens")}
+
+
 def kl_penalty(
     logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor, estimator: str
 ) -> torch.Tensor:

@@ -21,6 +21,7 @@ from learner.advantages import gae, group_advantages, kl_shaped_rewards, masked_
 from learner.algorithms import token_logprobs
 from learner.batch import TrainBatch
 from learner.losses import kl_penalty
+from learner.objectives import AdvantageInputs, custom_advantages
 
 
 @contextlib.contextmanager
@@ -60,9 +61,9 @@ def step_targets(learner, batch: TrainBatch) -> StepTargets | None:
     """One no-grad pass over the whole batch (on every rank) with dropout off, when the advantages need the
     model: the critic's ``V_old`` and GAE (``advantage: gae``), and per-token ``x = log pi - log pi_ref`` for
     the KL in the reward (``kl_placement: reward``, ``learner.advantages.kl_shaped_rewards``), whose row sums
-    the outcome estimators regroup (``TrainBatch.group_rows``). The outcome reward is the batch's
-    ``shaped_rewards`` (the soft overlong penalty included); a row ``overlong_filter`` masked keeps it as its
-    return, without a KL term.
+    the outcome estimators (or a custom one, ``learner.objectives``) regroup (``TrainBatch.group_rows``). The
+    outcome reward is the batch's ``shaped_rewards`` (the soft overlong penalty included); a row
+    ``overlong_filter`` masked keeps it as its return, without a KL term.
 
     Args:
         learner: a ``learner.engine.LearnerEngine`` (its ``engine``, ``algo``, ``critic``, ``ref_model``,
@@ -99,7 +100,10 @@ def step_targets(learner, batch: TrainBatch) -> StepTargets | None:
         returns = rewards.sum(dim=1)
         if algo.overlong_filter:  # a masked truncated row keeps its reward in the baseline (no tokens: no KL)
             returns = torch.where(batch.truncated, batch.shaped_rewards, returns)
-        if bool(batch.baseline_rows.all()):
+        if algo.custom_advantage:  # ``learner.objectives``: the KL-shaped returns
+            advantages = custom_advantages(AdvantageInputs(returns, batch.group_rows, batch.baseline_rows, mask,
+                                                           batch.behaviour_logprobs, batch.staleness, algo))
+        elif bool(batch.baseline_rows.all()):
             advantages = group_advantages(algo.advantage, returns, batch.group_rows, algo.adv_eps, mask.sum(dim=1))
         else:  # failed scores: baselines of the scored rows only (``learner.batch.scored_rows``)
             advantages, _ = masked_group_advantages(algo.advantage, returns, batch.group_rows, algo.adv_eps,

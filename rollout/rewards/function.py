@@ -38,17 +38,15 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import importlib
-import importlib.util
 import inspect
 import json
 import math
 import numbers
-import sys
 import threading
-from pathlib import Path
 from typing import Any, Callable
 
+from proto import callable_spec
+from proto.callable_spec import CallableSpecError
 from rollout.rewards.base import POOL_THREADS, Group, RewardConfig, RewardResult, scoring_pool
 
 EXPECTED = ("'pkg.module:fn' or 'path/to/file.py:fn' naming a callable "
@@ -66,81 +64,30 @@ def _fail(spec: str, what: str) -> RewardImportError:
 
 
 def split_spec(spec: str) -> tuple[str, str]:
-    """``"a.b:fn"`` → ``("a.b", "fn")``; ``"dir/r.py:fn"`` → ``("dir/r.py", "fn")``.
+    """``"a.b:fn"`` → ``("a.b", "fn")``; ``"dir/r.py:fn"`` → ``("dir/r.py", "fn")`` (``proto.callable_spec``).
 
     Raises:
         RewardImportError: no ``:``, an empty part, or an attribute that is not a dotted identifier.
     """
-    target, sep, attr = spec.rpartition(":")
-    if not sep or not target or not attr or not all(p.isidentifier() for p in attr.split(".")):
-        raise _fail(spec, "not of the form target:function")
-    if not target.endswith(".py") and not all(p.isidentifier() for p in target.split(".")):
-        raise _fail(spec, f"{target!r} is neither a dotted module name nor a .py file")
-    return target, attr
-
-
-def resolve_file_spec(spec: str, base: Path) -> str:
-    """``spec`` with a relative ``file.py`` target made absolute against ``base`` (modules unchanged)."""
-    target, sep, attr = spec.rpartition(":")
-    if sep and target.endswith(".py") and not Path(target).expanduser().is_absolute():
-        return f"{(base / Path(target).expanduser()).resolve()}:{attr}"
-    return spec
-
-
-_MODULE_SHA: dict[str, str] = {}
-"""Module name → sha256 of its source file when gyre last (re)loaded it."""
-
-
-def _load_file(spec: str, target: str) -> tuple[Any, bytes]:
-    path = Path(target).expanduser()
-    if not path.is_file():
-        raise _fail(spec, f"file {path} does not exist")
-    source = path.read_bytes()
-    name = "gyre_reward_" + hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:12]
-    module = importlib.util.module_from_spec(importlib.util.spec_from_file_location(name, path))
-    sys.modules[name] = module  # dataclasses/pickle look their module up by name
     try:
-        exec(compile(source, str(path), "exec"), module.__dict__)  # the bytes that are hashed
-    except Exception as exc:
-        raise _fail(spec, f"importing {path} raised {type(exc).__name__}: {exc}") from None
-    return module, source
-
-
-def _load_module(spec: str, target: str) -> tuple[Any, bytes]:
-    try:
-        module = importlib.import_module(target)
-        origin = getattr(module, "__file__", None)
-        if not origin or not origin.endswith(".py"):
-            raise _fail(spec, f"module {target!r} has no Python source file to hash for the version")
-        source = Path(origin).read_bytes()
-        sha = hashlib.sha256(source).hexdigest()
-        if _MODULE_SHA.get(target, sha) != sha:  # edited since gyre loaded it: run the bytes that are hashed
-            exec(compile(source, origin, "exec"), module.__dict__)  # as importlib.reload, without a stale .pyc
-        _MODULE_SHA[target] = sha
-    except RewardImportError:
-        raise
-    except Exception as exc:
-        raise _fail(spec, f"module {target!r} does not import: {type(exc).__name__}: {exc}") from None
-    return module, source
+        return callable_spec.split_spec(spec)
+    except CallableSpecError as exc:
+        raise _fail(spec, str(exc)) from None
 
 
 def load_function(spec: str) -> tuple[Callable, bytes]:
-    """Import the function named by ``spec``; returns it and the source bytes of its file.
+    """Import the function named by ``spec`` (``proto.callable_spec.load_callable``); returns it and the source
+    bytes of its file.
 
     Raises:
         RewardImportError: bad form, missing file, a module or file that does not import, a missing
             attribute, something not callable, or a signature that cannot take ``(completions, prompts=...)``.
     """
-    target, attr = split_spec(spec)
-    module, source = (_load_file if target.endswith(".py") else _load_module)(spec, target)
-    fn: Any = module
-    for part in attr.split("."):
-        if not hasattr(fn, part):
-            public = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
-            raise _fail(spec, f"{target} has no attribute {attr!r} (its callables: {', '.join(public) or 'none'})")
-        fn = getattr(fn, part)
-    if not callable(fn):
-        raise _fail(spec, f"{attr!r} is a {type(fn).__name__}, not callable")
+    try:
+        fn, source = callable_spec.load_callable(spec)
+    except CallableSpecError as exc:
+        raise _fail(spec, str(exc)) from None
+    attr = spec.rpartition(":")[2]
     try:
         inspect.signature(fn).bind_partial(["completion"], prompts=[[]])
     except TypeError as exc:

@@ -2,7 +2,8 @@
 
 ``recipe_reference()`` renders every key of a recipe (``services.control.recipe.Recipe`` and the component configs it
 nests) as Markdown tables: dotted key, type, default, and the field's docstring. ``cli_reference()`` renders
-``gyre --help`` and each subcommand's help from the argparse parser. The docs site calls both at build time
+``gyre --help`` and each subcommand's help from the argparse parser; ``objectives_reference()`` the custom-objective
+tensor contract (``learner.objectives``). The docs site calls them at build time
 (``docs/hooks.py``), replacing the ``<!-- generated:... -->`` markers of ``docs/reference/*.md``.
 """
 
@@ -151,6 +152,24 @@ def recipe_reference() -> str:
 
     out: list[str] = []
     _section(Recipe, "", out, _shallowest_keys(Recipe))
+    return "\n".join(out)
+
+
+def objectives_reference() -> str:
+    """Markdown: the custom-objective tensor contract, one table per input dataclass of ``learner.objectives``
+    (``AdvantageInputs``, ``LossInputs``), each field with its docstring, and ``LossInputs.aggregate``."""
+    import dataclasses
+
+    from learner.objectives import AdvantageInputs, LossInputs
+
+    out: list[str] = []
+    for cls in (AdvantageInputs, LossInputs):
+        docs = field_docstrings(cls)
+        out += [f"### `{cls.__name__}`", "", _cell(inspect.cleandoc(cls.__doc__ or "")), "",
+                "| field | description |", "|---|---|"]
+        out += [f"| `{f.name}` | {_cell(docs.get(f.name, ''))} |" for f in dataclasses.fields(cls)]
+        out.append("")
+    out += ["`LossInputs.aggregate(per_token)`: " + _cell(inspect.cleandoc(LossInputs.aggregate.__doc__ or "")), ""]
     return "\n".join(out)
 
 

@@ -341,7 +341,7 @@ def _resolve_local_paths(data: dict, base: Path) -> None:
     """Make relative local paths absolute against ``base`` (the CWD, as the model path and dataset paths): reward functions
     given as ``file.py:fn`` (``task.reward``, ``task.rewards``, and those of ``task.mixture``) and local
     ``ray.runtime_env`` ``working_dir`` / ``py_modules`` entries (not URIs)."""
-    from rollout.rewards.function import resolve_file_spec
+    from proto.callable_spec import resolve_file_spec
 
     task = data.get("task") if isinstance(data.get("task"), dict) else {}
     mixture = task.get("mixture") if isinstance(task.get("mixture"), dict) else {}
