@@ -1,4 +1,6 @@
-"""Run recipes: a small YAML file validated into one pydantic tree of the components' configs."""
+"""Run recipes: a small YAML file validated into one pydantic tree of the components' configs.
+
+``RecipeError`` and the path resolution before validation live in ``services.control.recipe_paths``."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 import faults
 from learner.advantages import OUTCOME_ESTIMATORS
-from proto.model_source import DRY_RUN, ModelSourceError, is_hub_id, resolve
+from proto.model_source import DRY_RUN, is_hub_id
 from learner.loop import LearnerLoopConfig
 from replay.config import ReplayConfig
 from rollout.config import RolloutConfig, SamplingConfig
@@ -20,12 +22,11 @@ from rollout.tasks import TaskConfig
 from services.common.names import ServiceName
 from services.common.security import SecurityConfig
 from services.control.placement import PlacementConfig, RayConfig
+from services.control.recipe_paths import RecipeError, resolve_local_paths, resolve_model
 from services.control.recorded import RecordingError, check_recorded_source
 from services.control.tracking.config import TrackingConfig
 
-
-class RecipeError(ValueError):
-    """A recipe that cannot run; the message names the file, the key and what was expected."""
+__all__ = ["Recipe", "RecipeError", "load_recipe"]
 
 
 class Recipe(BaseModel):
@@ -295,10 +296,10 @@ def load_recipe(path: str | Path, overrides: dict[str, Any] | None = None, dry_r
         _set_dotted(data, dotted, value)
     if "model_id" in data:
         raise RecipeError(f"recipe {path}: model_id is set by the loader; put the Hub id in model: instead")
-    _resolve_model(data, path, dry_run)
+    resolve_model(data, path, dry_run)
     if isinstance(data.get("task"), dict):
         resolve_paths(data["task"])  # dataset files: absolute, from the CWD
-    _resolve_local_paths(data, Path.cwd())  # reward files, runtime_env: from the CWD too
+    resolve_local_paths(data, Path.cwd())  # reward files, runtime_env: from the CWD too
     if isinstance(data.get("run_dir"), str):
         data["run_dir"] = str(Path(data["run_dir"]).expanduser().resolve())
     try:
@@ -313,53 +314,6 @@ def load_recipe(path: str | Path, overrides: dict[str, Any] | None = None, dry_r
     except RecordingError as exc:
         raise RecipeError(f"recipe {path}: replay.source: {exc}") from None
     return recipe
-
-
-def _resolve_model(data: dict, path: Path, dry_run: bool) -> None:
-    """``data["model"]`` → an absolute local folder; a Hub id → its HF-cache folder, with ``model_id`` and the
-    commit in ``model_revision`` (a dry run keeps the id)."""
-    model = data.get("model")
-    if not isinstance(model, str):
-        return
-    if is_hub_id(model):
-        if dry_run:
-            return
-        try:
-            folder, commit = resolve(model, data.get("model_revision"))
-        except ModelSourceError as exc:
-            raise RecipeError(f"recipe {path}: {exc}") from None
-        data.update(model=folder, model_id=model, model_revision=commit)
-        return
-    data["model"] = str(Path(model).expanduser().resolve())
-    if not dry_run and not (Path(data["model"]) / "config.json").is_file():
-        raise RecipeError(f"recipe {path}: model: folder {data['model']} does not exist or has no config.json; "
-                          "expected a local HF folder or a Hub id org/name (`make model` prepares "
-                          "SmolLM2-135M-Instruct in .cache/models/)")
-
-
-def _resolve_local_paths(data: dict, base: Path) -> None:
-    """Make relative local paths absolute against ``base`` (the CWD, as the model path and dataset paths): reward functions
-    given as ``file.py:fn`` (``task.reward``, ``task.rewards``, and those of ``task.mixture``) and local
-    ``ray.runtime_env`` ``working_dir`` / ``py_modules`` entries (not URIs)."""
-    from proto.callable_spec import resolve_file_spec
-
-    task = data.get("task") if isinstance(data.get("task"), dict) else {}
-    mixture = task.get("mixture") if isinstance(task.get("mixture"), dict) else {}
-    holders = [task, *(c for c in mixture.values() if isinstance(c, dict))]
-    for holder in holders:
-        rewards = holder.get("rewards") if isinstance(holder.get("rewards"), list) else []
-        for reward in [holder.get("reward"), *rewards]:
-            if isinstance(reward, dict) and isinstance(reward.get("function"), str):
-                reward["function"] = resolve_file_spec(reward["function"], base)
-    env = data.get("ray", {}).get("runtime_env") if isinstance(data.get("ray"), dict) else None
-    if not isinstance(env, dict):
-        return
-    local = lambda p: str((base / Path(p).expanduser()).resolve()) if isinstance(p, str) and "://" not in p \
-        and not Path(p).expanduser().is_absolute() else p  # noqa: E731
-    if "working_dir" in env:
-        env["working_dir"] = local(env["working_dir"])
-    if isinstance(env.get("py_modules"), list):
-        env["py_modules"] = [local(p) for p in env["py_modules"]]
 
 
 def _set_dotted(data: dict, dotted: str, value: Any) -> None:
