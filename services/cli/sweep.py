@@ -35,6 +35,8 @@ REPO = Path(__file__).resolve().parents[2]
 STOP_GRACE_S = 120.0
 """Seconds a driver gets to stop after SIGINT (checkpoint nothing, shut Ray down) before it is SIGKILLed."""
 POLL_S = 1.0
+RAY_CLI = str(Path(sys.executable).with_name("ray")) if Path(sys.executable).with_name("ray").is_file() else "ray"
+"""The ``ray`` command of this Python's environment (the ray-job backend), else the one on ``PATH``."""
 
 
 @dataclass(frozen=True)
@@ -76,8 +78,11 @@ def plan_sweep(path: str | Path, full: bool = True) -> Plan:
     """
     config = read_sweep(path)
     base = Path(config.base).expanduser().resolve()
+    if not base.is_file():
+        raise SweepError(f"sweep {path}: base recipe {base} does not exist (a relative base resolves from the "
+                         "current directory)")
     try:
-        raw = yaml.safe_load(base.read_text()) if base.is_file() else None
+        raw = yaml.safe_load(base.read_text())
     except yaml.YAMLError as exc:
         raise SweepError(f"sweep {path}: base recipe {base} is not valid YAML: {exc}") from None
     if not isinstance(raw, dict):
@@ -110,7 +115,7 @@ def run_command(plan: Plan, cell: Cell, submission_id: str | None = None) -> lis
     if backend.type == "local":
         return [sys.executable, "-m", "services.cli", "run", str(plan.base), *sets, "--resume", "auto"]
     base = os.path.relpath(plan.base, Path(backend.working_dir).resolve())
-    submit = ["ray", "job", "submit", *(["--address", backend.address] if backend.address else []),
+    submit = [RAY_CLI, "job", "submit", *(["--address", backend.address] if backend.address else []),
               "--working-dir", backend.working_dir, *(["--submission-id", submission_id] if submission_id else [])]
     return [*submit, "--", "python", "-m", "services.cli", "run", base, *sets, "--set", "ray.address=auto",
             "--resume", "auto"]
@@ -172,14 +177,24 @@ class _Launcher:
                       f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n")
         self.record.end(cell.name, code, stopped)
 
+    def _stop_job(self, job: str) -> None:
+        """``ray job stop JOB`` (the ray-job backend); a failure is printed, the sweep goes on stopping."""
+        address = self.plan.config.backend.address
+        try:
+            done = subprocess.run([RAY_CLI, "job", "stop", *(["--address", address] if address else []), job],
+                                  stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)
+            failed = done.returncode and (done.stderr or done.stdout).strip()[-300:]
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            failed = str(exc)
+        if failed:
+            self.console.print(f"ray job stop {job} failed: {failed}", highlight=False, soft_wrap=True)
+
     def stop_all(self) -> None:
         """SIGINT every running driver (``ray job stop`` for a job), wait ``STOP_GRACE_S``, SIGKILL the rest."""
         for proc, cell, job in self.running.values():
             self.console.print(f"[{cell.index}] {cell.name}: stopping", highlight=False)
             if job is not None:
-                backend = self.plan.config.backend
-                subprocess.run(["ray", "job", "stop", *(["--address", backend.address] if backend.address else []),
-                                job], stdin=subprocess.DEVNULL, capture_output=True, timeout=120)
+                self._stop_job(job)
             proc.send_signal(signal.SIGINT)
         deadline = time.monotonic() + STOP_GRACE_S
         for name, (proc, cell, _) in list(self.running.items()):

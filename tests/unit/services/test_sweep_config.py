@@ -1,5 +1,7 @@
 """``gyre sweep``'s file and cells: grid × zip × seeds, run-name templates, refusals that name the key or cell."""
 
+from pathlib import Path
+
 import pytest
 import yaml
 
@@ -140,8 +142,8 @@ def test_a_ray_job_command_submits_gyre_run_to_the_cluster(tmp_path):
     path = _sweep_file(tmp_path, backend={"type": "ray-job", "address": "http://head:8265"}, seeds=[1])
     plan = plan_sweep(path)
     argv = run_command(plan, plan.cells[0], "job-1")
-    assert argv[:9] == ["ray", "job", "submit", "--address", "http://head:8265", "--working-dir", ".",
-                        "--submission-id", "job-1"]
+    assert Path(argv[0]).name == "ray" and argv[1:9] == ["job", "submit", "--address", "http://head:8265",
+                                                         "--working-dir", ".", "--submission-id", "job-1"]
     rest = argv[argv.index("--") + 1:]
     assert rest[:5] == ["python", "-m", "services.cli", "run", "deploy/recipes/tiny-test.yaml"]
     assert rest[-4:] == ["--set", "ray.address=auto", "--resume", "auto"]
