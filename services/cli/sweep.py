@@ -123,8 +123,9 @@ def run_command(plan: Plan, cell: Cell, submission_id: str | None = None) -> lis
 
 def _die_with_parent(parent: int) -> None:
     """In the child, before exec: be SIGKILLed when the sweep dies (Linux ``prctl(PR_SET_PDEATHSIG)``), so a
-    killed sweep leaves no driver behind (``ray.init`` moves the driver into a process group of its own, out of
-    reach of a signal to the sweep's group; Ray's own processes die with their driver)."""
+    killed sweep leaves no driver behind (each run has a process group of its own — ``ray.init`` would move the
+    driver into one anyway — out of reach of a signal to the sweep's group; Ray's own processes die with their
+    driver)."""
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
         if os.getppid() != parent:  # the sweep died before prctl
@@ -153,8 +154,9 @@ class _Launcher:
                       f"{time.strftime('%Y-%m-%d %H:%M:%S')}: {shlex.join(argv)}\n")
             log.flush()
             parent = os.getpid()
+            # a process group of its own: a Ctrl-C reaches the run once, forwarded by stop_all, not twice
             proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                    preexec_fn=lambda: _die_with_parent(parent))
+                                    process_group=0, preexec_fn=lambda: _die_with_parent(parent))
         self.record.begin(cell.name, argv, **({"submission_id": job} if job else {}))
         self.running[cell.name] = (proc, cell, job)
         self.console.print(f"[{cell.index}] {cell.name}: started (attempt {attempt}, pid {proc.pid}; log "
