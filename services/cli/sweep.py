@@ -7,7 +7,8 @@ load is refused by index and overrides. Each run is ``python -m services.cli run
 ``{sweep dir}/logs/{name}.log``, so a run that crashes fails alone and the sweep goes on. Re-running the sweep
 skips the runs that are done (from the runs' own files, ``services.cli.sweep_state``) and resumes the others
 with ``--resume auto``. A run's driver dies with the sweep (``PR_SET_PDEATHSIG``); Ctrl-C / SIGTERM stop each
-running driver with SIGINT (Ray shut down cleanly), the next start resumes it.
+running driver with SIGINT (Ray shut down cleanly), the next start resumes it. Processes of a run that outlive
+its driver are stopped before its next attempt and when an attempt ends (``services.cli.sweep_procs``).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from rich.console import Console
 from rich.table import Table
 
 from services.cli.sweep_config import Cell, SweepConfig, SweepError, expand_cells, read_sweep
+from services.cli.sweep_procs import RUN_MARKER, kill_leftovers
 from services.cli.sweep_state import LOGS, SweepRecord, run_state
 from services.control.recipe import RecipeError, load_recipe
 
@@ -147,8 +149,9 @@ class _Launcher:
         job = f"gyre-{self.plan.config.name}-{cell.name}-{int(time.time())}" if remote else None
         argv = run_command(self.plan, cell, job)
         attempt = len(self.record.attempts(cell.name)) + 1
+        self._kill_leftovers(cell, "an earlier attempt")
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-               "GYRE_SWEEP": self.plan.config.name}
+               "GYRE_SWEEP": self.plan.config.name, RUN_MARKER: str(self.plan.out_dir(cell))}
         with log_path.open("a") as log:
             log.write(f"=== gyre sweep {self.plan.config.name}: attempt {attempt} at "
                       f"{time.strftime('%Y-%m-%d %H:%M:%S')}: {shlex.join(argv)}\n")
@@ -160,7 +163,7 @@ class _Launcher:
         self.record.begin(cell.name, argv, **({"submission_id": job} if job else {}))
         self.running[cell.name] = (proc, cell, job)
         self.console.print(f"[{cell.index}] {cell.name}: started (attempt {attempt}, pid {proc.pid}; log "
-                           f"{log_path})", highlight=False)
+                           f"{log_path})", highlight=False, soft_wrap=True)
 
     def reap(self) -> list[tuple[Cell, int]]:
         """The runs that ended since the last call, with their exit status (recorded)."""
@@ -173,7 +176,15 @@ class _Launcher:
                 ended.append((cell, code))
         return ended
 
+    def _kill_leftovers(self, cell: Cell, whose: str) -> None:
+        """Stop the processes of ``cell``'s run that outlived their driver (``services.cli.sweep_procs``)."""
+        pids = kill_leftovers(self.plan.out_dir(cell))
+        if pids:
+            self.console.print(f"[{cell.index}] {cell.name}: killed {len(pids)} process(es) left by {whose} "
+                               f"(pids {', '.join(map(str, pids))})", highlight=False, soft_wrap=True)
+
     def _ended(self, cell: Cell, code: int, stopped: bool = False) -> None:
+        self._kill_leftovers(cell, "its driver")
         with self.plan.log(cell).open("a") as log:
             log.write(f"=== gyre sweep: exit status {code}{' (stopped by the sweep)' if stopped else ''} at "
                       f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n")
@@ -220,7 +231,7 @@ def run_sweep(plan: Plan, console: Console) -> int:
         state = run_state(plan.out_dir(cell), plan.num_steps[cell.name])
         record.set_run(cell, plan.out_dir(cell), plan.log(cell), state)
         if state.state in ("done", "running"):
-            console.print(f"[{cell.index}] {cell.name}: {state.text()}, skipped", highlight=False)
+            console.print(f"[{cell.index}] {cell.name}: {state.text()}, skipped", highlight=False, soft_wrap=True)
         else:
             pending.append(cell)
     record.write()
@@ -234,7 +245,8 @@ def run_sweep(plan: Plan, console: Console) -> int:
             for cell, code in launcher.reap():
                 state = run_state(plan.out_dir(cell), plan.num_steps[cell.name], code)
                 record.set_run(cell, plan.out_dir(cell), plan.log(cell), state)
-                console.print(f"[{cell.index}] {cell.name}: exit {code}, {state.text()}", highlight=False)
+                console.print(f"[{cell.index}] {cell.name}: exit {code}, {state.text()}", highlight=False,
+                              soft_wrap=True)
                 record.write()
             time.sleep(POLL_S)
         if stop:

@@ -97,7 +97,11 @@ def live_driver(out_dir: Path) -> int | None:
         return None
     except PermissionError:
         return pid
-    return pid
+    try:  # a driver killed a moment ago can be a zombie until it is reaped: dead all the same
+        zombie = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        zombie = False
+    return None if zombie else pid
 
 
 def run_state(out_dir: Path, num_steps: int, last_exit: int | None = None) -> RunState:

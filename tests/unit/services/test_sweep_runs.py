@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import socket
+import subprocess
 import sys
 import threading
 import types
@@ -19,6 +20,7 @@ from rich.console import Console
 from services.cli import sweep
 from services.cli.sweep import Plan, run_sweep
 from services.cli.sweep_config import SweepConfig, expand_cells
+from services.cli.sweep_procs import RUN_MARKER, kill_leftovers, marked_processes
 from services.cli.sweep_state import SweepRecord, finished_version, run_state
 from services.control.controller import prepare_run_dir
 
@@ -81,6 +83,10 @@ with launches.open("a") as f:
 print("fake run", name)
 if name.startswith("crash"):
     sys.exit(3)
+if name.startswith("orphan"):  # a process that outlives this "driver", as a killed Ray's workers can
+    import subprocess
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
+    (launches.parent / "orphan.pid").write_text(str(child.pid))
 if name.startswith("slow") and launches.read_text().split().count(name) == 1:
     time.sleep(60)  # the first launch: until stopped
 out.mkdir(parents=True, exist_ok=True)
@@ -173,3 +179,30 @@ def test_sigterm_stops_the_running_driver_and_the_next_start_resumes_it(tmp_path
     assert runs["slow"]["status"] == runs["never"]["status"] == "not started"
     assert run_sweep(plan, Console(file=io.StringIO())) == 0
     assert _launched(fake_runs) == ["slow", "slow", "never"]
+
+
+def test_processes_a_run_leaves_behind_are_killed(tmp_path, fake_runs):
+    plan = _plan(tmp_path, ["orphan"])
+    console = Console(file=io.StringIO(), width=200)
+    assert run_sweep(plan, console) == 0
+    pid = int((tmp_path / "orphan.pid").read_text())
+    assert f"[0] orphan: killed 1 process(es) left by its driver (pids {pid})" in console.file.getvalue()
+    assert marked_processes(plan.out_dir(plan.cells[0])) == []
+    stat = Path(f"/proc/{pid}/stat")  # gone, or a zombie until init reaps it
+    assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z"
+
+
+def test_only_processes_with_the_run_marker_are_found_and_killed(tmp_path):
+    sleep = [sys.executable, "-c", "import time; time.sleep(120)"]
+    mine = subprocess.Popen(sleep, env={**os.environ, RUN_MARKER: str(tmp_path / "r")})
+    other = subprocess.Popen(sleep, env={**os.environ, RUN_MARKER: str(tmp_path / "r2")})
+    plain = subprocess.Popen(sleep)
+    try:
+        assert marked_processes(tmp_path / "r") == [mine.pid]
+        assert kill_leftovers(tmp_path / "r") == [mine.pid]
+        assert mine.wait(timeout=10) == -signal.SIGKILL
+        assert other.poll() is None and plain.poll() is None
+    finally:
+        for proc in (mine, other, plain):
+            proc.kill()
+            proc.wait()
