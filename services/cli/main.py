@@ -2,7 +2,8 @@
 
 ``gyre run RECIPE [--dry-run] [--set key=value ...] [--resume auto|none|PATH] [--force-resume]``,
 ``gyre export CHECKPOINT OUT_DIR``, ``gyre eval MODEL_OR_CHECKPOINT RECIPE [--set key=value ...] [--out DIR]``,
-``gyre report RUN``, ``gyre check RUN_DIR``, and against a running run:
+``gyre report RUN``, ``gyre check RUN_DIR``, ``gyre sweep [status] SWEEP.yaml`` (``services.cli.sweep``),
+``gyre compare RUN_DIR... [--by KEY]`` (``services.cli.compare``), and against a running run:
 ``gyre status RUN``, ``gyre scale rollout N``, ``gyre restart SERVICE``, ``gyre checkpoint``.
 """
 
@@ -18,6 +19,7 @@ from pathlib import Path
 import yaml
 from rich.console import Console
 
+from services.cli import compare, sweep
 from services.control.machine_check import check_machine
 from services.control.recipe import RecipeError, load_recipe
 
@@ -68,6 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     report = sub.add_parser("report", help="PNG plots of reward, accuracy, staleness, throughput of a run")
     report.add_argument("run")
     report.add_argument("--run-dir", default="runs")
+    sweep.add_parser(sub)
+    compare.add_parser(sub)
     check = sub.add_parser("check", help="check a finished run's invariants (journals + replay); exit 1 on violations")
     check.add_argument("run_dir", help="the run directory (runs/<name>)")
     status = sub.add_parser("status", help="services, versions, lag, throughput, restarts of a running run")
@@ -96,6 +100,10 @@ def main(argv: list[str] | None = None) -> int:
         return _report(Path(args.run_dir) / args.run, console)
     if args.command == "check":
         return _check(args.run_dir, console)
+    if args.command == "sweep":
+        return sweep.main(args, console)
+    if args.command == "compare":
+        return compare.main(args, console)
     if args.command in ("status", "scale", "restart", "checkpoint"):
         return _ops(args, console)
     _let_sigint_stop_the_driver()

@@ -53,8 +53,8 @@ def test_cli_surface_is_frozen():
     """Changing the CLI is a deliberate act: update this test and docs/reference/cli.md together."""
     parser = cli.build_parser()
     sub = next(a for a in parser._actions if a.dest == "command")
-    assert sorted(sub.choices) == ["check", "checkpoint", "eval", "export", "report", "restart", "run", "scale",
-                                   "status"]
+    assert sorted(sub.choices) == ["check", "checkpoint", "compare", "eval", "export", "report", "restart", "run",
+                                   "scale", "status", "sweep"]
 
     def options(name):
         return sorted(o for a in sub.choices[name]._actions for o in a.option_strings)
@@ -68,6 +68,9 @@ def test_cli_surface_is_frozen():
     assert positionals("eval") == ["model", "recipe"] and options("eval") == ["--help", "--out", "--set", "-h"]
     assert positionals("report") == ["run"] and options("report") == ["--help", "--run-dir", "-h"]
     assert positionals("check") == ["run_dir"] and options("check") == ["--help", "-h"]
+    assert positionals("sweep") == ["target"] and options("sweep") == ["--dry-run", "--help", "-h"]
+    assert positionals("compare") == ["runs"]
+    assert options("compare") == ["--by", "--help", "--metric", "--out", "--threshold", "-h"]
     ops = ["--address", "--help", "--namespace", "--run", "--run-dir", "-h"]
     assert positionals("status") == ["run"]
     assert options("status") == sorted(set(ops) - {"--run"} | {"--json"})
