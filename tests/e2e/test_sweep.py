@@ -13,8 +13,10 @@ and only as it happens: a learner can finish a step in the seconds between its d
 that step's metrics row, which only the driver writes, is lost (the journal shows it committed by the first
 attempt); ``gyre run`` has no copy of it to write on resume.
 
-Each run is 2 learner steps, no evaluation, the tiny-test recipe's smallest batch: ~70 s each on the 2-core
-machine (most of it vLLM and DeepSpeed starting), 9 starts in all.
+Each run is 2 learner steps, no evaluation, the tiny-test recipe's smallest batch; 9 starts in all. Measured
+2026-11-27 on the 2-core machine while other unit tests ran beside it: 1080 s, 99–145 s per start (most of it
+vLLM and DeepSpeed starting); ~70 s per start when the machine is quieter. In that run the interrupted run's
+learner did commit step 2 after its driver was killed, and that step's metrics row was lost as described.
 """
 
 import csv
