@@ -18,9 +18,10 @@ LOCK := requirements/$(GYRE_TARGET).lock
 DEV_LOCK := requirements/$(GYRE_TARGET)-dev.lock
 STAMP := $(VENV)/.gyre-$(GYRE_TARGET)
 DEV_STAMP := $(VENV)/.gyre-$(GYRE_TARGET)-dev
-# --no-compile: pip byte-compiles every installed file (~80 s of a 180 s install here); Python compiles the
-# modules a run imports on first use instead, once.
-PIP := $(BIN)/python -m pip install -q --no-compile
+# pip byte-compiles what it installs (~80 s of a 180 s install here). Keep it: with PYTHONDONTWRITEBYTECODE
+# set (CI's and many containers' default) Python would otherwise compile every imported module from source in
+# every process, and the test suite's hundreds of processes then spend ~2 s each re-compiling torch and pandas.
+PIP := $(BIN)/python -m pip install -q
 
 # DeepSpeed JIT-builds its CPU ops once (~90 s) into this cache. vLLM's KV cache is sized per recipe
 # (rollout.engine.kv_cache_gib); VLLM_CPU_KVCACHE_SPACE, if set, overrides it.

@@ -82,6 +82,11 @@ def one_lifetime(cfg: dict, directory, ins: Inserter, rng: random.Random, fault:
             except subprocess.TimeoutExpired:
                 pass
         else:
+            # First let one batch be acknowledged: a slow first call (a cold import, a loaded machine) must not
+            # use up the random window, or no lifetime acknowledges anything and the checker checks nothing.
+            acked_before, deadline = len(ins.acked), time.monotonic() + 30.0
+            while len(ins.acked) == acked_before and time.monotonic() < deadline and proc.proc.poll() is None:
+                time.sleep(0.01)
             time.sleep(rng.uniform(0.05, 0.6))
         return ended(proc)
     finally:
