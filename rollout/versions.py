@@ -157,7 +157,9 @@ class LockstepVersions(VersionSource):
         return self.config.seed_for(prompt_index)
 
     def evaluating(self) -> AsyncContextManager[None]:
-        return self.gate.hold(self.served())
+        """Hold the newest offered version, and version 0 before any offer (the evaluation before training): the
+        engine's own -1 is the model folder's weights, which are no published version."""
+        return self.gate.hold(max(0, self.served()))
 
     async def first_subscription(self, subscriber, catch_up, skipped):
         """Nothing to catch up to: each prompt loads its exact version from the version store."""

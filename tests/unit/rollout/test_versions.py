@@ -79,6 +79,27 @@ def test_lockstep_evaluation_holds_the_newest_offered_version(tmp_path):
     assert asyncio.run(evaluate()) == 2 == versions.served()
 
 
+def test_a_lockstep_evaluation_before_any_offer_is_of_version_0_from_the_store(tmp_path):
+    """The evaluation before training, when the learner has offered nothing yet: version 0, loaded exactly from the
+    store, never the engine's -1 (the model folder's weights, recorded as version -1 in metrics.jsonl)."""
+    lock = LockstepConfig(lag=2, groups_per_step=2, weights_dir=str(tmp_path / "weights"))
+    engine = FakeEngine(["7"], version=LockstepVersions.initial_engine_version)
+    versions = LockstepVersions(lock).bind(engine)
+
+    async def evaluate():
+        async def write_v0_later():
+            await asyncio.sleep(0.3)  # the learner writes version 0 after the evaluation asked for it
+            VersionStore(lock.weights_dir).write(0, [("w", torch.zeros(1))])
+
+        writer = asyncio.create_task(write_v0_later())
+        async with versions.evaluating():
+            version = engine.version
+        await writer
+        return version
+
+    assert asyncio.run(evaluate()) == 0 and engine.updates == [0]
+
+
 def test_streamed_versions_apply_offers_and_leave_leases_unbounded():
     engine = FakeEngine(["7"], version=3)
     versions = version_source(config(None)).bind(engine)
