@@ -4,6 +4,8 @@ on one of its runs' recording."""
 
 from __future__ import annotations
 
+import importlib.util
+import json
 from pathlib import Path
 
 from services.cli.sweep import plan_sweep
@@ -34,3 +36,33 @@ def test_the_record_once_sweep_trains_from_a_lag_study_run():
     assert {k: record_once.set[k] for k in shared} == {k: study.config.set[k] for k in shared}
     corrections = list(zip(*study.config.zip.values()))  # the recorded run is the behaviour/none arm
     assert list(zip(*record_once.zip.values())) == [c for c in corrections if c != ("behaviour", "none")]
+
+
+def _fake_run(root: Path, name: str, lag: int, is_weight: str, seed: int, accs: list[float]) -> None:
+    run = root / name
+    run.mkdir(parents=True)
+    recipe = {"determinism": "lockstep", "lockstep_lag": lag, "seed": seed, "replay": {"source": None},
+              "learner": {"algorithm": {"policy_ratio": "proximal", "is_weight": is_weight}}}
+    (run / "recipe.json").write_text(json.dumps(recipe))
+    rows = [{"step": -1, "eval": "before", "heldout_accuracy": accs[0]}]
+    rows += [{"step": s, "loss": 0.1, "reward_mean": 0.25 * s, "is_ess_frac": 0.9, "ppo_clip_frac": 0.0,
+              "tis_clip_frac": 0.01, "mis_masked_frac": 0.0, "step_s": 10.0} for s in (1, 2)]
+    rows += [{"step": 2, "eval": "after", "heldout_accuracy": accs[1]}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (run / "summary.json").write_text("{}")
+
+
+def test_the_study_table_has_one_row_per_finished_run_and_draws_the_plot(tmp_path):
+    spec = importlib.util.spec_from_file_location("study_table", "examples/experiments/study_table.py")
+    study_table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(study_table)
+    _fake_run(tmp_path / "sweep", "b", 2, "tis_token", 1, [0.125, 0.5])
+    _fake_run(tmp_path / "sweep", "a", 0, "mis_token", 0, [0.125, 0.25])
+    (tmp_path / "sweep" / "unfinished").mkdir()  # no summary.json: left out
+    study_table.main([str(tmp_path / "sweep"), "--out", str(tmp_path / "out")])
+    lines = (tmp_path / "out" / "runs.md").read_text().splitlines()
+    assert lines[0].startswith("| run | lag | correction | seed | data | acc@0 | acc@2 | reward")
+    assert [line.split(" | ")[:4] for line in lines[2:]] == [["| a", "0", "proximal/mis_token", "0"],
+                                                             ["| b", "2", "proximal/tis_token", "1"]]
+    assert "| 0.125 | 0.500 | 0.375 | 0.900 |" in lines[3] and lines[3].endswith("| 20 |")
+    assert (tmp_path / "out" / "final_vs_lag.png").stat().st_size > 1000

@@ -1,0 +1,116 @@
+"""Raw numbers and the summary plot of the lag study (docs/experiments/lag-study.md), from the runs' own files.
+
+    python examples/experiments/study_table.py runs/lag-study --out docs/experiments/lag-study
+    python examples/experiments/study_table.py runs/record-once-study runs/lag-study/lag4-behaviour-none-s0 \
+        --out docs/experiments/record-once --no-plot
+
+Writes ``runs.md`` (one row per run: its lag, correction and seed from ``recipe.json``; held-out greedy accuracy at
+every evaluation; mean training reward, importance-ratio ESS, PPO-clip, TIS-clip and MIS-masked fractions over its
+steps; learner seconds) and, unless ``--no-plot``, ``final_vs_lag.png``: final held-out accuracy against the lag, one
+line per correction, mean over seeds with a bar from the lowest to the highest seed. ``gyre compare`` draws the
+curves; this adds the per-run table and the one figure a lag study is read by.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections import defaultdict
+from pathlib import Path
+
+from services.control.report import read_metrics
+
+
+def run_dirs(paths: list[str]) -> list[Path]:
+    """Each path is a finished run's directory (holds ``summary.json``) or a directory of them (a sweep's); runs
+    that have not finished are left out."""
+    found = []
+    for p in map(Path, paths):
+        found += [p] if (p / "summary.json").is_file() else sorted(d for d in p.iterdir() if (d / "summary.json").is_file())
+    return found
+
+
+def describe(run: Path) -> dict:
+    """One run's row: settings from ``recipe.json``, numbers from ``metrics.jsonl`` (a re-trained step once, last)."""
+    recipe = json.loads((run / "recipe.json").read_text())
+    algo = recipe["learner"]["algorithm"]
+    rows = read_metrics(run / "metrics.jsonl")
+    steps = {r["step"]: r for r in rows if "loss" in r}
+    evals = {max(r["step"], 0): r["heldout_accuracy"] for r in rows if "eval" in r}  # a -1 "before" is version 0
+
+    def mean(key: str) -> float:
+        return statistics.fmean(r[key] for r in steps.values())
+
+    source = (recipe["replay"].get("source") or {}).get("recorded")
+    return {"run": run.name, "lag": recipe["lockstep_lag"] if recipe["determinism"] == "lockstep" else None,
+            "correction": f"{algo['policy_ratio']}/{algo['is_weight']}", "seed": recipe["seed"],
+            "recorded": Path(source).name if source else None, "evals": evals, "steps": len(steps),
+            "reward": mean("reward_mean"), "ess": mean("is_ess_frac"), "ppo_clip": mean("ppo_clip_frac"),
+            "tis_clip": mean("tis_clip_frac"), "mis_masked": mean("mis_masked_frac"),
+            "learner_s": sum(r["step_s"] for r in steps.values())}
+
+
+def markdown(runs: list[dict]) -> str:
+    versions = sorted({v for r in runs for v in r["evals"]})
+    head = ["run", "lag", "correction", "seed", "data", *(f"acc@{v}" for v in versions), "reward", "ESS",
+            "PPO clip", "TIS clip", "MIS masked", "learner s"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in runs:
+        accs = [f"{r['evals'][v]:.3f}" if v in r["evals"] else "" for v in versions]
+        data = f"recording of {r['recorded']}" if r["recorded"] else "own rollouts"
+        cells = [r["run"], "" if r["lag"] is None else str(r["lag"]), r["correction"], str(r["seed"]), data, *accs,
+                 f"{r['reward']:.3f}", f"{r['ess']:.3f}", f"{r['ppo_clip']:.4f}", f"{r['tis_clip']:.4f}",
+                 f"{r['mis_masked']:.4f}", f"{r['learner_s']:.0f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(runs: list[dict], path: Path) -> Path:
+    """Final held-out accuracy against lag, one line per correction (mean over seeds, bar: lowest to highest)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    by: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for r in runs:
+        if r["lag"] is not None:
+            by[r["correction"]][r["lag"]].append(r["evals"][max(r["evals"])])
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for i, (correction, lags) in enumerate(sorted(by.items())):
+        xs = sorted(lags)
+        means = [statistics.fmean(lags[x]) for x in xs]
+        low = [m - min(lags[x]) for m, x in zip(means, xs)]
+        high = [max(lags[x]) - m for m, x in zip(means, xs)]
+        ax.errorbar([x + 0.08 * (i - 1) for x in xs], means, yerr=[low, high], marker="o", capsize=4, label=correction)
+    before = statistics.fmean(r["evals"][min(r["evals"])] for r in runs)
+    ax.axhline(before, color="grey", linestyle=":", label=f"before training ({before:.3f})")
+    ax.set_xlabel("policy lag k (lockstep)")
+    ax.set_ylabel("final held-out greedy accuracy")
+    ax.set_xticks(sorted({r["lag"] for r in runs if r["lag"] is not None}))
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("runs", nargs="+", help="run directories or directories of runs")
+    p.add_argument("--out", required=True, help="output folder for runs.md (and final_vs_lag.png)")
+    p.add_argument("--no-plot", action="store_true")
+    args = p.parse_args(argv)
+    runs = sorted((describe(d) for d in run_dirs(args.runs)),
+                  key=lambda r: (r["lag"] is None, r["lag"] or 0, r["correction"], r["seed"], r["run"]))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "runs.md").write_text(markdown(runs))
+    if not args.no_plot:
+        plot(runs, out / "final_vs_lag.png")
+    print(f"{len(runs)} runs -> {out}")
+
+
+if __name__ == "__main__":
+    main()
