@@ -14,41 +14,36 @@ curves; this adds the per-run table and the one figure a lag study is read by.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 from collections import defaultdict
 from pathlib import Path
 
-from services.control.report import read_metrics
+from services.cli.compare import Run, find_runs, load_run
 
 
-def run_dirs(paths: list[str]) -> list[Path]:
-    """Each path is a finished run's directory (holds ``summary.json``) or a directory of them (a sweep's); runs
-    that have not finished are left out."""
-    found = []
-    for p in map(Path, paths):
-        found += [p] if (p / "summary.json").is_file() else sorted(d for d in p.iterdir() if (d / "summary.json").is_file())
-    return found
+def finished_runs(paths: list[str]) -> list[Run]:
+    """``gyre compare``'s runs under ``paths`` (run directories or directories of them), leaving out those that have
+    not finished (no ``summary.json``)."""
+    return [load_run(p) for p in find_runs(paths) if (p / "summary.json").is_file()]
 
 
-def describe(run: Path) -> dict:
-    """One run's row: settings from ``recipe.json``, numbers from ``metrics.jsonl`` (a re-trained step once, last)."""
-    recipe = json.loads((run / "recipe.json").read_text())
-    algo = recipe["learner"]["algorithm"]
-    rows = read_metrics(run / "metrics.jsonl")
-    steps = {r["step"]: r for r in rows if "loss" in r}
-    evals = {max(r["step"], 0): r["heldout_accuracy"] for r in rows if "eval" in r}  # a -1 "before" is version 0
+def describe(run: Run) -> dict:
+    """One run's row: settings from ``recipe.json``, numbers from ``metrics.jsonl`` (``Run.series``: one value per
+    step, a re-trained step's last)."""
+    recipe, algo = run.recipe, run.recipe["learner"]["algorithm"]
+    # a -1 "before" evaluation (lockstep before 1af7375) is of version 0
+    evals = {max(p.step, 0): p.value for p in run.series("heldout_accuracy")}
 
     def mean(key: str) -> float:
-        return statistics.fmean(r[key] for r in steps.values())
+        return statistics.fmean(p.value for p in run.series(key))
 
     source = (recipe["replay"].get("source") or {}).get("recorded")
     return {"run": run.name, "lag": recipe["lockstep_lag"] if recipe["determinism"] == "lockstep" else None,
             "correction": f"{algo['policy_ratio']}/{algo['is_weight']}", "seed": recipe["seed"],
-            "recorded": Path(source).name if source else None, "evals": evals, "steps": len(steps),
+            "recorded": Path(source).name if source else None, "evals": evals,
             "reward": mean("reward_mean"), "ess": mean("is_ess_frac"), "ppo_clip": mean("ppo_clip_frac"),
             "tis_clip": mean("tis_clip_frac"), "mis_masked": mean("mis_masked_frac"),
-            "learner_s": sum(r["step_s"] for r in steps.values())}
+            "learner_s": sum(p.value for p in run.series("step_s"))}
 
 
 def markdown(runs: list[dict]) -> str:
@@ -102,7 +97,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", required=True, help="output folder for runs.md (and final_vs_lag.png)")
     p.add_argument("--no-plot", action="store_true")
     args = p.parse_args(argv)
-    runs = sorted((describe(d) for d in run_dirs(args.runs)),
+    runs = sorted((describe(r) for r in finished_runs(args.runs)),
                   key=lambda r: (r["lag"] is None, r["lag"] or 0, r["correction"], r["seed"], r["run"]))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
