@@ -66,6 +66,8 @@ POINTS: dict[str, str] = {
     "rollout.spool.after_rename": "spool entry committed, not yet sent to replay",
     "rollout.spool.flush": "a spooled group is being re-sent to replay after a restart",
     "rollout.apply_weights": "a new policy version received, not yet loaded into the engine",
+    # reward model (services/reward_model/server.py)
+    "reward_model.batch_scored": "a batch of responses scored by the reward-model service, replies not yet sent",
 }
 """Every fault point: name → where it fires."""
 

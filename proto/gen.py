@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PROTOS = ("proto/replay.proto", "proto/weights.proto")
+PROTOS = ("proto/replay.proto", "proto/weights.proto", "proto/reward_model.proto")
 
 
 def generate(out_root: Path = REPO) -> list[Path]:

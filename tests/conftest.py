@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.tiny_model import build_tiny_llama
+from tests.tiny_model import build_tiny_classifier, build_tiny_llama
 
 # On CPU vLLM runs its model worker in a process of its own, beside the engine core: one more spawn and
 # ~6 s of imports per engine start, and the suite starts ~20 engines (every whole run, every rollout
@@ -62,6 +62,12 @@ def vllm_worker_process():
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
         yield
+
+
+@pytest.fixture(scope="session")
+def tiny_classifier(tmp_path_factory):
+    """Path of a tiny random one-label Llama sequence classifier (a reward model), built once per session."""
+    return build_tiny_classifier(tmp_path_factory.mktemp("tiny-rm"))
 
 
 @pytest.fixture(scope="session")

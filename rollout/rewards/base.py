@@ -21,7 +21,7 @@ import threading
 from abc import ABC, abstractmethod
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -29,7 +29,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 class RewardConfig(BaseModel):
     """Which reward function scores a task, with its parameters. A bare string means ``{name: ...}``.
 
-    Exactly one of ``name`` (a built-in reward) and ``function`` (a plain Python function) is set.
+    Exactly one of ``name`` (a built-in reward), ``function`` (a plain Python function) and ``model`` (a reward
+    model served by the run's reward-model service) is set.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -42,13 +43,22 @@ class RewardConfig(BaseModel):
     or ``"path/to/file.py:fn"`` (a recipe resolves a relative path against the recipe's folder) — a function
     ``fn(completions: list[str], *, prompts, **columns) -> list[float | None]``, sync or async, called once per
     group (``rollout.rewards.function``)."""
+    model: str | None = None
+    """A reward model: a local Hugging Face model folder or a Hub id (resolved in the local HF cache, or downloaded
+    where the Hub is reachable), scored by the run's reward-model service (``rollout.rewards.model``); its
+    revision is the reward version."""
+    kind: Literal["classifier", "judge"] = "classifier"
+    """For a ``model``: ``classifier`` — an ``AutoModelForSequenceClassification`` (the usual RLHF reward model:
+    one logit per response) — or ``judge`` — a generative model served by vLLM, prompted with ``params.template``
+    and its reply parsed with ``params.parser``."""
     params: dict[str, Any] = Field(default_factory=dict)
     """Parameters of that reward (validated by its own model, unknown keys refused); for a ``function``,
     extra keyword arguments of every call (verl's ``reward_kwargs``; TRL passes none)."""
     weight: float = 1.0
     """Factor of this reward in the weighted sum of a task's ``rewards`` (TRL's ``reward_weights``)."""
     timeout_s: float = Field(30.0, gt=0)
-    """Budget in seconds for scoring one response (a ``function``: for one call, i.e. one group); past it the
+    """Budget in seconds for scoring one response (a ``function``: for one call, i.e. one group; a ``model``: the
+    deadline of one scoring request, retried meanwhile while the reward-model service restarts); past it the
     sample gets reward 0.0 and ``reward_error = "timeout: ..."`` (an in-process scorer's thread cannot be
     killed and runs on)."""
 
@@ -59,9 +69,13 @@ class RewardConfig(BaseModel):
 
     @model_validator(mode="after")
     def _one_kind(self) -> "RewardConfig":
-        if (self.name is None) == (self.function is None):
-            raise ValueError("a reward sets exactly one of name (a built-in reward) and function "
-                             f"('pkg.module:fn' or 'file.py:fn'); got name={self.name!r}, function={self.function!r}")
+        given = [k for k in ("name", "function", "model") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError("a reward sets exactly one of name (a built-in reward), function ('pkg.module:fn' or "
+                             "'file.py:fn') and model (a reward model's folder or Hub id); got "
+                             f"name={self.name!r}, function={self.function!r}, model={self.model!r}")
+        if self.model is None and self.kind != "classifier":
+            raise ValueError(f"kind ({self.kind!r}) applies to a model reward only; set model too")
         if not math.isfinite(self.weight):
             raise ValueError(f"weight ({self.weight}) must be finite")
         return self
@@ -69,6 +83,8 @@ class RewardConfig(BaseModel):
     @property
     def label(self) -> str:
         """Short name of this reward in metrics: the built-in name, or ``module:fn`` / ``file.py:fn``."""
+        if self.model is not None:
+            return f"rm:{self.model.replace(chr(92), '/').rstrip('/').rsplit('/', 1)[-1]}"
         return self.name if self.name is not None else self.function.replace("\\", "/").rsplit("/", 1)[-1]
 
 

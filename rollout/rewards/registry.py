@@ -199,8 +199,9 @@ def known_rewards() -> list[str]:
 
 
 def make_reward(config: RewardConfig | str | dict, dataset=None):
-    """Build the reward function named by ``config``: a ``RewardFn`` (scores one response at a time), or for
-    ``function`` a ``rollout.rewards.function.FunctionReward`` (one call per group). Both have ``name``,
+    """Build the reward function named by ``config``: a ``RewardFn`` (scores one response at a time), for
+    ``function`` a ``rollout.rewards.function.FunctionReward`` (one call per group), for ``model`` a
+    ``rollout.rewards.model.ModelReward`` (scored by the reward-model service). Both have ``name``,
     ``version``, ``timeout_s``, ``check_entry(entry)`` and ``async score_groups(groups)``.
 
     Args:
@@ -211,6 +212,7 @@ def make_reward(config: RewardConfig | str | dict, dataset=None):
         UnknownRewardError: unknown name (the message lists the known ones / the reasoning-gym datasets).
         rollout.rewards.function.RewardImportError: a ``function`` that does not load (path, attribute,
             signature).
+        rollout.rewards.model.RewardModelError: a ``model`` that does not resolve or fit its ``kind``.
         ValueError: params that do not fit the reward.
     """
     cfg = config if isinstance(config, RewardConfig) else RewardConfig.model_validate(config)
@@ -218,6 +220,10 @@ def make_reward(config: RewardConfig | str | dict, dataset=None):
         from rollout.rewards.function import FunctionReward  # its own imports: only for a function
 
         return FunctionReward(cfg)
+    if cfg.model is not None:
+        from rollout.rewards.model import ModelReward  # scored by the reward-model service
+
+        return ModelReward(cfg)
     if cfg.name.startswith(RG_PREFIX):
         ds_name = cfg.name[len(RG_PREFIX):]
         if ds_name not in reasoning_gym.factory.DATASETS:

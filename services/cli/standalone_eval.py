@@ -77,6 +77,11 @@ async def evaluate_folder(recipe, version: int, start_engine=None) -> EvalResult
 
         start_engine = RolloutEngine.start
     config = recipe.rollout.model_copy(update={"spool_dir": None, "lockstep": None})
+    if recipe.model_rewards():  # no reward-model service here: the recipe's reward models score in this process
+        from rollout.rewards.model import set_transport
+        from rollout.rewards.model_host import LocalRewardModels
+
+        set_transport(LocalRewardModels())
     engine = await start_engine(config.engine, version)
     try:
         tokenizer = AutoTokenizer.from_pretrained(config.engine.model)

@@ -84,3 +84,15 @@ class RolloutInfo(ServiceInfo):
     """Generated tokens per second since it started."""
     stats: dict = field(default_factory=dict)
     """Its ``rollout.stats.RolloutStats.as_dict`` (reward means and counts, spool gauges, ...)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RewardModelInfo(ServiceInfo):
+    """``RewardModelActor.describe()``."""
+
+    address: str
+    """Its RewardModelService's ``host:port``."""
+    models: dict = field(default_factory=dict)
+    """``{model: reward version}`` of the reward models loaded now."""
+    counts: dict = field(default_factory=dict)
+    """Requests, batches and responses scored since it started, and models that failed to load."""

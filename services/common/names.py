@@ -1,14 +1,16 @@
-"""Service names of a run: ``replay``, ``learner``, ``learner-rank-{r}`` (ranks >= 1 of a multi-rank learner) and
-``rollout-{i}``. Parsed once (``ServiceName.parse``) and formatted once (``str``): nothing else slices names."""
+"""Service names of a run: ``replay``, ``learner``, ``learner-rank-{r}`` (ranks >= 1 of a multi-rank learner),
+``rollout-{i}`` and ``reward_model`` (when a task's reward names a model). Parsed once (``ServiceName.parse``) and formatted once (``str``): nothing else slices names."""
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
 
-ROLES = ("replay", "learner", "rollout")
+ROLES = ("replay", "learner", "rollout", "reward_model")
+SINGLE = ("replay", "reward_model")
+"""Roles with one service and no index."""
 
-_NAME = re.compile(r"^(?:(replay)|(learner)(?:-rank-([1-9][0-9]*))?|(rollout)-(0|[1-9][0-9]*))$")
+_NAME = re.compile(r"^(?:(replay|reward_model)|(learner)(?:-rank-([1-9][0-9]*))?|(rollout)-(0|[1-9][0-9]*))$")
 
 
 @dataclass(frozen=True, order=True)
@@ -17,7 +19,7 @@ class ServiceName:
 
     ``index`` is the rollout's number for ``rollout``, the DeepSpeed rank for ``learner`` (0: the ``learner``
     service itself, ``LearnerActor``; ``r >= 1``: ``learner-rank-{r}``, a ``LearnerRankActor``), and 0 for
-    ``replay``. Ordered by (role, index), so rollouts sort by number (``rollout-2`` before ``rollout-10``).
+    ``replay`` and ``reward_model``. Ordered by (role, index), so rollouts sort by number (``rollout-2`` before ``rollout-10``).
 
     Raises:
         ValueError: an unknown role, a negative index, or an index for ``replay``.
@@ -29,7 +31,7 @@ class ServiceName:
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"unknown service role {self.role!r}; expected one of {', '.join(ROLES)}")
-        if not isinstance(self.index, int) or self.index < 0 or (self.role == "replay" and self.index):
+        if not isinstance(self.index, int) or self.index < 0 or (self.role in SINGLE and self.index):
             raise ValueError(f"bad index {self.index!r} for a {self.role} service")
 
     @classmethod
@@ -45,10 +47,11 @@ class ServiceName:
         """
         m = _NAME.match(name) if isinstance(name, str) else None
         if m is None:
-            raise ValueError(f"not a service name: {name!r} (replay, learner, learner-rank-<r> or rollout-<i>)")
-        replay, learner, rank, _, index = m.groups()
-        if replay:
-            return cls("replay")
+            raise ValueError(f"not a service name: {name!r} (replay, learner, learner-rank-<r>, rollout-<i> or "
+                             "reward_model)")
+        single, learner, rank, _, index = m.groups()
+        if single:
+            return cls(single)
         return cls("learner", int(rank or 0)) if learner else cls("rollout", int(index))
 
     def __str__(self) -> str:

@@ -19,6 +19,7 @@ from services.control.recipe import Recipe
 from services.learner import group as learner_group
 from services.learner.actor import LearnerActor, LearnerRankActor, rank_env
 from services.replay.actor import ReplayActor
+from services.reward_model.actor import RewardModelActor
 from services.rollout.actor import RolloutActor
 
 
@@ -85,6 +86,13 @@ class ServiceFactory:
         """Where armed incarnations log the fault points that fired (``faults.read_fire_log``)."""
         self.incarnations: dict[str, int] = {}
         """Service name → actors created for it by this factory (re-attached ones do not count)."""
+        self.model_rewards = recipe.model_rewards()
+        """The recipe's ``{model: ...}`` rewards (``Recipe.model_rewards``): the reward-model service loads them."""
+
+    def has(self, role: str) -> bool:
+        """Whether this run has a service of ``role`` (every role but ``reward_model``, which runs when a task's
+        reward names a model)."""
+        return role != "reward_model" or bool(self.model_rewards)
 
     def fault_env(self, service: str, incarnation: int) -> dict:
         """``env_vars`` of incarnation ``incarnation`` (0-based) of ``service``: ``self.env`` plus, when the
@@ -133,6 +141,13 @@ class ServiceFactory:
                               dir=self.replay_dir, security=self.security, run_id=self.recipe.name)
         return Service(ServiceName("replay"), handle, ray.get(handle.address.remote()))
 
+    def reward_model(self) -> Service:
+        """The reward-model service (``services.reward_model``), with the recipe's model rewards loaded; blocks
+        until it serves."""
+        handle = self._create(RewardModelActor, "reward_model", "reward_model", self.recipe.reward_model.model_dump(),
+                              self.model_rewards, security=self.security, run_id=self.recipe.name)
+        return Service(ServiceName("reward_model"), handle, ray.get(handle.address.remote()))
+
     def learner(self, replay_address: str, restarted: bool = False) -> Service:
         """The learner: one ``LearnerActor``, or with ``placement.learner.world_size > 1`` rank 0 plus
         ``LearnerRankActor`` ranks ``learner-rank-{r}``, one per bundle of the learner's placement group
@@ -170,17 +185,20 @@ class ServiceFactory:
         handles = [self.attach(str(ServiceName("learner", r))) for r in ranks]
         return None if any(h is None for h in handles) else handles
 
-    def begin_rollout(self, index: int, replay_address: str, weights_address: str):
+    def begin_rollout(self, index: int, replay_address: str, weights_address: str,
+                      reward_model_address: str | None = None):
         """Create ``rollout-{index}`` and start its setup (vLLM start, weight subscription); returns
         ``(handle, setup ObjectRef)`` without waiting."""
         name = str(ServiceName.rollout(index))
         handle = self._create(RolloutActor, "rollout", name)
         return handle, handle.setup.remote(name, self.recipe.rollout.model_dump(), self.recipe.task.model_dump(),
                                            replay_address, weights_address, self.recipe.seed + index, self.security,
-                                           run_id=self.recipe.name, journal_dir=str(self.rollout_journal_dir))
+                                           run_id=self.recipe.name, journal_dir=str(self.rollout_journal_dir),
+                                           reward_model_address=reward_model_address)
 
-    def rollouts(self, indices: list[int], replay_address: str, weights_address: str) -> list[Service]:
+    def rollouts(self, indices: list[int], replay_address: str, weights_address: str,
+                 reward_model_address: str | None = None) -> list[Service]:
         """Rollouts ``rollout-{i}`` for each index, set up concurrently (blocks until all are)."""
-        started = [self.begin_rollout(i, replay_address, weights_address) for i in indices]
+        started = [self.begin_rollout(i, replay_address, weights_address, reward_model_address) for i in indices]
         ray.get([ref for _, ref in started])
         return [Service(ServiceName.rollout(i), h, None) for i, (h, _) in zip(indices, started)]

@@ -83,3 +83,5 @@ class PlacementConfig(BaseModel):
     """Resources of each learner rank, the world size and the placement-group strategy."""
     rollout: RolePlacement = RolePlacement()
     """Applies to every rollout service (each one gets these resources)."""
+    reward_model: RolePlacement = RolePlacement()
+    """Resources of the reward-model service (a GPU for a large reward model: ``num_gpus: 1``)."""

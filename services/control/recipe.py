@@ -25,6 +25,7 @@ from services.control.placement import PlacementConfig, RayConfig
 from services.control.recipe_paths import RecipeError, resolve_local_paths, resolve_model
 from services.control.recorded import RecordingError, check_recorded_source
 from services.control.tracking.config import TrackingConfig
+from services.reward_model.config import RewardServiceConfig
 
 __all__ = ["Recipe", "RecipeError", "load_recipe"]
 
@@ -52,6 +53,9 @@ class Recipe(BaseModel):
     task: TaskConfig = TaskConfig()
     """What the rollouts generate and how it is scored: a reasoning-gym task, HumanEval, your own dataset,
     a mixture; the reward(s)."""
+    reward_model: RewardServiceConfig = RewardServiceConfig()
+    """The reward-model service (``services.reward_model``), started when a task's reward names a ``model``:
+    batching and how many models it keeps loaded; its resources are ``placement.reward_model``."""
     rollout: RolloutConfig
     """The rollout services: engine, sampling, group size, fleet size, backpressure."""
     replay: ReplayConfig = ReplayConfig()
@@ -82,6 +86,19 @@ class Recipe(BaseModel):
     incarnation of that service (``faults``): ``{learner: ["learner.ckpt.mid_write#2", "learner.publish.mid_stream"]}``
     kills the first learner process at its 2nd ``mid_write``, the restarted one at its first ``mid_stream``; the
     third runs clean. ``""`` is a clean incarnation; a single string is a list of one."""
+
+    def model_rewards(self) -> list[dict]:
+        """The distinct ``{model: ...}`` rewards of every task (``RewardConfig`` dicts); empty: no reward-model
+        service."""
+        from rollout.tasks import reward_configs
+
+        out: list[dict] = []
+        for task, comp in self.task.components().items():
+            for cfg in reward_configs(task, comp):
+                raw = cfg.model_dump(include={"model", "kind", "params"})
+                if cfg.model is not None and raw not in out:
+                    out.append(raw)
+        return out
 
     @field_validator("faults", mode="before")
     @classmethod
@@ -247,7 +264,7 @@ def validate_fault_specs(service: Any, specs: Any) -> list[str]:
     """
     name = fault_service(service)
     if name is None:
-        raise ValueError(f"faults: unknown service {service!r}; expected 'replay', 'learner' or 'rollout-<i>'")
+        raise ValueError(f"faults: unknown service {service!r}; expected 'replay', 'learner', 'rollout-<i>' or 'reward_model'")
     specs = [specs] if isinstance(specs, str) else specs
     if not isinstance(specs, list):
         raise ValueError(f"faults.{service}: expected a list of fault specs (one per incarnation), got {specs!r}")

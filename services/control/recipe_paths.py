@@ -49,6 +49,8 @@ def resolve_local_paths(data: dict, base: Path) -> None:
         for reward in [holder.get("reward"), *rewards]:
             if isinstance(reward, dict) and isinstance(reward.get("function"), str):
                 reward["function"] = resolve_file_spec(reward["function"], base)
+            if isinstance(reward, dict) and isinstance(reward.get("model"), str) and (base / reward["model"]).is_dir():
+                reward["model"] = str((base / reward["model"]).resolve())  # a folder; a Hub id stays as it is
     env = data.get("ray", {}).get("runtime_env") if isinstance(data.get("ray"), dict) else None
     if not isinstance(env, dict):
         return

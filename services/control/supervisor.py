@@ -92,14 +92,17 @@ class Supervisor:
         service is told the address of each server created anew that it dials (``topology``).
         Returns the names of the services re-attached."""
         attached: list[str] = []
-        for name, make in (("replay", self.factory.replay),
-                           ("learner", lambda: self.factory.learner(self.replay.address))):
+        makers = (("replay", self.factory.replay), ("reward_model", self.factory.reward_model),
+                  ("learner", lambda: self.factory.learner(self.replay.address)))
+        for name, make in makers:
+            if not self.factory.has(name):
+                continue
             svc = self._attach_server(name)
             if svc is not None:
                 attached.append(name)
             self.services[name] = svc if svc is not None else make()
         for server in topology.servers():
-            if server not in attached:  # a new address
+            if server in self.services and server not in attached:  # a new address
                 self._announce(self.services[server], [self.services[n] for n in attached])
         missing = []
         for i in range(num_rollouts):
@@ -146,7 +149,7 @@ class Supervisor:
     def _add_rollouts(self, indices: list[int]) -> list[Service]:
         """New rollouts, started concurrently; each is bootstrapped to the learner's newest policy version
         before it generates."""
-        new = self.factory.rollouts(indices, self.replay.address, self.learner.address)
+        new = self.factory.rollouts(indices, self.replay.address, self.learner.address, self._address("reward_model"))
         self.services.update({svc.name: svc for svc in new})
         if self.generating:
             version = self._learner_version()
@@ -154,15 +157,21 @@ class Supervisor:
             ray.get([svc.handle.start.remote() for svc in new])
         return new
 
+    def _address(self, server: str) -> str | None:
+        """The current address of ``server`` (``None``: this run has no such service)."""
+        svc = self.services.get(server)
+        return svc.address if svc is not None else None
+
     def _learner_version(self) -> int:
         """The learner's policy version as of its last ``describe()`` (0 before the first)."""
         return self.learner.version if self.learner.info is not None else 0
 
     # ---- addresses (who dials whom: ``services.control.topology``) ------------------------------
     def _tell_addresses(self, handle, role: str) -> list:
-        """Push the current address of every server ``role`` dials to ``handle``; returns the calls' refs."""
+        """Push the current address of every server ``role`` dials (that this run has) to ``handle``; returns the
+        calls' refs."""
         return [getattr(handle, topology.endpoint(server).push_method).remote(self.services[server].address)
-                for server in topology.dialled_by(role)]
+                for server in topology.dialled_by(role) if server in self.services]
 
     def _announce(self, server: Service, among: list[Service]) -> None:
         """Push ``server``'s (new) address to the services in ``among`` whose role dials it."""
@@ -200,7 +209,7 @@ class Supervisor:
         try:
             svc.info = ray.get(svc.handle.describe.remote(), timeout=self.check_timeout_s)
             ray.get([f.describe.remote() for f in svc.followers], timeout=self.check_timeout_s)  # learner ranks >= 1
-            security = self.factory.recipe.security if svc.role in ("learner", "replay") else None
+            security = self.factory.recipe.security if svc.address is not None else None
             healthy = svc.address is None or check_health(svc.address, timeout_s=self.check_timeout_s,
                                                           security=security)
         except RayActorError:
@@ -228,6 +237,8 @@ class Supervisor:
             ray.kill(handle, no_restart=True)
         if svc.role == "replay":
             new = self.factory.replay()
+        elif svc.role == "reward_model":
+            new = self.factory.reward_model()
         elif svc.role == "learner":
             new = self.factory.learner(self.replay.address, restarted=True)
             self.learner_generation += 1
@@ -236,7 +247,8 @@ class Supervisor:
             pending = self.starting.pop(svc.name, None)  # restarted again while its replacement starts
             if pending is not None:
                 ray.kill(pending.handle, no_restart=True)
-            handle, ref = self.factory.begin_rollout(svc.id.index, self.replay.address, self.learner.address)
+            handle, ref = self.factory.begin_rollout(svc.id.index, self.replay.address, self.learner.address,
+                                                     self._address("reward_model"))
             self.starting[svc.name] = Starting(svc.id, handle, ref, restarts=svc.restarts + 1)
             return svc
         self._announce(new, [s for s in self.services.values() if s.name not in self.starting])
@@ -258,7 +270,8 @@ class Supervisor:
         free = (i for i in range(desired + len(used)) if i not in used)
         for _ in range(desired - len(running) - len(self.starting)):
             sid = ServiceName.rollout(next(free))
-            handle, ref = self.factory.begin_rollout(sid.index, self.replay.address, self.learner.address)
+            handle, ref = self.factory.begin_rollout(sid.index, self.replay.address, self.learner.address,
+                                                     self._address("reward_model"))
             self.starting[str(sid)] = Starting(sid, handle, ref)
         excess = len(running) + len(self.starting) - desired
         for st in sorted(self.starting.values(), key=lambda st: st.id, reverse=True)[:max(excess, 0)]:
@@ -335,8 +348,10 @@ class Supervisor:
             ray.kill(self.starting.pop(name).handle, no_restart=True)
         for svc in self.rollouts():
             self.remove_rollout(svc)
-        for name in ("learner", "replay"):
-            svc = self.services.pop(name)
+        for name in ("learner", "reward_model", "replay"):
+            svc = self.services.pop(name, None)
+            if svc is None:
+                continue
             try:
                 ray.get(svc.handle.stop.remote(), timeout=60)
             except (RayActorError, GetTimeoutError) as exc:

@@ -23,8 +23,10 @@ class RolloutActor:
 
     async def setup(self, rollout_id: str, config: dict, task_config: dict, replay_address: str,
                     weights_address: str, seed: int, security: dict | None = None, run_id: str = "run",
-                    metrics_port: int | None = 0, journal_dir: str | None = None) -> int:
-        """Start the engine and subscribe to weights; returns the pid. With ``config["spool_dir"]`` the
+                    metrics_port: int | None = 0, journal_dir: str | None = None,
+                    reward_model_address: str | None = None) -> int:
+        """Start the engine and subscribe to weights; returns the pid. ``reward_model_address``: the run's
+        reward-model service, which scores its ``{model: ...}`` rewards (``None``: the run has none). With ``config["spool_dir"]`` the
         rollout spools under ``{spool_dir}/{rollout_id}`` (a restarted rollout flushes what it left).
         With ``journal_dir`` it journals every acknowledged insert and applied policy version to
         ``{journal_dir}/{rollout_id}.jsonl`` (``proto.journal``; checked by ``gyre check``)."""
@@ -39,10 +41,13 @@ class RolloutActor:
         from transformers import AutoTokenizer
 
         configure_logging(run_id, rollout_id)
+        self.rollout_id, self.security = rollout_id, security_config(security)
+        self.reward_models = None
+        if reward_model_address is not None:
+            await self.set_reward_model_address(reward_model_address)
         cfg = RolloutConfig(**config)
         if cfg.spool_dir:
             cfg = cfg.model_copy(update={"spool_dir": os.path.join(cfg.spool_dir, rollout_id)})
-        self.rollout_id, self.security = rollout_id, security_config(security)
         self.loop = asyncio.get_running_loop()
         if cfg.engine.kind == "simulated":  # benchmarks: sleeps instead of sampling (rollout.sim_engine)
             from rollout.sim_engine import SimulatedEngine as Engine
@@ -96,6 +101,18 @@ class RolloutActor:
                 self.worker.timeline = UNKNOWN
         else:
             self.subscriber.start()
+
+    async def set_reward_model_address(self, address: str) -> None:
+        """Score model rewards at the reward-model service at ``address`` (a restarted one's new address; requests
+        waiting meanwhile retry there). Installs the process's transport (``rollout.rewards.model``) the first time."""
+        from rollout.rewards.model import set_transport
+        from services.rollout.reward_client import GrpcRewardModels
+
+        if getattr(self, "reward_models", None) is None:
+            self.reward_models = GrpcRewardModels(address, getattr(self, "security", None))
+            set_transport(self.reward_models)
+        else:
+            self.reward_models.set_address(address)
 
     async def set_replay_address(self, address: str) -> None:
         """Send leases/inserts to a restarted replay (``ReplayLink.reroute``; no-op for the same address)."""

@@ -201,7 +201,7 @@ def test_a_signature_that_cannot_take_the_columns_is_refused_when_the_source_is_
 
 
 def test_a_reward_sets_exactly_one_of_name_and_function():
-    with pytest.raises(ValueError, match="exactly one of name .* and function"):
+    with pytest.raises(ValueError, match="exactly one of name .* and model"):
         TaskConfig(reward={"name": "math_exact", "function": "m:f"})
     with pytest.raises(ValueError, match="exactly one of name"):
         TaskConfig(reward={"params": {}})

@@ -226,3 +226,26 @@ def test_gyre_eval_refuses_what_it_cannot_evaluate(tmp_path, capsys):
     assert f"checkpoint {tmp_path}" in capsys.readouterr().out
     assert cli.main(["eval", str(SMOLLM2_DIR), TINY, "--set", "eval.sets=[nope]"]) == 2
     assert "eval.sets ['nope'] are not held-out sets" in capsys.readouterr().out
+
+
+def test_gyre_eval_scores_a_reward_model_in_its_own_process(tmp_path, tiny_classifier):
+    """No service runs for ``gyre eval``: the recipe's reward model is loaded in the process, so the held-out rows
+    carry its score (without the local transport every row would be a ``reward_error``)."""
+    from rollout.rewards import model as rm
+
+    engine = FakeEngine()
+
+    async def start(config, version):
+        engine.version = version
+        return engine
+
+    load = lambda folder: load_recipe(TINY, {"model": folder, "run_dir": str(tmp_path), "task.reward":
+                                             {"model": str(tiny_classifier)}})
+    try:
+        row = run_standalone(str(SMOLLM2_DIR), load, None, Console(file=io.StringIO()), start_engine=start)
+    finally:
+        rm.set_transport(None)
+    lines = [json.loads(x) for x in (tmp_path / "tiny-test" / "standalone-eval" / "eval" / "step_0.jsonl").open()]
+    assert row["eval/basic_arithmetic/reward_errors"] == 0
+    assert len(lines) == 16 and all(x["reward_error"] == "" for x in lines), lines[0]  # greedy + 1 sample each
+    assert len({x["reward"] for x in lines}) > 1  # the classifier's logits, one per prompt

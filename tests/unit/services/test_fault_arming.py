@@ -56,7 +56,7 @@ def test_recipe_faults_are_normalised_per_service():
 
 @pytest.mark.parametrize("section, message", [
     ({"trainer": ["learner.ckpt.mid_write"]},
-     "faults: unknown service 'trainer'; expected 'replay', 'learner' or 'rollout-<i>'"),
+     "faults: unknown service 'trainer'; expected 'replay', 'learner', 'rollout-<i>' or 'reward_model'"),
     ({"rollout": ["rollout.apply_weights"]}, "unknown service 'rollout'"),
     ({"rollout-01": ["rollout.apply_weights"]}, "unknown service 'rollout-01'"),
     ({"learner": ["learner.ckpt.mid_write", "learner.ckpt.midwrite"]},

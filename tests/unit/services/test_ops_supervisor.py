@@ -15,6 +15,7 @@ from services.control.ops import FleetRequests
 from services.control.supervisor import Service, Supervisor
 from services.learner.actor import LearnerActor
 from services.replay.actor import ReplayActor
+from services.reward_model.actor import RewardModelActor
 from services.rollout.actor import RolloutActor
 
 
@@ -67,13 +68,23 @@ def _get(x, timeout=None):
 
 class FakeFactory:
     def __init__(self):
-        self.made = {"replay": 0, "learner": 0, "rollout": 0}
+        self.made = {"replay": 0, "learner": 0, "rollout": 0, "reward_model": 0}
         self.recipe = SimpleNamespace(security=None)
         self.log_dir = Path("/runs/r/logs")
 
     def replay(self):
         self.made["replay"] += 1
         return Service(ServiceName("replay"), FakeHandle("replay"), f"replay:{self.made['replay']}")
+
+    with_reward_model = False
+    """A run whose reward names a model: every role of the topology."""
+
+    def has(self, role):
+        return role != "reward_model" or self.with_reward_model
+
+    def reward_model(self):
+        self.made["reward_model"] += 1
+        return Service(ServiceName("reward_model"), FakeHandle("reward_model"), f"rm:{self.made['reward_model']}")
 
     def learner(self, replay_address, restarted=False):
         self.made["learner"] += 1
@@ -83,17 +94,17 @@ class FakeFactory:
     def attach_followers(self):
         return []
 
-    def begin_rollout(self, index, replay_address, weights_address):
+    def begin_rollout(self, index, replay_address, weights_address, reward_model_address=None):
         self.made["rollout"] += 1
         handle = FakeHandle(f"rollout-{index}", describe=lambda: rollout_info(10 + index))
         return handle, handle.setup.remote()
 
-    def rollouts(self, indices, replay_address, weights_address):
+    def rollouts(self, indices, replay_address, weights_address, reward_model_address=None):
         return [Service(ServiceName.rollout(i), self.begin_rollout(i, replay_address, weights_address)[0], None)
                 for i in indices]
 
 
-def unstarted(monkeypatch, attach=None) -> Supervisor:
+def unstarted(monkeypatch, attach=None, reward_model=False) -> Supervisor:
     """A supervisor over ``FakeFactory`` with Ray faked; ``attach``: service name → live handle to re-attach."""
     fake_ray = SimpleNamespace(get=_get, kill=lambda h, no_restart=True: setattr(h, "killed", True),
                                wait=lambda refs, timeout=0: (refs, []), exceptions=sup_mod.ray.exceptions)
@@ -101,6 +112,7 @@ def unstarted(monkeypatch, attach=None) -> Supervisor:
     monkeypatch.setattr(sup_mod, "check_health", lambda address, timeout_s, security=None: True)
     state = FleetRequests("r", "gyre", 1)
     s = Supervisor(FakeFactory(), FakeHandle("state", take_requests=state.take_requests, publish=state.publish))
+    s.factory.with_reward_model = reward_model
     s.factory.attach = lambda name: (attach or {}).get(name)
     s.state_body = state
     return s
@@ -180,7 +192,7 @@ def test_a_rollout_behind_the_learner_waits_before_generating(sup):
     sup.state_body.request_scale("rollout", 2)
     versions = iter([3, 5, 5])
     handle = FakeHandle("rollout-1", describe=lambda: rollout_info(7, next(versions)))
-    sup.factory.begin_rollout = lambda i, r, w: (handle, handle.setup.remote())
+    sup.factory.begin_rollout = lambda i, r, w, rm=None: (handle, handle.setup.remote())
     sup.tick()
     assert "rollout-1" in sup.starting and [s.name for s in sup.rollouts()] == ["rollout-0"]
     sup.tick()
@@ -192,7 +204,7 @@ def test_a_restart_whose_new_incarnation_dies_while_starting_is_retried_next_tic
     make = sup.factory.begin_rollout
     attempts = []
 
-    def dies_in_setup(index, replay_address, weights_address):
+    def dies_in_setup(index, replay_address, weights_address, reward_model_address=None):
         handle, _ = make(index, replay_address, weights_address)
         attempts.append(handle)
         if len(attempts) == 1:
@@ -250,7 +262,10 @@ def pushes(handles) -> set[tuple[str, str, tuple]]:
 
 
 @pytest.mark.parametrize("server", topology.servers())
-def test_restarting_a_server_pushes_its_new_address_to_exactly_the_roles_that_dial_it(sup, server):
+def test_restarting_a_server_pushes_its_new_address_to_exactly_the_roles_that_dial_it(monkeypatch, server):
+    sup = unstarted(monkeypatch, reward_model=True)
+    sup.start(1)
+    sup.learner.info = learner_info()
     sup.state_body.request_scale("rollout", 2)
     sup.tick()
     before = list(sup.services.values())
@@ -278,6 +293,7 @@ def test_a_reattached_service_is_told_the_addresses_it_dials_that_changed(monkey
     assert s.start(1) == [*attached, "rollout-0"]
     expected = {(c, topology.endpoint(server).push_method, (s.services[server].address,))
                 for c in [*attached, "rollout-0"] for server in topology.dialled_by(s.services[c].role)
+                if server in s.services
                 if c == "rollout-0" or server not in attached}
     assert pushes(live.values()) == expected
     assert ("rollout-0", "set_replay_address", ("replay:old" if "replay" in attached else "replay:1",)) in expected
@@ -287,7 +303,7 @@ def test_the_topology_names_the_actors_real_methods_and_address_arguments():
     """Each server actor answers its address by the table's method, each client actor takes a pushed address by
     the table's method, and each actor is created with exactly the address arguments of the servers it dials."""
     actors = {"replay": (ReplayActor, "__init__"), "learner": (LearnerActor, "__init__"),
-              "rollout": (RolloutActor, "setup")}
+              "rollout": (RolloutActor, "setup"), "reward_model": (RewardModelActor, "__init__")}
     assert set(actors) == set(topology.TOPOLOGY) == set(ROLES)
     for role, (actor, create) in actors.items():
         cls = actor.__ray_actor_class__
