@@ -61,6 +61,8 @@ _LEARNER_GAUGES = {  # row key -> (metric name, help)
 }
 _LEARNER_COUNTERS = {"tokens": ("gyre_learner_tokens", "Non-pad tokens trained on"),
                      "trajectories": ("gyre_learner_trajectories", "Trajectories trained on"),
+                     "loss_spike": ("gyre_learner_loss_spikes", "Steps whose loss or grad norm spiked "
+                                    "(learner.spike_save; each shortened the checkpoint interval)"),
                      "dead_timeline_rows": ("gyre_learner_dead_timeline_trajectories",
                                             "Trajectories trained on that a crashed learner's weights sampled after "
                                             "the version this learner resumed from"),
