@@ -83,6 +83,12 @@ class CheckpointMetadata:
     ``learner.reshard``'s universal checkpoint; ZeRO-0 checkpoints are refused)."""
     wall_time: float = 0.0
     """Unix time (seconds) of the save."""
+    kl_ctrl: dict = field(default_factory=dict)
+    """The KL controller's state (``learner.kl_control.KLController.state_dict``: its exact current coefficient),
+    restored on resume; empty in checkpoints written before it was saved (the controller restarts at ``kl_coef``)."""
+    spike_save: dict = field(default_factory=dict)
+    """The loss-spike detector's state (``learner.spike.SpikeDetector.state_dict``: recent values, hold, count),
+    restored on resume; empty when none was saved (the detector starts empty)."""
     format_version: int = FORMAT_VERSION
     """Version of this layout."""
 

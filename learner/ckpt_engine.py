@@ -25,7 +25,8 @@ log = structlog.get_logger("learner")
 
 def save_checkpoint(learner: CheckpointedLearner, request: CheckpointRequest) -> Path | Future:
     """Commit ``{request.root}/global_step_{step}`` (``learner.checkpoint`` layout and protocol): DeepSpeed
-    state (weights, optimizer, LR schedule) under ``deepspeed/``, every rank's RNG, metadata, manifest.
+    state (weights, optimizer, LR schedule) under ``deepspeed/``, every rank's RNG, metadata (with the KL
+    controller's state and ``request.spike_save``), manifest.
 
     With a ``request.saver`` and world size 1 the save is asynchronous (``learner.async_save``): the state is
     cloned to memory here (the only time training waits), then written and committed by the saver's
@@ -46,7 +47,8 @@ def save_checkpoint(learner: CheckpointedLearner, request: CheckpointRequest) ->
         step=learner.step, policy_version=learner.version, pending_lease_ids=list(request.pending_lease_ids),
         pending_group_ids=list(request.pending_group_ids),
         acked_lease_count=request.acked_lease_count, config_hash=learner.config_hash, fingerprint=request.fingerprint,
-        world_size=dist.get_world_size(), wall_time=time.time())
+        world_size=dist.get_world_size(), wall_time=time.time(), kl_ctrl=learner.kl_ctrl.state_dict(),
+        spike_save=dict(request.spike_save))
     if saver is not None and dist.get_world_size() == 1:
         saver.wait()  # one save in flight: its temp dir and pruning must not interleave with this one
         captured = capture(learner.engine, tmp, "deepspeed")
@@ -87,7 +89,8 @@ def _commit(tmp: Path, final: Path, meta: ckpt.CheckpointMetadata, request: Chec
 def load_checkpoint(learner: CheckpointedLearner, path: Path, fingerprint: str = "", force: bool = False) -> ckpt.CheckpointMetadata:
     """Verify ``path`` (a ``global_step_N`` dir), check it may be resumed
     (``learner.checkpoint.check_resumable``), then restore weights, optimizer, LR schedule,
-    ``step``, ``version`` and this rank's RNG, so training continues bit-identically.
+    ``step``, ``version``, the KL controller (``learner.kl_control``) and this rank's RNG, so training continues
+    bit-identically.
 
     Raises:
         learner.checkpoint.CheckpointError: corrupt/incomplete, or refused (the message says why).
@@ -104,6 +107,7 @@ def load_checkpoint(learner: CheckpointedLearner, path: Path, fingerprint: str =
         raise ckpt.CheckpointError(f"checkpoint {path}: DeepSpeed found no state under deepspeed/")
     ckpt.load_rng(path, dist.get_rank())
     learner.step, learner.version = meta.step, meta.policy_version
+    learner.kl_ctrl.load_state_dict(meta.kl_ctrl)
     log.info("checkpoint_loaded", path=str(path), step=meta.step, version=meta.policy_version,
              pending_leases=len(meta.pending_lease_ids), fingerprint_ok=meta.fingerprint == fingerprint)
     return meta

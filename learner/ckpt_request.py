@@ -8,7 +8,7 @@ ranks) and the test doubles; ``learner.loop.LearnerLoop`` builds the request. Pu
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Protocol
@@ -36,6 +36,9 @@ class CheckpointRequest:
     """Leases acked before this checkpoint, cumulative (``CheckpointMetadata.acked_lease_count``)."""
     fingerprint: str = ""
     """Task/dataset fingerprint; a resume with another one is refused unless forced."""
+    spike_save: Mapping[str, Any] = field(default_factory=dict)
+    """The loop's loss-spike detector state (``learner.spike.SpikeDetector.state_dict``), stored as
+    ``CheckpointMetadata.spike_save``; empty when the loop keeps none."""
     keep_last_n: int | None = None
     """After the commit, prune all but the newest ``keep_last_n`` checkpoints under ``root``; ``None``: keep all."""
     saver: BackgroundSaver | None = field(default=None, compare=False)
@@ -63,6 +66,9 @@ class CheckpointedLearner(Protocol):
     """Written to the checkpoint (``learner_config.json``); its ``zero_stage`` decides whether it reshards."""
     algo: AlgorithmConfig
     """Written to the checkpoint (``algorithm_config.json``)."""
+    kl_ctrl: Any
+    """``learner.kl_control.KLController``: its ``state_dict`` is saved in the metadata, ``load_state_dict``
+    restores it."""
     config_hash: str
     """sha256 of both configs' JSON (``learner.checkpoint.config_hash``), compared on resume."""
     engine: Any

@@ -7,6 +7,7 @@ from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from learner.kl_control import KLControlConfig, check_kl_ctrl
 from proto.callable_spec import CallableSpecError, resolve_file_spec, split_spec
 from proto.model_source import localize_model_data
 
@@ -131,7 +132,12 @@ class AlgorithmConfig(BaseModel):
 
     kl_coef: float = Field(0.0, ge=0.0)
     """Coefficient ``beta`` of the KL regulariser to a frozen reference model (the initial weights), placed
-    by ``kl_placement``. The reference model is loaded only when this is > 0."""
+    by ``kl_placement``; with ``kl_ctrl.type: adaptive`` its initial value. The reference model is loaded only
+    when this is > 0."""
+
+    kl_ctrl: KLControlConfig = KLControlConfig()
+    """How ``beta`` moves from ``kl_coef`` (verl's ``algorithm.kl_ctrl``; ``learner.kl_control``): ``fixed``
+    (default) or ``adaptive`` toward ``target_kl`` over ``horizon`` trajectories (Ziegler et al. 2019, §2.2)."""
 
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """Per-token function of ``x = log pi(a_t) - log pi_ref(a_t)`` on the sampled tokens (Schulman,
@@ -281,6 +287,7 @@ class AlgorithmConfig(BaseModel):
             )
         if self.mis_low >= self.mis_high:
             raise ValueError(f"mis_low ({self.mis_low}) must be < mis_high ({self.mis_high})")
+        check_kl_ctrl(self.kl_ctrl, self.kl_coef)
         return self
 
     @property

@@ -26,6 +26,7 @@ from learner.comm_timer import CommTimer
 from learner.ckpt_request import CheckpointRequest
 from learner.config import AlgorithmConfig, LearnerConfig
 from learner.ds_setup import _DTYPES, build_ds_config, ensure_distributed
+from learner.kl_control import KLController
 from learner.objective_check import check_objectives
 from learner.objectives import custom_policy_loss
 from learner.ranks import gather_step_metrics, rank_rows
@@ -70,6 +71,8 @@ class LearnerEngine:
         tied_lm_head: whether ``lm_head.weight`` is the input embedding (then omitted from weights).
         critic: whether the value head exists (``advantage == "gae"``).
         ref_model: the frozen reference model, or None when ``kl_coef == 0``.
+        kl_ctrl: the KL coefficient's controller (``learner.kl_control``); ``kl_ctrl.value`` is the ``beta``
+            the next step uses, updated after each ``train_step`` and saved in checkpoints.
     """
 
     def __init__(self, config: LearnerConfig, algo: AlgorithmConfig) -> None:
@@ -100,6 +103,7 @@ class LearnerEngine:
         )
         self.device = self.engine.device
         self.ref_model = self._load_reference() if algo.kl_coef > 0 else None
+        self.kl_ctrl = KLController(algo.kl_coef, algo.kl_ctrl)
 
     def _load_reference(self) -> torch.nn.Module:
         ref = AutoModelForCausalLM.from_pretrained(self.config.model, dtype=_DTYPES[self.config.dtype])
@@ -132,7 +136,8 @@ class LearnerEngine:
             ``loss``, ``learner.objectives.custom_policy_loss``'s: the ratio diagnostics and ``custom_loss/<name>``),
             ``is_ess_frac`` (Kish ESS of ``pi_proximal / pi_behaviour`` over valid tokens, as a fraction), ``entropy``
             (token-mean nats), ``kl_to_ref`` (token-mean k3 estimate of ``KL(pi || pi_ref)``, only with
-            ``kl_coef > 0``), ``value_loss`` / ``value_clip_frac`` / ``explained_variance`` (critic only),
+            ``kl_coef > 0``; then also ``kl_coef``, the ``beta`` this step used), ``value_loss`` /
+            ``value_clip_frac`` / ``explained_variance`` (critic only),
             ``reward_mean``, ``reward_std`` (the verifier's raw reward), ``truncated_frac`` (and
             ``overlong_penalty_mean`` with ``overlong_buffer_len``), ``advantage_abs_mean``, ``staleness_mean``,
             ``staleness_max``, ``staleness_hist_0 .. staleness_hist_8`` (trajectory counts per lag,
@@ -155,7 +160,7 @@ class LearnerEngine:
         elapsed = time.perf_counter() - start
         tokens = float(batch.attention_mask.sum())
         parts = [p for u in updates for p in u.parts]
-        return {
+        metrics = {
             "loss": sum(u.loss for u in updates) / len(updates),
             "grad_norm": sum(u.grad_norm for u in updates) / len(updates),
             "updates": float(len(updates)),
@@ -171,6 +176,10 @@ class LearnerEngine:
             **self._batch_metrics(batch, targets),
             "step": float(self.step),
         }
+        if self.ref_model is not None:  # this step's beta, then the controller's update for the next step
+            metrics["kl_coef"] = self.kl_ctrl.value
+            self.kl_ctrl.update(metrics["kl_to_ref"], batch.batch_size)
+        return metrics
 
     def _micro_slices(self, rows: range) -> tuple[list[slice], int]:
         """The micro-batches (row slices of the batch) this rank trains of the mini-batch ``rows``, and the
@@ -288,8 +297,8 @@ class LearnerEngine:
     def _regularisers(
         self, logits, logprobs, input_ids, attention_mask, mask, normaliser: float, row_scale, metrics: dict
     ) -> torch.Tensor | float:
-        """``kl_coef * kl_estimator(x) - entropy_coef * H``, each summed over the micro-batch's valid response
-        tokens (times ``row_scale``) and divided by the whole mini-batch's ``normaliser`` (``H``: ``token_entropy``; the KL term only with
+        """``beta * kl_estimator(x) - entropy_coef * H`` (``beta``: ``kl_ctrl.value``), each summed over the
+        micro-batch's valid response tokens (times ``row_scale``) and divided by the whole mini-batch's ``normaliser`` (``H``: ``token_entropy``; the KL term only with
         ``kl_placement: loss``; ``learner.losses.kl_penalty`` says which KL its gradient follows); records the
         token-mean ``entropy`` and ``kl_to_ref`` (k3 estimate of ``KL(pi || pi_ref)``, whatever the estimator)
         in ``metrics``; 0.0 (adds nothing) when both are off."""
@@ -308,7 +317,7 @@ class LearnerEngine:
             kl_t = kl_penalty(logprobs, ref_logprobs, mask, self.algo.kl_estimator)
             kl = kl_t.sum() if row_scale is None else scaled_token_sum(kl_t, mask, row_scale)
             metrics["kl_to_ref"] = float(kl_penalty(logprobs.detach(), ref_logprobs, mask, "k3").sum()) / n
-            total = total + self.algo.kl_coef * kl / normaliser
+            total = total + self.kl_ctrl.value * kl / normaliser
         return total
 
     @torch.no_grad()

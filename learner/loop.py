@@ -30,6 +30,7 @@ from learner.loop_config import LearnerLoopConfig
 from learner.versions import learner_versions
 from proto.timeline import label
 from learner.run_journal import LearnerJournal, group_ids_of
+from learner.spike import SpikeDetector
 from learner.step_metrics import dead_timeline_rows
 
 log = structlog.get_logger("learner")
@@ -95,6 +96,8 @@ class LearnerLoop:
         """The determinism mode's seam (``learner.versions``): timeline, lease bounds, version store."""
         self.start_version = 0
         """Policy version this learner started at (``resume``): its predecessor's versions above it are dead."""
+        self.spikes = SpikeDetector(config.spike_save)
+        """Loss-spike checkpoints (``learner.spike``): shortens the save interval after a spike; checkpointed."""
         self.timeline = self.versions.timeline
         """This learner incarnation's timeline (``proto.timeline``): every version it publishes but 0 carries it,
         so rollouts drop the weights a crashed predecessor published under the same numbers."""
@@ -153,13 +156,14 @@ class LearnerLoop:
         batch = build_train_batch(table, self.pad_token_id, self.engine.version, self.config.algorithm)
         dead = dead_timeline_rows(table, self.timeline, self.start_version)  # before train_step: lag as sampled
         metrics = self.engine.train_step(batch)
+        metrics |= self.spikes.observe(self.engine.step, metrics)
         t_trained = time.monotonic()  # train_step advanced engine.version by one
         publish_s = self.publish_current()
         self.pending_lease_ids.append(lease_id)
         self._lease_groups[lease_id] = group_ids_of(table)
         save_s, before = 0.0, self.last_checkpoint
         emergency, self._emergency = self._emergency, None
-        due = emergency or self.engine.step % self.config.save_interval_at(self.engine.step) == 0
+        due = emergency or self.engine.step % self.save_interval_at(self.engine.step) == 0
         if self.checkpoint_dir is not None and due:
             save_s = self.checkpoint(wait=bool(emergency) or not self.config.async_save)
         background = self.poll_background_save()
@@ -174,6 +178,11 @@ class LearnerLoop:
             "publish_s": publish_s, "checkpoint_s": save_s, **background, **committed, "dead_timeline_rows": dead,
             "pending_leases": len(self.pending_lease_ids), "step_s": time.monotonic() - t0, "time": time.time(),
         }
+
+    def save_interval_at(self, step: int) -> int:
+        """The checkpoint interval at optimizer step ``step``: ``config.save_interval_at(step)``, shortened
+        while a loss-spike hold lasts (``config.spike_save``, ``learner.spike``)."""
+        return self.spikes.interval(step, self.config.save_interval_at(step))
 
     def checkpoint(self, wait: bool = True) -> float:
         """Checkpoint the current step (unless one exists or is being written already) and ack every
@@ -198,6 +207,7 @@ class LearnerLoop:
             result = self.engine.save_checkpoint(CheckpointRequest(
                 self.checkpoint_dir, pending_lease_ids=leases, pending_group_ids=groups,
                 acked_lease_count=self.acked_lease_count, fingerprint=self.config.fingerprint,
+                spike_save=self.spikes.state_dict(),
                 keep_last_n=self.config.keep_last_n, saver=self._saver,
                 after_commit=self._mirror if self.config.mirror_dir is not None else None))
             if isinstance(result, Future):
@@ -296,6 +306,7 @@ class LearnerLoop:
             return None
         meta = self.engine.load_checkpoint(path, fingerprint=self.config.fingerprint, force=self.config.force_resume)
         self.start_version = self.engine.version
+        self.spikes.load_state_dict(meta.spike_save)
         self.versions.starting_at(self.engine.version)
         self._journal_resume(path, meta)  # before restore acks the checkpoint's leases
         self.acked_lease_count = meta.acked_lease_count

@@ -7,6 +7,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from learner.archive import ArchiveConfig
 from learner.config import AlgorithmConfig, LearnerConfig
 from learner.objective_check import check_objectives
+from learner.spike import SpikeSaveConfig
 from proto.lockstep import LockstepConfig
 
 
@@ -45,6 +46,10 @@ class LearnerLoopConfig(BaseModel):
     """Adaptive save interval by step range (the seeds' schedule), e.g. ``[{from_step: 0, interval: 5},
     {from_step: 100, interval: 50}]``: at step ``s`` the range with the largest ``from_step <= s`` applies
     and a checkpoint is due when ``s % interval == 0``. Empty: ``save_interval`` everywhere."""
+    spike_save: SpikeSaveConfig = SpikeSaveConfig()
+    """Loss-spike checkpoints (``learner.spike``): after a step whose ``loss`` or ``grad_norm`` lies above
+    ``median + factor * 1.4826 * MAD`` of its last ``window`` steps, a checkpoint is due every
+    ``max(1, interval // interval_divisor)`` steps for ``hold_steps`` steps. Off by default."""
     async_save: bool = False
     """Write checkpoints in the background (``learner.async_save``): training waits only for an
     in-memory copy of the state; leases are acked when the background commit finishes. World size 1

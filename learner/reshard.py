@@ -169,7 +169,7 @@ def _convert_on_rank0(checkpoint_dir: Path) -> None:
 def load_resharded(learner: CheckpointedLearner, checkpoint_dir: Path,
                    saved_world_size: int) -> ckpt.CheckpointMetadata:
     """Restore ``learner`` from a checkpoint written by ``saved_world_size`` ranks on the current,
-    different world size: weights, AdamW moments and step, ``step``, ``version``, and RNG.
+    different world size: weights, AdamW moments and step, ``step``, ``version``, the KL controller and RNG.
 
     Rank 0 converts the checkpoint (``to_universal``, reused if done before); then every rank has
     DeepSpeed load ``universal/`` with ``load_universal`` switched on for the call (the engine reads
@@ -205,6 +205,7 @@ def load_resharded(learner: CheckpointedLearner, checkpoint_dir: Path,
         log.info("rng_from_rank0", path=str(checkpoint_dir), rank=rank, saved_world_size=saved_world_size)
     ckpt.load_rng(checkpoint_dir, rng_rank)
     learner.step, learner.version = meta.step, meta.policy_version
+    learner.kl_ctrl.load_state_dict(meta.kl_ctrl)
     log.info("checkpoint_resharded", path=str(checkpoint_dir), saved_world_size=saved_world_size,
              world_size=world_size, step=meta.step, version=meta.policy_version)
     return meta

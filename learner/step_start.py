@@ -66,7 +66,7 @@ def step_targets(learner, batch: TrainBatch) -> StepTargets | None:
     ``overlong_filter`` masked keeps it as its return, without a KL term.
 
     Args:
-        learner: a ``learner.engine.LearnerEngine`` (its ``engine``, ``algo``, ``critic``, ``ref_model``,
+        learner: a ``learner.engine.LearnerEngine`` (its ``engine``, ``algo``, ``critic``, ``ref_model``, ``kl_ctrl``,
             ``_micro_inputs``, ``_forward`` and ``_ref_logprobs``).
         batch: the step's batch.
 
@@ -92,7 +92,7 @@ def step_targets(learner, batch: TrainBatch) -> StepTargets | None:
                 logprobs = token_logprobs(logits, input_ids, algo.temperature)
                 kl[rows, cols] = (logprobs - learner._ref_logprobs(input_ids, attention_mask)).cpu()
     old_values = old_values * mask
-    rewards = kl_shaped_rewards(batch.shaped_rewards, kl, mask, algo.kl_coef if kl_in_reward else 0.0)
+    rewards = kl_shaped_rewards(batch.shaped_rewards, kl, mask, learner.kl_ctrl.value if kl_in_reward else 0.0)
     returns, kl_to_ref = None, None
     if learner.critic:
         advantages, returns = gae(rewards, old_values, mask, algo.gamma, algo.lam)

@@ -51,6 +51,7 @@ _LEARNER_GAUGES = {  # row key -> (metric name, help)
     "is_ess_frac": ("gyre_learner_is_ess_fraction", "Kish effective sample size of the IS weights / N"),
     "approx_kl": ("gyre_learner_approx_kl", "k3 estimate of KL(behaviour || policy), token mean"),
     "kl_to_ref": ("gyre_learner_kl_to_ref", "KL to the reference policy, token mean (kl_coef > 0 only)"),
+    "kl_coef": ("gyre_learner_kl_coef", "KL coefficient beta the last step used (kl_coef > 0 only; kl_ctrl)"),
     "entropy": ("gyre_learner_entropy_nats", "Token-mean policy entropy (nats)"),
     "reward_mean": ("gyre_learner_reward_mean", "Mean reward of the last batch"),
     "reward_std": ("gyre_learner_reward_std", "Reward standard deviation of the last batch"),
@@ -60,6 +61,8 @@ _LEARNER_GAUGES = {  # row key -> (metric name, help)
 }
 _LEARNER_COUNTERS = {"tokens": ("gyre_learner_tokens", "Non-pad tokens trained on"),
                      "trajectories": ("gyre_learner_trajectories", "Trajectories trained on"),
+                     "loss_spike": ("gyre_learner_loss_spikes", "Steps whose loss or grad norm spiked "
+                                    "(learner.spike_save; each shortened the checkpoint interval)"),
                      "dead_timeline_rows": ("gyre_learner_dead_timeline_trajectories",
                                             "Trajectories trained on that a crashed learner's weights sampled after "
                                             "the version this learner resumed from"),

@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 import faults
 from learner.advantages import OUTCOME_ESTIMATORS
+from learner.kl_control import check_horizon
 from proto.model_source import DRY_RUN, is_hub_id
 from learner.loop import LearnerLoopConfig
 from replay.config import ReplayConfig
@@ -212,6 +213,7 @@ class Recipe(BaseModel):
                              "baseline comes from the other samples of the group, and a group of one has none (every "
                              "advantage would be 0, or undefined for rloo); or set learner.algorithm.advantage: gae")
         world, rows = self.placement.learner.world_size, self.learner.groups_per_step * self.rollout.group_size
+        check_horizon(self.learner.algorithm.kl_ctrl, rows)  # beta must stay positive after any one step
         if world > 1 and self.learner.engine.batch_split == "shard" and rows % world:
             raise ValueError(f"learner.groups_per_step * rollout.group_size ({rows} rows) must be a multiple of "
                              f"placement.learner.world_size ({world}) to shard each batch over the ranks; or set "

@@ -3,7 +3,8 @@ with parameters bit-identical to an uninterrupted run fed the same batches.
 
 Every run is a fresh ``python`` process (``learner_resume_proc``; never a fork), on the tiny Llama with
 attention dropout 0.1 so that training consumes the torch RNG, fp32 ZeRO-2 on CPU (gloo). The
-sabotage cases prove the comparison would catch a resume that drops optimizer state or RNG.
+sabotage cases prove the comparison would catch a resume that drops optimizer state, RNG or the KL
+controller's state (``learner.kl_control``, trained with ``--kl-adaptive``).
 """
 
 from __future__ import annotations
@@ -81,3 +82,36 @@ def test_a_resume_missing_optimizer_or_rng_state_is_caught(setup, sabotage):
     root = crashed(setup, f"sabotage-{sabotage}", "--kill-after", "3")
     assert run(model, root, base / "broken.safetensors", "--resume", "--sabotage", sabotage) == 0
     assert not equal(load_file(base / "broken.safetensors"), reference)
+
+
+@pytest.fixture(scope="module")
+def kl_reference(setup):
+    """The uninterrupted run under the adaptive KL controller: final parameters and its per-step coefficients."""
+    model, base, _ = setup
+    assert run(model, base / "kl-ref", base / "kl-ref.safetensors", "--kl-adaptive") == 0
+    return load_file(base / "kl-ref.safetensors"), json.loads((base / "kl-ref.safetensors.kl.json").read_text())
+
+
+def test_adaptive_kl_coefficient_resumes_bit_identically(setup, kl_reference):
+    """Killed after step 3 (checkpoint of step 2), resumed: steps 3-4 use exactly the coefficients of the
+    uninterrupted run, and the final controller value and parameters are bit-identical."""
+    model, base, _ = setup
+    params, ref = kl_reference
+    coefs = [c for _, c, _ in ref["steps"]]
+    assert len(set(coefs)) == STEPS and coefs[0] == 0.05  # the controller moved every step, from kl_coef
+    root = crashed(setup, "kl-crash", "--kill-after", "3", "--kl-adaptive")
+    assert ckpt.verify(root / "global_step_2").kl_ctrl == {"type": "adaptive", "kl_coef": coefs[2], "updates": 2}
+    assert run(model, root, base / "kl-resumed.safetensors", "--resume", "--kl-adaptive") == 0
+    resumed = json.loads((base / "kl-resumed.safetensors.kl.json").read_text())
+    assert resumed["steps"] == ref["steps"][2:] and resumed["final"] == ref["final"]  # == on floats: exact
+    assert equal(load_file(base / "kl-resumed.safetensors"), params)
+
+
+def test_a_resume_missing_the_kl_controller_state_is_caught(setup, kl_reference):
+    model, base, _ = setup
+    params, ref = kl_reference
+    root = crashed(setup, "kl-sabotage", "--kill-after", "3", "--kl-adaptive")
+    assert run(model, root, base / "kl-broken.safetensors", "--resume", "--kl-adaptive", "--sabotage", "kl") == 0
+    broken = json.loads((base / "kl-broken.safetensors.kl.json").read_text())
+    assert broken["steps"][0][1] == 0.05 != ref["steps"][2][1]  # restarted at kl_coef
+    assert broken["final"] != ref["final"] and not equal(load_file(base / "kl-broken.safetensors"), params)

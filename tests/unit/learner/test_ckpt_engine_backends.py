@@ -14,6 +14,7 @@ from learner.checkpoint import verify
 from learner.ckpt_request import CheckpointRequest
 from learner.config import AlgorithmConfig, LearnerConfig
 from learner.ds_setup import ensure_distributed
+from learner.kl_control import KLController
 from tests.tiny_model import SMOLLM2_DIR
 
 
@@ -28,6 +29,7 @@ class _Learner:
     config = LearnerConfig(model=str(SMOLLM2_DIR))
     algo = AlgorithmConfig()
     config_hash = "h"
+    kl_ctrl = KLController(0.0)
     engine = _DeepSpeedDouble()
 
 

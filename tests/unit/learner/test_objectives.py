@@ -14,6 +14,7 @@ from examples.objectives.advantages import batch_loo
 from examples.objectives.losses import clipped_is_pg
 from learner.batch import build_train_batch
 from learner.config import AlgorithmConfig, LearnerConfig
+from learner.kl_control import KLController
 from learner.loop_config import LearnerLoopConfig
 from learner.losses import policy_loss
 from learner.objective_check import check_objectives, synthetic_advantage_inputs
@@ -184,6 +185,7 @@ class _FakeLearner:
         self.algo, self.critic = algo, False
         self.config = SimpleNamespace(micro_batch_size=4)
         self.engine, self.ref_model = torch.nn.Embedding(256, 256), torch.nn.Embedding(256, 256)
+        self.kl_ctrl = KLController(algo.kl_coef, algo.kl_ctrl)
 
     def _micro_inputs(self, batch, rows):
         return batch.input_ids[rows], batch.attention_mask[rows], batch.response_mask[rows]

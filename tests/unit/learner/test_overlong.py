@@ -14,6 +14,7 @@ from learner.advantages import overlong_penalty
 from learner.algorithms import token_logprobs
 from learner.batch import build_train_batch, truncation_metrics
 from learner.config import AlgorithmConfig
+from learner.kl_control import KLController
 from learner.step_start import step_targets
 from proto.trajectory import to_table
 from tests.unit.learner.test_batch import PAD, _rows
@@ -109,6 +110,7 @@ class _FakeLearner:
         self.algo, self.critic = algo, algo.advantage == "gae"
         self.policy, self.reference = torch.randn(256, 256, generator=g), torch.randn(256, 256, generator=g)
         self.ref_model = object() if algo.kl_coef > 0 else None
+        self.kl_ctrl = KLController(algo.kl_coef, algo.kl_ctrl)
         self.config = types.SimpleNamespace(micro_batch_size=3)  # two micro-batches over four rows
         self.engine = torch.nn.Linear(1, 1)
 
