@@ -252,7 +252,7 @@ class TaskSource:
 
         Args:
             config: one reward (``RewardConfig``, its dict — ``{name: ...}`` or ``{function: ...}`` —, or a bare
-                name) or a list of them (summed with their weights) for a single-task source, or
+                name; or `{model: ...}`) or a list of them (summed with their weights) for a single-task source, or
                 ``{task: reward or list}`` naming the tasks to change (the others keep theirs). A function is
                 imported afresh, so an edited file takes effect with a new version.
         Returns:
@@ -261,7 +261,7 @@ class TaskSource:
             KeyError / ValueError / UnknownRewardError / RewardImportError: invalid config; nothing is changed.
         """
         if isinstance(config, (RewardConfig, str, list, tuple)) or (
-                isinstance(config, Mapping) and ("name" in config or "function" in config)):
+                isinstance(config, Mapping) and ("name" in config or "function" in config or "model" in config)):
             if len(self.mixture.names) != 1:
                 raise ValueError(f"this source mixes {self.mixture.names}: pass {{task: reward}}")
             config = {self.mixture.names[0]: config}

@@ -173,3 +173,35 @@ def rm_host_judge():
     from rollout.rewards.model_host import JudgeScorer
 
     return JudgeScorer
+
+
+def test_a_swap_to_a_new_revision_is_loaded_beside_the_old_one(service, tiny_classifier, tmp_path):
+    """What ``gyre reward swap`` to a retrained reward model does at the service: groups bound to the old reward
+    keep the old revision's scores, later ones get the new revision's, from one service without a restart."""
+    from safetensors.torch import load_file, save_file
+
+    from rollout.tasks import TaskConfig, TaskSource
+
+    address, _, host = service
+    new = shutil.copytree(tiny_classifier, tmp_path / "rm-v2")
+    weights = load_file(new / "model.safetensors")
+    save_file({k: v * 1.5 if k.startswith("score") else v for k, v in weights.items()}, new / "model.safetensors")
+    source = TaskSource(TaskConfig(heldout_size=2, reward={"model": str(tiny_classifier)}))
+    old_set = source.reward_for("basic_arithmetic")
+    versions = source.swap_reward({"model": str(new)})
+    new_set = source.reward_for("basic_arithmetic")
+    assert versions["basic_arithmetic"] == new_set.version != old_set.version
+    assert new_set.version.startswith("rm:classifier:rm-v2@")
+
+    async def both():
+        rm.set_transport(GrpcRewardModels(address))
+        try:
+            return await score_groups([(old_set, groups("5")[0]), (new_set, groups("5")[0])])
+        finally:
+            rm.set_transport(None)
+
+    old_score, new_score = asyncio.run(both())
+    assert old_score.results[0].error == new_score.results[0].error == ""
+    assert old_score.results[0].version == old_set.version and new_score.results[0].version == new_set.version
+    assert new_score.results[0].reward == pytest.approx(1.5 * old_score.results[0].reward, rel=1e-4)
+    assert len(host.loaded) == 2
