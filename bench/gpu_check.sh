@@ -6,7 +6,7 @@
 # wheels. They install into /tmp/site, first on PYTHONPATH (its grpcio/protobuf/typing_extensions shadow the
 # image's).
 # Then: tests/gpu (LearnerEngine on CUDA, lockstep's exact resume with deterministic kernels, the NCCL weight
-# transport) and `bench.nccl --quick`.
+# transport, the reward-model service's classifier on CUDA) and `bench.nccl --quick`.
 # Writes to $OUT: gpu_check.log (everything), learner_cuda.jsonl (a line per learner config),
 # lockstep_cuda lines in learner_cuda.jsonl, nccl_quick.json (bench.nccl's result line). Each part runs even if one before it failed; the exit code
 # is non-zero if any did. Bounded by timeouts to ~10 minutes
@@ -23,7 +23,7 @@ step() { echo; echo "== $* ($(date +%T))"; }
 { step install; python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl; } 2>&1 | tee -a "$LOG" || rc=1
 export PYTHONPATH=/tmp/site:$PWD TORCH_EXTENSIONS_DIR=/tmp/ds_ext TOKENIZERS_PARALLELISM=false \
-    HF_HUB_OFFLINE=1 GYRE_GPU_RESULTS=$OUT/learner_cuda.jsonl
+    HF_HUB_OFFLINE=1 GYRE_GPU_RESULTS=$OUT/learner_cuda.jsonl GYRE_SMOLLM2_DIR=$PWD/.whl/smollm2-tokenizer
 rm -f "$GYRE_GPU_RESULTS"
 
 { step versions; nvidia-smi -L; timeout -k 5 60 python3 - <<'EOF'

@@ -18,4 +18,7 @@ done
 # DeepSpeed is an sdist on PyPI: build its pure-Python wheel here (no ops; they JIT-build on the GPU machine).
 DS_BUILD_OPS=0 $PY -m pip wheel -q --no-deps --no-build-isolation -w .whl \
     "deepspeed==$($PY -c 'import importlib.metadata as m; print(m.version("deepspeed"))')"
+# SmolLM2's tokenizer (no weights) for tests/gpu/test_reward_model_cuda.py: the GPU machine has no HF cache
+mkdir -p .whl/smollm2-tokenizer
+cp .cache/models/SmolLM2-135M-Instruct/{config.json,tokenizer.json,tokenizer_config.json} .whl/smollm2-tokenizer/
 ls .whl
