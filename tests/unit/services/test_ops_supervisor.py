@@ -2,6 +2,7 @@
 restart pushes to its clients, how restarts are counted, and how the rollout fleet scales."""
 
 import inspect
+import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -12,10 +13,12 @@ from services.common.describe import LearnerInfo, LearnerRankInfo, ReplayInfo, R
 from services.common.names import ROLES, ServiceName
 from services.control import supervisor as sup_mod, topology
 from services.control.ops import FleetRequests
+from services.control.reward_swaps import SWAP_JOURNAL, RewardSwaps
 from services.control.supervisor import Service, Supervisor
 from services.learner.actor import LearnerActor
 from services.replay.actor import ReplayActor
 from services.rollout.actor import RolloutActor
+from rollout.tasks import TaskConfig
 
 
 def replay_info() -> ReplayInfo:
@@ -70,6 +73,7 @@ class FakeFactory:
         self.made = {"replay": 0, "learner": 0, "rollout": 0}
         self.recipe = SimpleNamespace(security=None)
         self.log_dir = Path("/runs/r/logs")
+        self.swaps = RewardSwaps(TaskConfig(), Path(tempfile.mkdtemp(prefix="gyre-test-")) / SWAP_JOURNAL)
 
     def replay(self):
         self.made["replay"] += 1
@@ -100,7 +104,8 @@ def unstarted(monkeypatch, attach=None) -> Supervisor:
     monkeypatch.setattr(sup_mod, "ray", fake_ray)
     monkeypatch.setattr(sup_mod, "check_health", lambda address, timeout_s, security=None: True)
     state = FleetRequests("r", "gyre", 1)
-    s = Supervisor(FakeFactory(), FakeHandle("state", take_requests=state.take_requests, publish=state.publish))
+    s = Supervisor(FakeFactory(), FakeHandle("state", take_requests=state.take_requests, publish=state.publish,
+                                                 finish_reward_swap=state.finish_reward_swap))
     s.factory.attach = lambda name: (attach or {}).get(name)
     s.state_body = state
     return s
