@@ -20,6 +20,7 @@ from pathlib import Path
 
 import ray
 
+from services.common.names import ServiceName
 from services.control.factory import actor_name
 from services.control.ray_connection import OpsError, RayConnection, connection_for, join
 
@@ -210,7 +211,8 @@ def _reward_lines(st: dict) -> list[str]:
             text = ", ".join(f"{task}={v}" for task, v in sorted(s["reward_versions"].items()))
             groups.setdefault(text, []).append(s["name"])
     swaps = st.get("reward_swaps", 0)
-    lines = [f"rewards    {text} on {', '.join(names)}" for text, names in groups.items()]
+    lines = [f"rewards    {text} on {', '.join(sorted(names, key=ServiceName.parse))}"
+             for text, names in groups.items()]
     return lines + ([f"swaps      {swaps} reward swap(s) journaled (reward_swaps.jsonl)"] if swaps else [])
 
 

@@ -92,6 +92,9 @@ def test_a_swap_is_journaled_then_applied_to_every_rollout_and_shown_in_status(s
     text = ops.format_status(sup.state_body.status())
     assert f"rewards    {TASK}=math-exact-v1 on rollout-0, rollout-1" in text
     assert "1 reward swap(s) journaled" in text
+    st = sup.state_body.status()  # rollouts listed in index order, whatever order they joined in
+    st["services"] = st["services"][::-1]
+    assert f"{TASK}=math-exact-v1 on rollout-0, rollout-1" in ops.format_status(st)
 
 
 def test_a_refusal_by_one_rollout_leaves_none_swapped_and_nothing_journaled(sup):
