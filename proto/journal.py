@@ -20,6 +20,9 @@ Events (what each writer appends; extra keys are allowed, readers ignore what th
   newest_version, status}], accepted, duplicates, dropped_stale} after replay acknowledged an insert
   (counts in rows; ``status``: accepted | duplicate | dropped_stale | mixed); ``weights`` {version, timeline, pid}
   at setup and each time a new policy version is applied.
+- controller (``{run}/reward_swaps.jsonl``, ``services.control.reward_swaps``): ``reward_swap`` {id, rewards:
+  {task: [reward config]}, versions: {task: reward_fn_version}, time} once every running rollout accepted a
+  ``gyre reward swap``, before any applies it; read by every later driver of the run.
 """
 
 from __future__ import annotations

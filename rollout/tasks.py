@@ -260,6 +260,15 @@ class TaskSource:
         Raises:
             KeyError / ValueError / UnknownRewardError / RewardImportError: invalid config; nothing is changed.
         """
+        return self.commit_swap(self.prepare_swap(config))
+
+    def prepare_swap(self, config: RewardConfig | str | Mapping[str, Any]) -> dict[str, RewardSet]:
+        """The first half of ``swap_reward``: validate and build ``config``'s rewards, changing nothing;
+        ``commit_swap`` puts the result in force (a fleet-wide swap prepares on every rollout first).
+
+        Raises:
+            KeyError / ValueError / UnknownRewardError / RewardImportError: invalid config (see ``swap_reward``).
+        """
         if isinstance(config, (RewardConfig, str, list, tuple)) or (
                 isinstance(config, Mapping) and ("name" in config or "function" in config or "model" in config)):
             if len(self.mixture.names) != 1:
@@ -267,8 +276,11 @@ class TaskSource:
             config = {self.mixture.names[0]: config}
         for task in config:
             self.reward_for(task)  # unknown task → KeyError before anything changes
-        new = self._build_rewards({task: list(c) if isinstance(c, (list, tuple)) else [c]
-                                   for task, c in config.items()})
+        return self._build_rewards({task: list(c) if isinstance(c, (list, tuple)) else [c]
+                                    for task, c in config.items()})
+
+    def commit_swap(self, new: dict[str, RewardSet]) -> dict[str, str]:
+        """Put rewards built by ``prepare_swap`` in force; returns ``{task: reward_fn_version}`` now in force."""
         with self._swap_lock:
             old = self.reward_versions()
             self._rewards = {**self._rewards, **new}

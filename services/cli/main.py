@@ -4,7 +4,8 @@
 ``gyre export CHECKPOINT OUT_DIR``, ``gyre eval MODEL_OR_CHECKPOINT RECIPE [--set key=value ...] [--out DIR]``,
 ``gyre report RUN``, ``gyre check RUN_DIR``, ``gyre sweep [status] SWEEP.yaml`` (``services.cli.sweep``),
 ``gyre compare RUN_DIR... [--by KEY]`` (``services.cli.compare``), and against a running run:
-``gyre status RUN``, ``gyre scale rollout N``, ``gyre restart SERVICE``, ``gyre checkpoint``.
+``gyre status RUN``, ``gyre scale rollout N``, ``gyre restart SERVICE``, ``gyre checkpoint``,
+``gyre reward swap CONFIG`` (``services.cli.reward``).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pathlib import Path
 import yaml
 from rich.console import Console
 
-from services.cli import compare, sweep
+from services.cli import compare, reward, sweep
 from services.control.machine_check import check_machine
 from services.control.recipe import RecipeError, load_recipe
 
@@ -86,6 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     _ops_options(restart, run_positional=False)
     ckpt = sub.add_parser("checkpoint", help="emergency learner checkpoint of a running run, after the current step")
     _ops_options(ckpt, run_positional=False)
+    reward.add_parser(sub, _ops_options)
     return parser
 
 
@@ -104,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
         return sweep.main(args, console)
     if args.command == "compare":
         return compare.main(args, console)
+    if args.command == "reward":
+        return reward.main(args, console)
     if args.command in ("status", "scale", "restart", "checkpoint"):
         return _ops(args, console)
     _let_sigint_stop_the_driver()

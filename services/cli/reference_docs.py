@@ -184,4 +184,7 @@ def cli_reference() -> str:
     out = ["### `gyre`", "", "```text", parser.format_help().rstrip(), "```", ""]
     for name, command in sub.choices.items():
         out += [f"### `gyre {name}`", "", "```text", command.format_help().rstrip(), "```", ""]
+        nested = next((a for a in command._actions if isinstance(a, argparse._SubParsersAction)), None)
+        for action, parser_ in (nested.choices.items() if nested is not None else ()):  # gyre reward swap
+            out += [f"### `gyre {name} {action}`", "", "```text", parser_.format_help().rstrip(), "```", ""]
     return "\n".join(out)

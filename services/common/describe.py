@@ -84,6 +84,8 @@ class RolloutInfo(ServiceInfo):
     """Generated tokens per second since it started."""
     stats: dict = field(default_factory=dict)
     """Its ``rollout.stats.RolloutStats.as_dict`` (reward means and counts, spool gauges, ...)."""
+    reward_versions: dict[str, str] = field(default_factory=dict)
+    """``{task: reward_fn_version}`` scoring the groups it starts now (``TaskSource.reward_versions``)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -16,6 +16,7 @@ from services.common.describe import ServiceInfo
 from services.common.logs import LOG_DIR_ENV
 from services.common.names import ROLES, ServiceName
 from services.control.recipe import Recipe
+from services.control.reward_swaps import SWAP_JOURNAL, RewardSwaps
 from services.learner import group as learner_group
 from services.learner.actor import LearnerActor, LearnerRankActor, rank_env
 from services.replay.actor import ReplayActor
@@ -84,6 +85,8 @@ class ServiceFactory:
         """Each rollout's run journal goes to ``{rollout_journal_dir}/rollout-{i}.jsonl`` (``gyre check``)."""
         self.fire_log = out / FIRE_LOG
         """Where armed incarnations log the fault points that fired (``faults.read_fire_log``)."""
+        self.swaps = RewardSwaps(recipe.task, out / SWAP_JOURNAL)
+        """The run's journaled reward swaps (``gyre reward swap``): every rollout is created with them in force."""
         self.incarnations: dict[str, int] = {}
         """Service name → actors created for it by this factory (re-attached ones do not count)."""
         self.model_rewards = recipe.model_rewards()
@@ -188,10 +191,12 @@ class ServiceFactory:
     def begin_rollout(self, index: int, replay_address: str, weights_address: str,
                       reward_model_address: str | None = None):
         """Create ``rollout-{index}`` and start its setup (vLLM start, weight subscription); returns
-        ``(handle, setup ObjectRef)`` without waiting."""
+        ``(handle, setup ObjectRef)`` without waiting. Its task is the recipe's with the journaled reward swaps
+        applied (``RewardSwaps.task_config``)."""
         name = str(ServiceName.rollout(index))
         handle = self._create(RolloutActor, "rollout", name)
-        return handle, handle.setup.remote(name, self.recipe.rollout.model_dump(), self.recipe.task.model_dump(),
+        task = self.swaps.task_config().model_dump()
+        return handle, handle.setup.remote(name, self.recipe.rollout.model_dump(), task,
                                            replay_address, weights_address, self.recipe.seed + index, self.security,
                                            run_id=self.recipe.name, journal_dir=str(self.rollout_journal_dir),
                                            reward_model_address=reward_model_address)

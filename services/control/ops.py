@@ -20,11 +20,12 @@ from pathlib import Path
 
 import ray
 
+from services.common.names import ServiceName
 from services.control.factory import actor_name
 from services.control.ray_connection import OpsError, RayConnection, connection_for, join
 
 __all__ = ["OpsError", "RayConnection", "connect", "create_state", "resolve_run", "status", "scale", "restart",
-           "checkpoint", "format_status"]
+           "checkpoint", "format_status", "reward_swap"]
 
 
 class FleetRequests:
@@ -36,6 +37,11 @@ class FleetRequests:
         self.desired_rollouts = rollouts
         self.restart_requests: list[str] = []
         self.checkpoint_requested = False
+        self.reward_swaps: list[dict] = []
+        """Pending ``{"id": n, "swap": {task: [reward dicts]}}`` (``services.control.reward_swaps``), oldest first."""
+        self.swap_results: dict[int, dict] = {}
+        """Swap id → what ``reward_swaps.apply_swap`` answered."""
+        self._swap_ids = 0
         self._status: dict = {}
 
     def request_scale(self, role: str, count: int) -> int:
@@ -65,12 +71,32 @@ class FleetRequests:
     def request_checkpoint(self) -> None:
         self.checkpoint_requested = True
 
+    def request_reward_swap(self, swap: dict) -> int:
+        """Queue a reward swap (already validated and canonical: ``reward_swaps.canonical_swap``); returns its id,
+        whose result ``reward_swap_result`` answers once the supervisor applied or refused it.
+
+        Raises:
+            ValueError: ``swap`` is not a non-empty ``{task: [reward dicts]}``.
+        """
+        if not swap or not isinstance(swap, dict) or not all(isinstance(v, list) and v for v in swap.values()):
+            raise ValueError(f"reward swap {swap!r}: expected {{task: [reward, ...]}} (reward_swaps.canonical_swap)")
+        self._swap_ids += 1
+        self.reward_swaps.append({"id": self._swap_ids, "swap": swap})
+        return self._swap_ids
+
+    def finish_reward_swap(self, swap_id: int, result: dict) -> None:
+        self.swap_results[swap_id] = result
+
+    def reward_swap_result(self, swap_id: int) -> dict | None:
+        """What the supervisor answered for swap ``swap_id`` (``None``: not applied yet)."""
+        return self.swap_results.get(swap_id)
+
     def take_requests(self) -> dict:
-        """For the supervisor: ``{"rollouts": desired count, "restart": [names], "checkpoint": bool}``;
-        restart and checkpoint requests are cleared once taken."""
+        """For the supervisor: ``{"rollouts": desired count, "restart": [names], "checkpoint": bool,
+        "reward_swaps": [{"id", "swap"}]}``; restart, checkpoint and swap requests are cleared once taken."""
         out = {"rollouts": self.desired_rollouts, "restart": self.restart_requests,
-               "checkpoint": self.checkpoint_requested}
-        self.restart_requests, self.checkpoint_requested = [], False
+               "checkpoint": self.checkpoint_requested, "reward_swaps": self.reward_swaps}
+        self.restart_requests, self.checkpoint_requested, self.reward_swaps = [], False, []
         return out
 
     def publish(self, status: dict) -> None:
@@ -159,6 +185,39 @@ def checkpoint(state) -> None:
     _call(state, "request_checkpoint")
 
 
+def reward_swap(state, swap: dict, timeout_s: float = 300.0, poll_s: float = 0.5) -> dict:
+    """Queue ``swap`` (canonical, checked) and wait until the supervisor applied or refused it; returns its result
+    (``reward_swaps.apply_swap``).
+
+    Raises:
+        OpsError: the state actor refused the request, or no result came within ``timeout_s`` seconds (the
+            request stays queued: the supervisor applies it when it next ticks).
+    """
+    swap_id = _call(state, "request_reward_swap", swap)
+    deadline = time.monotonic() + timeout_s
+    while (result := _call(state, "reward_swap_result", swap_id)) is None:
+        if time.monotonic() > deadline:
+            raise OpsError(f"reward swap {swap_id}: no answer from the run's supervisor within {timeout_s:.0f} s "
+                           "(it is queued and applied on the supervisor's next tick; see gyre status)")
+        time.sleep(poll_s)
+    return result
+
+
+def _reward_lines(st: dict) -> list[str]:
+    """``gyre status``'s reward lines: each distinct ``{task: reward_fn_version}`` and the rollouts using it."""
+    groups: dict[str, list[str]] = {}
+    for s in st["services"]:
+        if s.get("reward_versions"):
+            text = ", ".join(f"{task}={v}" for task, v in sorted(s["reward_versions"].items()))
+            groups.setdefault(text, []).append(s["name"])
+    swaps = st.get("reward_swaps", 0)
+    lines = [f"rewards    {text} on {', '.join(sorted(names, key=ServiceName.parse))}"
+             for text, names in groups.items()]
+    models = (st.get("reward_models") or {}).get("models") or {}
+    lines += [f"rm         {version} loaded by reward_model" for version in models.values()]
+    return lines + ([f"swaps      {swaps} reward swap(s) journaled (reward_swaps.jsonl)"] if swaps else [])
+
+
 def format_status(st: dict) -> str:
     """``gyre status`` text: one line per service, then the run's gauges."""
     if not st:
@@ -179,6 +238,7 @@ def format_status(st: dict) -> str:
               f"checkpoint {st['last_checkpoint'] or 'none yet'} ({fmt(st['checkpoint_age_s'], '.0f')} s old)",
               f"rollouts   {len([s for s in st['services'] if s['role'] == 'rollout'])} running, "
               f"{st['desired_rollouts']} desired"]
+    lines += _reward_lines(st)
     if st.get("logs"):  # absent in a status published by an older controller
         lines.append(f"logs       {st['logs']}/<service>.log")
     return "\n".join(lines)

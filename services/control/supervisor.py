@@ -13,22 +13,25 @@ method ``services.control.topology`` names (the one table of who dials whom). A 
 in the background, like one added by ``scale`` (its engine takes tens of seconds), and joins once it holds
 the learner's version; the ticks meanwhile keep checking the other services.
 
+Reward swaps (``gyre reward swap``) are applied first in a tick, to every running rollout or to none
+(``services.control.reward_swaps``); a rollout created before the latest swap (starting, or re-attached by a new
+driver) gets the swaps in force when it joins, and every rollout created afterwards is created with them.
+
 Services are created by ``services.control.factory.ServiceFactory`` (fault arming per incarnation there).
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import ray
 import structlog
 from ray.exceptions import GetTimeoutError, RayActorError
 
-from services.common.describe import LearnerInfo
 from services.common.grpc_common import check_health
 from services.common.names import ServiceName
-from services.control import topology
+from services.control import reward_swaps, topology
+from services.control.status import run_status
 from services.control.factory import Service, ServiceFactory
 from services.learner import group as learner_group
 
@@ -46,6 +49,8 @@ class Starting:
     """Policy version it must hold before it generates (the learner's when setup returned)."""
     restarts: int = 0
     """Restarts of this rollout once it joins (a restart's replacement: the old count + 1)."""
+    swaps: int = 0
+    """Reward swaps in force when it was created (``RewardSwaps.count``): it joins with the newer ones applied."""
 
 
 class Supervisor:
@@ -111,6 +116,7 @@ class Supervisor:
             if handle is not None and self._alive(handle):
                 self.services[str(sid)] = Service(sid, handle, None)
                 ray.get(self._tell_addresses(handle, "rollout"))
+                self._catch_up_rewards(handle, 0)  # the journal's swaps, even one its dead driver did not commit
                 attached.append(str(sid))
             else:
                 missing.append(i)
@@ -162,6 +168,22 @@ class Supervisor:
         svc = self.services.get(server)
         return svc.address if svc is not None else None
 
+    def _catch_up_rewards(self, handle, swaps_at_creation: int) -> None:
+        """Put the journaled reward swaps in force on a rollout created before the latest of them (raises what
+        the rollout raised: the caller treats it as a failed start)."""
+        swaps = self.factory.swaps
+        if swaps.count > swaps_at_creation and swaps.in_force:
+            ray.get(handle.swap_reward.remote(swaps.in_force), timeout=60)
+
+    def _apply_reward_swaps(self, requests: list[dict]) -> None:
+        """Each queued swap, all or nothing over the running rollouts (``reward_swaps.apply_swap``); its result goes
+        back to the ``ControllerState`` for the waiting ``gyre reward swap``."""
+        for req in requests:
+            result = reward_swaps.apply_swap(self.factory.swaps, req["id"], req["swap"], self.running_rollouts(),
+                                             get=ray.get)
+            log.info("reward_swap", id=req["id"], ok=result["ok"], versions=result["versions"], error=result["error"])
+            ray.get(self.state.finish_reward_swap.remote(req["id"], result))
+
     def _learner_version(self) -> int:
         """The learner's policy version as of its last ``describe()`` (0 before the first)."""
         return self.learner.version if self.learner.info is not None else 0
@@ -189,6 +211,7 @@ class Supervisor:
     def tick(self) -> None:
         """Apply operator requests, check every service (restarting the failed ones), publish status."""
         requests = ray.get(self.state.take_requests.remote())
+        self._apply_reward_swaps(requests.get("reward_swaps", []))  # first: what this tick creates has them
         for name in requests["restart"]:
             if name in self.services:
                 self._restart_or_retry(self.services[name], reason="requested")
@@ -249,7 +272,8 @@ class Supervisor:
                 ray.kill(pending.handle, no_restart=True)
             handle, ref = self.factory.begin_rollout(svc.id.index, self.replay.address, self.learner.address,
                                                      self._address("reward_model"))
-            self.starting[svc.name] = Starting(svc.id, handle, ref, restarts=svc.restarts + 1)
+            self.starting[svc.name] = Starting(svc.id, handle, ref, restarts=svc.restarts + 1,
+                                               swaps=self.factory.swaps.count)
             return svc
         self._announce(new, [s for s in self.services.values() if s.name not in self.starting])
         new.restarts = svc.restarts  # counted once it answers: a start that dies is retried, not counted
@@ -272,7 +296,7 @@ class Supervisor:
             sid = ServiceName.rollout(next(free))
             handle, ref = self.factory.begin_rollout(sid.index, self.replay.address, self.learner.address,
                                                      self._address("reward_model"))
-            self.starting[str(sid)] = Starting(sid, handle, ref)
+            self.starting[str(sid)] = Starting(sid, handle, ref, swaps=self.factory.swaps.count)
         excess = len(running) + len(self.starting) - desired
         for st in sorted(self.starting.values(), key=lambda st: st.id, reverse=True)[:max(excess, 0)]:
             ray.kill(self.starting.pop(str(st.id)).handle, no_restart=True)
@@ -290,6 +314,7 @@ class Supervisor:
                     continue
                 try:
                     ray.get(st.setup)
+                    self._catch_up_rewards(st.handle, st.swaps)  # swaps accepted while it started
                 except ray.exceptions.RayError as exc:
                     log.error("rollout_start_failed", service=name, error=str(exc)[:500])
                     ray.kill(self.starting.pop(name).handle, no_restart=True)
@@ -321,26 +346,8 @@ class Supervisor:
         del self.services[svc.name]
 
     def status(self) -> dict:
-        """Plain status of the run (what ``gyre status`` prints): plain values read from the services'
-        ``describe()`` records, so it crosses the controller actor and ``--json`` as is."""
-        rollouts = [s.info for s in self.running_rollouts() if s.info is not None]
-        version, replay = self.learner.version, self.replay.info
-        return {
-            "services": [_service_row(s) for s in self.services.values() if s.name not in self.starting]
-            + [{"name": n, "role": "rollout", "pid": None, "node": None, "address": None, "metrics_port": None,
-                "version": None, "restarts": st.restarts, "failures": 0, "starting": True}
-               for n, st in self.starting.items()],
-            "learner_version": version,
-            "learner_ranks": 1 + len(self.learner.followers),
-            "rollout_versions": [r.version for r in rollouts],
-            "lag": (version - min(r.version for r in rollouts)) if rollouts and version is not None else None,
-            "rollout_tokens_per_s": sum(r.tokens_per_s for r in rollouts),
-            **_learner_columns(self.learner.info),
-            "replay_groups": replay.replay_groups if replay is not None else None,
-            "restarts": {s.name: s.restarts for s in self.services.values()},
-            "logs": str(self.factory.log_dir),
-            "updated_at": time.time(),
-        }
+        """Plain status of the run (what ``gyre status`` prints; ``services.control.status.run_status``)."""
+        return run_status(self)
 
     def shutdown(self) -> None:
         """Stop and kill every service actor (detached actors outlive the driver otherwise)."""
@@ -360,19 +367,3 @@ class Supervisor:
                 ray.kill(handle, no_restart=True)
         learner_group.remove(self.factory.recipe)
 
-
-def _service_row(s: Service) -> dict:
-    """One row of the status's service table."""
-    info = s.info
-    return {"name": s.name, "role": s.role, "pid": info.pid if info is not None else None,
-            "node": info.node if info is not None else None, "address": s.address,
-            "metrics_port": info.metrics_port if info is not None else None, "version": s.version,
-            "restarts": s.restarts, "failures": s.failures}
-
-
-def _learner_columns(info: LearnerInfo | None) -> dict:
-    """The status's learner columns (each ``None`` before the learner's first ``describe()``)."""
-    if info is None:
-        return dict.fromkeys(("learner_tokens_per_s", "checkpoint_age_s", "last_checkpoint", "learner_resumed_from"))
-    return {"learner_tokens_per_s": info.tokens_per_s, "checkpoint_age_s": info.checkpoint_age_s,
-            "last_checkpoint": info.last_checkpoint, "learner_resumed_from": info.resumed_from}

@@ -74,6 +74,8 @@ class RolloutActor:
         await self.set_weights_address(weights_address)
         self._journal_weights()
         self.task = None
+        self.staged_reward: dict | None = None
+        """Rewards built by ``prepare_reward``, put in force by ``commit_reward`` (``TaskSource.prepare_swap``)."""
         return os.getpid()
 
     async def set_weights_address(self, address: str) -> None:
@@ -145,6 +147,30 @@ class RolloutActor:
         started afterwards); returns task → reward version. Raises on an invalid config (nothing changes)."""
         return self.worker.swap_reward(config)
 
+    async def prepare_reward(self, config) -> dict[str, str]:
+        """Phase one of a fleet-wide swap (``services.control.reward_swaps``): build and check ``config``'s rewards
+        (``TaskSource.prepare_swap``) and stage them, changing nothing; returns the ``{task: reward_fn_version}``
+        a ``commit_reward`` would put in force. Raises on an invalid config or a misfit (nothing is staged)."""
+        self.staged_reward = None
+        staged = self.worker.task.prepare_swap(config)
+        self.staged_reward = staged
+        return {**self.worker.task.reward_versions(), **{task: r.version for task, r in staged.items()}}
+
+    async def commit_reward(self) -> dict[str, str]:
+        """Phase two: put the staged rewards in force for groups started from now; returns task → version.
+
+        Raises:
+            RuntimeError: nothing is staged (no ``prepare_reward``, or it was aborted).
+        """
+        if self.staged_reward is None:
+            raise RuntimeError(f"{self.rollout_id}: no reward swap is prepared; call prepare_reward first")
+        versions, self.staged_reward = self.worker.task.commit_swap(self.staged_reward), None
+        return versions
+
+    async def abort_reward(self) -> None:
+        """Drop a staged swap (another rollout refused it); idempotent."""
+        self.staged_reward = None
+
     async def start(self) -> None:
         """Start generating (no-op when already generating, e.g. a re-attached rollout)."""
         if self.task is None or self.task.done():
@@ -209,7 +235,8 @@ class RolloutActor:
         stats = self.worker.stats.as_dict(self._version())
         return RolloutInfo(pid=os.getpid(), node=node_ip(), generating=self.task is not None,
                            metrics_port=self.metrics_port, version=stats["version"],
-                           tokens_per_s=stats["tokens_per_s"], stats=stats)
+                           tokens_per_s=stats["tokens_per_s"], stats=stats,
+                           reward_versions=self.worker.task.reward_versions())
 
     async def stop(self) -> None:
         await self.pause()

@@ -56,7 +56,8 @@ def test_ops_commands_reach_a_running_run(tmp_path):
         bad = _gyre("restart", "critic", "--run", "r1", "--run-dir", str(tmp_path))
         assert bad.returncode == 2 and "no service 'critic' in run r1" in " ".join(bad.stdout.split())
         assert _gyre("checkpoint", "--run", "r1", "--run-dir", str(tmp_path)).returncode == 0
-        assert ray.get(state.take_requests.remote()) == {"rollouts": 3, "restart": [], "checkpoint": True}
+        assert ray.get(state.take_requests.remote()) == {"rollouts": 3, "restart": [], "checkpoint": True,
+                                                       "reward_swaps": []}
 
         gcs = (tmp_path / "r1" / "ray_address").read_text()
         ghost = _gyre("status", "ghost", "--address", gcs)

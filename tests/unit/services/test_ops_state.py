@@ -15,13 +15,21 @@ from services.control.report import REPORT_PANELS, plot_report
 
 def test_scale_restart_checkpoint_requests_are_taken_once():
     state = FleetRequests("r", "gyre", rollouts=1)
-    assert state.take_requests() == {"rollouts": 1, "restart": [], "checkpoint": False}
+    assert state.take_requests() == {"rollouts": 1, "restart": [], "checkpoint": False, "reward_swaps": []}
     assert state.request_scale("rollout", 3) == 1
     state.request_restart("learner")
     state.request_checkpoint()
-    assert state.take_requests() == {"rollouts": 3, "restart": ["learner"], "checkpoint": True}
-    # restart and checkpoint are one-shot; the desired fleet size persists
-    assert state.take_requests() == {"rollouts": 3, "restart": [], "checkpoint": False}
+    swap = {"basic_arithmetic": [{"name": "math_exact"}]}
+    assert state.request_reward_swap(swap) == 1
+    assert state.take_requests() == {"rollouts": 3, "restart": ["learner"], "checkpoint": True,
+                                     "reward_swaps": [{"id": 1, "swap": swap}]}
+    # restart, checkpoint and swaps are one-shot; the desired fleet size persists
+    assert state.take_requests() == {"rollouts": 3, "restart": [], "checkpoint": False, "reward_swaps": []}
+    assert state.reward_swap_result(1) is None
+    state.finish_reward_swap(1, {"ok": True})
+    assert state.reward_swap_result(1) == {"ok": True}
+    with pytest.raises(ValueError, match=r"reward swap \{'basic_arithmetic': \[\]\}: expected"):
+        state.request_reward_swap({"basic_arithmetic": []})
 
 
 @pytest.mark.parametrize("role, count, message", [

@@ -2,21 +2,25 @@
 restart pushes to its clients, how restarts are counted, and how the rollout fleet scales."""
 
 import inspect
+import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 from ray.exceptions import GetTimeoutError, RayActorError
 
-from services.common.describe import LearnerInfo, LearnerRankInfo, ReplayInfo, RolloutInfo
+from services.common.describe import LearnerInfo, LearnerRankInfo, ReplayInfo, RewardModelInfo, RolloutInfo
 from services.common.names import ROLES, ServiceName
 from services.control import supervisor as sup_mod, topology
+from services.control import ops
 from services.control.ops import FleetRequests
+from services.control.reward_swaps import SWAP_JOURNAL, RewardSwaps
 from services.control.supervisor import Service, Supervisor
 from services.learner.actor import LearnerActor
 from services.replay.actor import ReplayActor
 from services.reward_model.actor import RewardModelActor
 from services.rollout.actor import RolloutActor
+from rollout.tasks import TaskConfig
 
 
 def replay_info() -> ReplayInfo:
@@ -71,6 +75,7 @@ class FakeFactory:
         self.made = {"replay": 0, "learner": 0, "rollout": 0, "reward_model": 0}
         self.recipe = SimpleNamespace(security=None)
         self.log_dir = Path("/runs/r/logs")
+        self.swaps = RewardSwaps(TaskConfig(), Path(tempfile.mkdtemp(prefix="gyre-test-")) / SWAP_JOURNAL)
 
     def replay(self):
         self.made["replay"] += 1
@@ -84,7 +89,10 @@ class FakeFactory:
 
     def reward_model(self):
         self.made["reward_model"] += 1
-        return Service(ServiceName("reward_model"), FakeHandle("reward_model"), f"rm:{self.made['reward_model']}")
+        info = lambda: RewardModelInfo(pid=3, node="n", address="rm:1", models={"/m/rm": "rm:classifier:rm@abc"},
+                                       counts={"batches": 2})
+        return Service(ServiceName("reward_model"), FakeHandle("reward_model", describe=info),
+                       f"rm:{self.made['reward_model']}")
 
     def learner(self, replay_address, restarted=False):
         self.made["learner"] += 1
@@ -111,7 +119,8 @@ def unstarted(monkeypatch, attach=None, reward_model=False) -> Supervisor:
     monkeypatch.setattr(sup_mod, "ray", fake_ray)
     monkeypatch.setattr(sup_mod, "check_health", lambda address, timeout_s, security=None: True)
     state = FleetRequests("r", "gyre", 1)
-    s = Supervisor(FakeFactory(), FakeHandle("state", take_requests=state.take_requests, publish=state.publish))
+    s = Supervisor(FakeFactory(), FakeHandle("state", take_requests=state.take_requests, publish=state.publish,
+                                                 finish_reward_swap=state.finish_reward_swap))
     s.factory.with_reward_model = reward_model
     s.factory.attach = lambda name: (attach or {}).get(name)
     s.state_body = state
@@ -313,3 +322,13 @@ def test_the_topology_names_the_actors_real_methods_and_address_arguments():
             assert callable(getattr(cls, topology.endpoint(server).push_method, None)), (role, server)
         if topology.TOPOLOGY[role].serves is not None:
             assert callable(getattr(cls, topology.endpoint(role).address_method, None)), role
+
+
+def test_the_status_shows_the_reward_models_loaded(monkeypatch):
+    sup = unstarted(monkeypatch, reward_model=True)
+    sup.start(1)
+    sup.tick()
+    st = sup.state_body.status()
+    assert st["reward_models"] == {"models": {"/m/rm": "rm:classifier:rm@abc"}, "counts": {"batches": 2}}
+    assert "rm         rm:classifier:rm@abc loaded by reward_model" in ops.format_status(st).splitlines()
+    assert st["restarts"]["reward_model"] == 0

@@ -53,8 +53,8 @@ def test_cli_surface_is_frozen():
     """Changing the CLI is a deliberate act: update this test and docs/reference/cli.md together."""
     parser = cli.build_parser()
     sub = next(a for a in parser._actions if a.dest == "command")
-    assert sorted(sub.choices) == ["check", "checkpoint", "compare", "eval", "export", "report", "restart", "run",
-                                   "scale", "status", "sweep"]
+    assert sorted(sub.choices) == ["check", "checkpoint", "compare", "eval", "export", "report", "restart",
+                                   "reward", "run", "scale", "status", "sweep"]
 
     def options(name):
         return sorted(o for a in sub.choices[name]._actions for o in a.option_strings)
@@ -77,6 +77,11 @@ def test_cli_surface_is_frozen():
     assert positionals("scale") == ["role", "count"] and options("scale") == ops
     assert positionals("restart") == ["service"] and options("restart") == ops
     assert positionals("checkpoint") == [] and options("checkpoint") == ops
+    reward = next(a for a in sub.choices["reward"]._actions if a.dest == "reward_command")
+    assert sorted(reward.choices) == ["swap"]
+    swap = reward.choices["swap"]
+    assert [a.dest for a in swap._actions if not a.option_strings] == ["config"]
+    assert sorted(o for a in swap._actions for o in a.option_strings) == sorted(ops + ["--timeout"])
 
 
 def test_resume_flag_reaches_the_learner_and_bad_values_are_named(capsys, tmp_path):
