@@ -3,6 +3,8 @@ loads (naming the key and the value), and passed by the supervisor's ``ServiceFa
 in the actor's ``runtime_env`` — spec i to the i-th actor created for that service name, none after the list
 ends, and a re-attached actor does not count as an incarnation."""
 
+import time
+
 import pytest
 
 import faults
@@ -121,7 +123,7 @@ def test_a_reattached_actor_is_not_an_incarnation(monkeypatch):
 def test_a_name_still_held_by_a_killed_actor_is_retried_as_the_same_incarnation(monkeypatch):
     recipe = recipe_with({"replay": ["replay.wal.after_roll#3", "replay.snapshot.before_rename"]})
     factory = ServiceFactory(recipe, dict(BASE_ENV), "fp")
-    monkeypatch.setattr(supervisor.time, "sleep", lambda s: None)
+    monkeypatch.setattr(time, "sleep", lambda s: None)
     calls = []
 
     class NameTakenOnce(FakeActorClass):
