@@ -5,7 +5,8 @@ A swap names new rewards for some tasks of a running run, in the shape ``TaskSou
 reward (``{name: ...}``, ``{function: "file.py:fn"}``, a bare name, or any other form ``RewardConfig`` accepts)
 or a list of them (a weighted sum) for a single-task run, or ``{task: reward or list}``. It travels and is
 journaled in its canonical form, ``{task: [reward, ...]}`` with every reward a ``RewardConfig`` dumped to JSON
-(only what differs from its defaults) and every relative ``file.py`` made absolute against the CLI's directory.
+(only what differs from its defaults) and every relative ``file.py`` and reward-model folder made absolute against
+the CLI's directory.
 
 All or nothing, in two phases: every running rollout first *prepares* the swap (builds the new rewards and checks
 them against its task's entries, changing nothing); if one refuses or cannot be reached, every one that prepared
@@ -69,6 +70,8 @@ def _is_one_reward(value: Any) -> bool:
 def _reward(task: str, raw: Any, base: Path) -> dict:
     if isinstance(raw, Mapping) and isinstance(raw.get("function"), str):
         raw = {**raw, "function": resolve_file_spec(raw["function"], base)}
+    if isinstance(raw, Mapping) and isinstance(raw.get("model"), str) and (base / raw["model"]).is_dir():
+        raw = {**raw, "model": str((base / raw["model"]).resolve())}  # a folder; a Hub id stays as it is
     try:
         cfg = RewardConfig.model_validate(raw)
     except ValidationError as exc:

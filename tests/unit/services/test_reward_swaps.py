@@ -197,3 +197,16 @@ def test_the_cli_refuses_a_bad_swap_before_reaching_the_run(tmp_path, monkeypatc
     assert code == 2 and "".join(f"file {tmp_path / 'nowhere.py'} does not exist".split()) in out, out
     assert reached == []
     assert Path(tmp_path / "r" / SWAP_JOURNAL).exists() is False
+
+
+def test_a_swap_to_a_reward_model_is_checked_and_its_folder_made_absolute(tmp_path, tiny_classifier, tiny_llama,
+                                                                          monkeypatch):
+    import shutil
+
+    task = TaskConfig()
+    shutil.copytree(tiny_classifier, tmp_path / "rm-v2")
+    swap = canonical_swap(parse_swap_config("{model: rm-v2, weight: 2.0}", tmp_path), task, tmp_path)
+    assert swap == {TASK: [{"model": str(tmp_path / "rm-v2"), "weight": 2.0}]}
+    assert check_swap(swap, task)[TASK].startswith("2*rm:classifier:rm-v2@")
+    with pytest.raises(RewardSwapError, match="not a sequence classifier"):  # a causal LM: refused before the run
+        check_swap(canonical_swap({"model": str(tiny_llama)}, task, tmp_path), task)
