@@ -206,13 +206,22 @@ class LearnerEngine:
         if world > 1:  # every rank saw its shard only: metrics over the whole mini-batch
             loss_total, parts, rhos = gather_step_metrics(loss_total, parts, rhos)
         local_norm = self._local_grad_norm() if self.engine.optimizer is self.engine.basic_optimizer else None
+        self._sync_cuda()  # queued backward kernels count as forward/backward, not as the optimizer's
         t_update = time.perf_counter()
         self.engine.step()
+        self._sync_cuda()
         update_s = time.perf_counter() - t_update
         grad_norm = self.engine.get_global_grad_norm()
         grad_norm = local_norm if grad_norm is None else grad_norm
         grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
         return _Update(loss_total, grad_norm, update_s, parts, rhos)
+
+    def _sync_cuda(self) -> None:
+        """Wait for this rank's queued CUDA kernels, so ``optimizer_step_s`` (and ``time/learner/*``,
+        ``learner.step_timer``) time the optimizer's kernels rather than their launch; two syncs per update, on
+        CUDA only (a CPU engine runs eagerly)."""
+        if torch.device(self.device).type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def _batch_metrics(self, batch: TrainBatch, targets: StepTargets | None) -> dict[str, float]:
         """Reward, advantage, staleness (and critic, KL-in-reward) metrics of the batch itself, and its

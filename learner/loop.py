@@ -32,6 +32,7 @@ from proto.timeline import label
 from learner.run_journal import LearnerJournal, group_ids_of
 from learner.spike import SpikeDetector
 from learner.step_metrics import dead_timeline_rows
+from learner.step_timer import StepTimer
 
 log = structlog.get_logger("learner")
 CONSUMER = "learner"
@@ -136,47 +137,55 @@ class LearnerLoop:
             proto.lockstep.VersionMismatchError: lockstep, and this version was stored before (a predecessor's)
                 with other weights: exact resume is broken, so the run stops here, loudly.
         """
-        t0 = time.monotonic()
+        t0 = time.perf_counter()
         named = self.engine.named_weights()
         self.versions.published(self.engine.version, named)  # lockstep: into the version store
         self.publisher.publish(self.engine.version, named, timeline=label(self.engine.version, self.timeline))
-        return time.monotonic() - t0
+        return time.perf_counter() - t0
 
     def step(self) -> dict:
-        """One optimizer step; returns its metrics row (plain floats/ints).
+        """One optimizer step; returns its metrics row (plain floats/ints), with its wall time split into phases
+        (``learner.step_timer``: ``time/learner/*``, summing to ``time/learner/step_s`` == ``step_s``).
 
         Raises:
             NoDataError: no batch within ``sample_timeout_s`` seconds.
         """
-        t0 = time.monotonic()
-        if self._rejoin is not None:
-            self.rejoin_replay()
-        lease_id, table = self._lease_batch()
-        t_sampled = time.monotonic()
+        timer = StepTimer()
+        with timer.phase("wait_data"):
+            if self._rejoin is not None:
+                self.rejoin_replay()
+            lease_id, table = self._lease_batch()
+        t_sampled = time.perf_counter()
         batch = build_train_batch(table, self.pad_token_id, self.engine.version, self.config.algorithm)
         dead = dead_timeline_rows(table, self.timeline, self.start_version)  # before train_step: lag as sampled
-        metrics = self.engine.train_step(batch)
+        with timer.phase("forward_backward"):
+            metrics = self.engine.train_step(batch)
+        timer.move("forward_backward", "optimizer", metrics.get("optimizer_step_s", 0.0))
         metrics |= self.spikes.observe(self.engine.step, metrics)
-        t_trained = time.monotonic()  # train_step advanced engine.version by one
-        publish_s = self.publish_current()
+        t_trained = time.perf_counter()  # train_step advanced engine.version by one
+        with timer.phase("publish"):
+            publish_s = self.publish_current()
         self.pending_lease_ids.append(lease_id)
         self._lease_groups[lease_id] = group_ids_of(table)
         save_s, before = 0.0, self.last_checkpoint
         emergency, self._emergency = self._emergency, None
         due = emergency or self.engine.step % self.save_interval_at(self.engine.step) == 0
         if self.checkpoint_dir is not None and due:
-            save_s = self.checkpoint(wait=bool(emergency) or not self.config.async_save)
+            with timer.phase("checkpoint"):
+                save_s = self.checkpoint(wait=bool(emergency) or not self.config.async_save)
         background = self.poll_background_save()
         committed = {"checkpoint_committed": 1.0} if self.last_checkpoint != before else {}
         if emergency == signal.SIGTERM:
             log.warning("stopping_after_sigterm", step=self.engine.step, checkpoint=str(self.last_checkpoint))
             raise StopRequested()
+        times = timer.row()
         return {
             **metrics,
             "step": self.engine.version, "version": self.engine.version, "groups": self.config.groups_per_step,
-            "trajectories": table.num_rows, "sample_wait_s": t_sampled - t0, "train_s": t_trained - t_sampled,
-            "publish_s": publish_s, "checkpoint_s": save_s, **background, **committed, "dead_timeline_rows": dead,
-            "pending_leases": len(self.pending_lease_ids), "step_s": time.monotonic() - t0, "time": time.time(),
+            "trajectories": table.num_rows, "sample_wait_s": timer.seconds["wait_data"],
+            "train_s": t_trained - t_sampled, "publish_s": publish_s, "checkpoint_s": save_s, **background,
+            **committed, "dead_timeline_rows": dead, "pending_leases": len(self.pending_lease_ids),
+            **times, "step_s": times["time/learner/step_s"], "time": time.time(),
         }
 
     def save_interval_at(self, step: int) -> int:
@@ -195,7 +204,7 @@ class LearnerLoop:
         """
         if self.checkpoint_dir is None:
             raise RuntimeError("LearnerLoop has no checkpoint_dir; cannot checkpoint or ack")
-        t0 = time.monotonic()
+        t0 = time.perf_counter()
         name = f"global_step_{self.engine.step}"
         inflight_here = self._inflight is not None and self._inflight[2] == name
         if not inflight_here and (self.last_checkpoint is None or self.last_checkpoint.name != name):
@@ -217,7 +226,7 @@ class LearnerLoop:
                 self._on_committed(leases)
         if wait:
             self._finish_background_save(wait=True, raise_errors=True)
-        return time.monotonic() - t0
+        return time.perf_counter() - t0
 
     def poll_background_save(self) -> dict:
         """Ack the leases of a background save that has committed; returns its metrics

@@ -43,6 +43,8 @@ class LockstepGate:
         """Weight loads the gate made (each version change, rewinds included)."""
         self.rewinds = 0
         """Loads of a version older than the engine's (a re-issued prompt)."""
+        self.load_s = 0.0
+        """Seconds the engine spent in those loads (``engine.update_weights``: paused, loading), summed."""
 
     @asynccontextmanager
     async def hold(self, version: int):
@@ -89,4 +91,5 @@ class LockstepGate:
         seconds = await self.engine.update_weights(version, tensors, rewind=rewind)
         self.switches += 1
         self.rewinds += rewind
+        self.load_s += seconds
         log.info("lockstep_version_loaded", version=version, rewind=rewind, seconds=round(seconds, 3))

@@ -1,12 +1,46 @@
-"""What a rollout worker counts (``RolloutStats``, served as its stats, Prometheus gauges and metrics rows), and
-per-reward means merged over a fleet."""
+"""What a rollout worker counts (``RolloutStats``, served as its stats, Prometheus gauges and metrics rows), where
+its time goes (``BusyClock``), and per-reward means merged over a fleet."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from rollout.spool import Spool
+
+
+ROLLOUT_PHASES = ("generate", "score", "insert", "weight_apply")
+"""The phases of a rollout's work whose cumulative seconds ``RolloutStats.as_dict`` answers as ``{phase}_s``."""
+
+
+@dataclass
+class BusyClock:
+    """Wall seconds during which at least one task was inside ``with clock:`` — concurrent tasks (the groups in
+    flight of an asyncio worker) count once, so it never runs faster than the wall clock. One event loop (or
+    thread) enters and leaves it; measured with ``time.perf_counter``."""
+
+    total_s: float = 0.0
+    """Seconds of the busy spans that ended."""
+    active: int = 0
+    """Tasks inside now."""
+    since: float = 0.0
+    """``perf_counter`` when the current busy span began (``active`` went 0 → 1)."""
+
+    def __enter__(self) -> BusyClock:
+        if self.active == 0:
+            self.since = time.perf_counter()
+        self.active += 1
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.active -= 1
+        if self.active == 0:
+            self.total_s += time.perf_counter() - self.since
+
+    def seconds(self) -> float:
+        """Busy seconds so far, the current span included."""
+        return self.total_s + (time.perf_counter() - self.since if self.active else 0.0)
 
 
 @dataclass
@@ -38,6 +72,21 @@ class RolloutStats:
     reward_parts: dict[str, list[float]] = field(default_factory=dict)
     """``"{task}/{reward label}"`` → ``[sum of scores, number of scores]`` over the verdicts of that reward
     alone (before weighting; failed scores are not counted)."""
+    generate: BusyClock = field(default_factory=BusyClock)
+    """Wall seconds during which at least one group was in ``engine.generate`` (includes time the engine was
+    paused for a weight update while a group waited in it)."""
+    score: BusyClock = field(default_factory=BusyClock)
+    """Wall seconds during which at least one group was being scored (reward functions / reward service)."""
+    insert: BusyClock = field(default_factory=BusyClock)
+    """Wall seconds during which at least one insert to replay was in flight or waiting to be retried (the
+    worker's own or, with a spool, the flusher's; writing a group to the spool is not counted)."""
+    weight_apply_s: float = 0.0
+    """Seconds the engine was paused applying policy versions in ``RolloutWorker.apply_weights``
+    (``engine.update_weights``: pause, load, reset the prefix cache, resume), summed over versions; updates run
+    one at a time, so this is wall time too."""
+    other_weight_loads: Callable[[], float] | None = None
+    """Seconds of weight loads made outside ``apply_weights`` (lockstep's gate: ``VersionSource.load_s``), read
+    at ``as_dict`` and added to its ``weight_apply_s``."""
 
     def count_rewards(self, task: str, parts: dict) -> None:
         """Add one group's per-reward results (``GroupScore.parts``) to ``reward_parts``."""
@@ -49,6 +98,10 @@ class RolloutStats:
                     acc[1] += 1
 
     def as_dict(self, version: int) -> dict:
+        """Plain values (``stats()``, ``describe()``, Prometheus, metrics rows): counters, ``tokens_per_s`` since
+        start, reward means, spool gauges, and the cumulative seconds of each ``ROLLOUT_PHASES`` phase since the
+        worker started (``generate_s``, ``score_s``, ``insert_s``, ``weight_apply_s``; the controller turns them
+        into per-step ``time/rollout/*``)."""
         elapsed = max(time.monotonic() - self.started_at, 1e-9)
         return {"version": version, "groups": self.groups, "trajectories": self.trajectories,
                 "tokens": self.tokens, "tokens_per_s": self.tokens / elapsed,
@@ -60,6 +113,9 @@ class RolloutStats:
                 "timeline_switches": self.timeline_switches, "groups_dropped_on_switch": self.groups_dropped_on_switch,
                 "reward_means": {k: s / n for k, (s, n) in self.reward_parts.items() if n},
                 "reward_counts": {k: n for k, (_, n) in self.reward_parts.items()},
+                "generate_s": self.generate.seconds(), "score_s": self.score.seconds(),
+                "insert_s": self.insert.seconds(),
+                "weight_apply_s": self.weight_apply_s + (self.other_weight_loads() if self.other_weight_loads else 0.0),
                 **(self.spool.stats().as_dict() if self.spool else {})}
 
 

@@ -47,6 +47,11 @@ class VersionSource(ABC):
         self.engine = engine
         return self
 
+    def load_s(self) -> float:
+        """Seconds this source itself spent loading weights into the engine (lockstep's gate); 0.0 when every
+        load goes through ``RolloutWorker.apply_weights`` (streamed versions)."""
+        return 0.0
+
     @abstractmethod
     def offer(self, version: int) -> bool:
         """The learner streamed ``version``: note it; True when the worker should apply the streamed
@@ -135,6 +140,10 @@ class LockstepVersions(VersionSource):
     def offer(self, version: int) -> bool:
         self.newest_offered = max(self.newest_offered, version)
         return False
+
+    def load_s(self) -> float:
+        """The gate's weight loads (``LockstepGate.load_s``)."""
+        return self.gate.load_s if self.gate is not None else 0.0
 
     def served(self) -> int:
         """The newest offered version (the engine stays at -1 until a prompt loads its own)."""

@@ -65,6 +65,7 @@ class RolloutWorker:
         self.flusher = SpoolFlusher(self.spool, self._insert_with_retry) if self.spool else None
         self.versions = (versions if versions is not None else version_source(config)).bind(engine)
         """Where each group's policy version comes from (``rollout.versions``)."""
+        self.stats.other_weight_loads = self.versions.load_s  # lockstep's gate loads weights itself
         self.timeline = SHARED
         """Timeline (``proto.timeline``) of the weights the engine serves: ``SHARED`` for the initial ones."""
         self._tasks: set[asyncio.Task] = set()  # groups being generated (run's tasks)
@@ -113,6 +114,7 @@ class RolloutWorker:
                         from_timeline=old)
         self.stats.weight_updates += 1
         self.stats.last_update_s = seconds
+        self.stats.weight_apply_s += seconds
         self._new_version.set()  # wakes a generation loop waiting at the version gate
         log.info("weights_applied", rollout=self.rollout_id, version=version, seconds=round(seconds, 3))
 
@@ -229,10 +231,11 @@ class RolloutWorker:
         prompt_ids = self._prompt_ids(problem)
         _, group_id = make_ids(prompt_index, 0, attempt)
         await self._steady.wait()  # leased while the weights switched timeline: start on the new ones
+        seed = self.versions.sampling_seed(prompt_index, group_id, self.seed)
         async with self.versions.generating(prompt_index):  # lockstep: the prompt's exact policy version
-            samples = await self.engine.generate(prompt_ids, self.config.group_size, self.config.sampling,
-                                                 request_id=f"{group_id}@{self.rollout_id}",
-                                                 seed=self.versions.sampling_seed(prompt_index, group_id, self.seed))
+            with self.stats.generate:
+                samples = await self.engine.generate(prompt_ids, self.config.group_size, self.config.sampling,
+                                                     request_id=f"{group_id}@{self.rollout_id}", seed=seed)
         timeline = self.timeline  # of the weights that sampled the newest tokens (no await since they did)
         finish = self._finish_group(prompt_index, attempt, problem, reward_fn, prompt_ids, samples, timeline)
         if self.spool is None:
@@ -251,7 +254,8 @@ class RolloutWorker:
         sample whose newest span is version 0) and deliver them (spool or replay)."""
         group = Group([s.text for s in samples], [self.task.messages(problem)] * len(samples), problem.entry,
                       [list(s.token_ids) for s in samples])
-        score = (await score_groups([(reward_fn, group)]))[0]  # off the event loop
+        with self.stats.score:
+            score = (await score_groups([(reward_fn, group)]))[0]  # off the event loop
         scored = score.results
         rows = []
         for i, s in enumerate(samples):
@@ -306,7 +310,8 @@ class RolloutWorker:
         retrying = AsyncRetrying(retry=retry_if_exception_type(ConnectionError),
                                  wait=doubling(self.config.retry_backoff_s, INSERT_BACKOFF_CAP_S),
                                  before_sleep=self._insert_retry)
-        await retrying(insert)
+        with self.stats.insert:
+            await retrying(insert)
 
     def _insert_retry(self, state: RetryCallState) -> None:
         self.stats.insert_retries += 1

@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override a recipe value, e.g. eval.n_samples=8; repeatable")
     ev.add_argument("--out", help="output folder (default: {run_dir}/{name}/standalone-eval)")
-    report = sub.add_parser("report", help="PNG plots of reward, accuracy, staleness, throughput of a run")
+    report = sub.add_parser("report", help="PNG plots of a run: reward, accuracy, staleness, throughput, time breakdown")
     report.add_argument("run")
     report.add_argument("--run-dir", default="runs")
     sweep.add_parser(sub)

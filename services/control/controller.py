@@ -30,6 +30,7 @@ from services.control.ray_connection import CONNECTION_FILE, record_connection
 from services.control.recipe import Recipe
 from services.control.recorded import rollouts_to_start, use_recording
 from services.control.report import MetricsWriter, plot_run, read_metrics
+from services.control.rollout_time import RolloutTimeDeltas, spread
 from services.control.run_lock import hold_run_dir
 from services.control.supervisor import ServiceFactory, Supervisor
 from services.control.tracking import Trackers, open_trackers
@@ -298,6 +299,7 @@ def _supervise_training(recipe: Recipe, sup: Supervisor, metrics: MetricsWriter,
     is polled each round with the newest learner step (periodic evaluations). Returns the final policy
     version. Raises ``RuntimeError`` with the learner's traceback if training failed."""
     steps, generation, cursor, newest = recipe.learner.num_steps, None, 0, -1
+    rollout_time = RolloutTimeDeltas()  # time/rollout/*: the fleet's phase seconds since the previous written row
     while True:
         sup.tick()
         learner = sup.learner.handle
@@ -315,14 +317,14 @@ def _supervise_training(recipe: Recipe, sup: Supervisor, metrics: MetricsWriter,
             log.warning("learner_unreachable", error=str(exc)[:200])
             time.sleep(poll_s)
             continue
-        described = [s.info for s in sup.rollouts() if s.info is not None]
-        tokens_per_s = sum(r.tokens_per_s for r in described)
-        for row in rows:
-            if generation == 0 and row["step"] <= written:
-                continue
+        described = {s.name: s.info for s in sup.rollouts() if s.info is not None}
+        tokens_per_s = sum(r.tokens_per_s for r in described.values())
+        fresh = [row for row in rows if not (generation == 0 and row["step"] <= written)]
+        rollout_s = spread(rollout_time.take({n: r.stats for n, r in described.items()}), len(fresh)) if fresh else {}
+        for row in fresh:
             row.update(rollout_tokens_per_s=tokens_per_s, learner_restarts=sup.learner.restarts,
                        rollout_versions=[s.version for s in sup.rollouts()],
-                       rollout_reward_means=merge_reward_means([r.stats for r in described]))
+                       rollout_reward_means=merge_reward_means([r.stats for r in described.values()]), **rollout_s)
             metrics.write(row)
             progress.update(row)
         newest = max([newest, *(r["step"] for r in rows)])

@@ -1,4 +1,5 @@
-"""Run outputs: ``metrics.jsonl`` (one JSON object per line) and a PNG plot of reward and accuracy."""
+"""Run outputs: ``metrics.jsonl`` (one JSON object per line), a PNG plot of reward and accuracy, and the PNGs of
+``gyre report`` (one per panel, plus where each step's time goes)."""
 
 from __future__ import annotations
 
@@ -120,7 +121,8 @@ def panel_points(keys: list[str], rows: list[dict]) -> dict[str, list[tuple[int,
 
 
 def plot_report(metrics_path: Path, out_dir: Path) -> list[Path]:
-    """One PNG per ``REPORT_PANELS`` entry (``{out_dir}/{stem}.png``), each key a line against step.
+    """One PNG per ``REPORT_PANELS`` entry (``{out_dir}/{stem}.png``), each key a line against step, and
+    ``time_breakdown.png`` (``plot_time_breakdown``).
 
     Raises:
         FileNotFoundError: ``metrics_path`` does not exist.
@@ -153,4 +155,52 @@ def plot_report(metrics_path: Path, out_dir: Path) -> list[Path]:
         fig.savefig(out_dir / f"{stem}.png", dpi=100)
         plt.close(fig)
         paths.append(out_dir / f"{stem}.png")
+    paths.append(plot_time_breakdown(rows, out_dir / "time_breakdown.png", metrics_path.parent.name))
     return paths
+
+
+LEARNER_TIME_KEYS = [f"time/learner/{p}_s" for p in ("wait_data", "forward_backward", "optimizer", "checkpoint",
+                                                     "publish", "other")]
+"""The stacked parts of a learner step in ``time_breakdown.png`` (``learner.step_timer``): they sum to its
+``time/learner/step_s``."""
+ROLLOUT_TIME_KEYS = [f"time/rollout/{p}_s" for p in ("generate", "score", "insert", "weight_apply")]
+"""The rollout phases per learner step in ``time_breakdown.png`` (``services.control.rollout_time``)."""
+
+
+def plot_time_breakdown(rows: list[dict], out_png: Path, title: str) -> Path:
+    """``time_breakdown.png``: per learner step, a stacked bar of its phases (``LEARNER_TIME_KEYS``, seconds) and,
+    below, a stacked bar of the fleet's rollout seconds in that step (``ROLLOUT_TIME_KEYS``, summed over rollouts;
+    a rollout's phases overlap, so the bar's height is work, not wall time) against a line of the step's wall
+    time times the number of rollouts (what the fleet would have if it never idled). Rows lacking a panel's keys
+    (older runs, evaluation rows) are left out of that panel; a panel with none says so."""
+    import matplotlib.pyplot as plt
+
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
+    for ax, keys, what in ((top, LEARNER_TIME_KEYS, "learner step"), (bottom, ROLLOUT_TIME_KEYS, "rollouts")):
+        have = sorted((r for r in rows if all(isinstance(r.get(k), (int, float)) for k in keys)),
+                      key=lambda r: r["step"])
+        steps, base = [r["step"] for r in have], [0.0] * len(have)
+        for key in keys:
+            heights = [r[key] for r in have]
+            if have:
+                ax.bar(steps, heights, bottom=base, width=0.8, label=key.split("/")[-1].removesuffix("_s"))
+            base = [b + h for b, h in zip(base, heights)]
+        if not have:
+            ax.text(0.5, 0.5, f"no {what} times in these rows", ha="center", va="center", transform=ax.transAxes)
+        ax.set_ylabel("seconds")
+        ax.grid(alpha=0.3, axis="y")
+    fleet = [(r["step"], r["time/learner/step_s"] * len(r["rollout_versions"])) for r in rows
+             if isinstance(r.get("time/learner/step_s"), (int, float)) and r.get("rollout_versions")
+             and all(k in r for k in ROLLOUT_TIME_KEYS)]
+    if fleet:
+        bottom.plot(*zip(*sorted(fleet)), "k.--", label="step wall time x rollouts")
+    top.set_title(f"{title}: where a learner step's time goes")
+    bottom.set_title("rollout work during the step (summed over rollouts; phases overlap)")
+    bottom.set_xlabel("learner step (policy version)")
+    for ax in (top, bottom):
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")  # beside: bars stay visible
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=100)
+    plt.close(fig)
+    return Path(out_png)

@@ -37,6 +37,19 @@ def hub_cache(tiny_llama, tmp_path, monkeypatch):
     return commit
 
 
+def _check_time_breakdown(steps):
+    """Each step row says where its time went (docs/guides/monitoring.md): learner phases summing to the step,
+    the fleet's rollout seconds in it."""
+    learner = ["wait_data", "forward_backward", "optimizer", "checkpoint", "publish", "other"]
+    for r in steps:
+        parts = [r[f"time/learner/{p}_s"] for p in learner]
+        assert sum(parts) == pytest.approx(r["time/learner/step_s"], abs=1e-6) and min(parts) >= -1e-9, r
+        assert r["time/learner/forward_backward_s"] > 0 and r["time/learner/optimizer_s"] > 0
+        assert r["time/learner/checkpoint_s"] > 0  # learner.save_interval 1
+        assert all(r[f"time/rollout/{p}_s"] >= 0 for p in ("generate", "score", "insert", "weight_apply")), r
+    assert sum(r["time/rollout/generate_s"] for r in steps) > 0
+
+
 def _check_first_run(summary, recipe, out, initial_model):
     rows = read_metrics(out / "metrics.jsonl")
     assert_trained(out, initial_model, min_fraction=1.0)  # the dense reward gives every step a gradient
@@ -53,6 +66,7 @@ def _check_first_run(summary, recipe, out, initial_model):
         assert len(completions) == 16 and sum(c["greedy"] for c in completions) == 8
         assert {c["set"] for c in completions} == {"basic_arithmetic"} and all(c["prompt"] for c in completions)
     assert all(r["loss"] == r["loss"] for r in steps)  # finite, not NaN
+    _check_time_breakdown(steps)
 
     # At least two new policy versions reached the rollout engine, which ended on the final one.
     stats = summary["rollout_stats"][0]

@@ -69,7 +69,7 @@ class GateEngine:
         assert not self.active, "weights changed while a generation held the engine"
         self.loads.append((version, rewind, float(tensors[0][1][0])))
         self.version = version
-        return 0.0
+        return 0.125
 
 
 def test_gate_shares_a_version_switches_when_idle_and_rewinds_for_a_reissued_prompt(tmp_path):
@@ -100,7 +100,7 @@ def test_gate_shares_a_version_switches_when_idle_and_rewinds_for_a_reissued_pro
 
     asyncio.run(main())
     assert engine.loads == [(0, False, 0.0), (1, False, 1.0), (0, True, 0.0)]
-    assert gate.switches == 3 and gate.rewinds == 1
+    assert gate.switches == 3 and gate.rewinds == 1 and gate.load_s == 3 * 0.125  # -> rollout weight_apply_s
     assert seen[-2:] == [("p4", 1), ("reissued-p0", 0)]
 
 
