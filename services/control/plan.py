@@ -86,6 +86,9 @@ def placement_lines(recipe: Recipe) -> list[str]:
             learner,
             f"  gyre:{run}:rollout-i ×{recipe.rollout.num_workers}  {_resources(pl.rollout)}"
             + (f"  spool {recipe.rollout.spool_dir}/rollout-i" if recipe.rollout.spool_dir else ""),
+            *([f"  gyre:{run}:reward_model ×1  {_resources(pl.reward_model)}  "
+               + ", ".join(f"{m['kind']} {m['model']}" for m in recipe.model_rewards())]
+              if recipe.model_rewards() else []),
             f"security   bind {recipe.security.bind_host} tls={recipe.security.tls} "
             f"token={'yes' if recipe.security.has_token else 'no'}"]
 

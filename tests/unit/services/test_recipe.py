@@ -102,6 +102,14 @@ def test_placement_section_is_validated_and_printed():
     text = describe(recipe)
     assert "gyre:smollm2-arith:learner  ×1  num_cpus=0 num_gpus=1  world_size=2 placement group SPREAD" in text
     assert "gyre:smollm2-arith:rollout-i ×1  num_cpus=0 num_gpus=0.5 rollout_nodes=1" in text
+    assert "reward_model" not in text  # no reward model: no such service
+
+
+def test_the_plan_lists_the_reward_model_service(tiny_classifier):
+    recipe = load_recipe(DEFAULT, {"task.reward": {"model": str(tiny_classifier)},
+                                   "placement": {"reward_model": {"num_cpus": 1}}})
+    assert recipe.model_rewards() == [{"model": str(tiny_classifier), "kind": "classifier", "params": {}}]
+    assert f"gyre:smollm2-arith:reward_model ×1  num_cpus=1 num_gpus=0  classifier {tiny_classifier}" in describe(recipe)
 
 
 def test_a_batch_that_cannot_be_sharded_over_the_ranks_is_named():
