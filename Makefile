@@ -28,7 +28,7 @@ PIP := $(BIN)/python -m pip install -q
 export TORCH_EXTENSIONS_DIR := $(CURDIR)/.cache/torch_extensions
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup setup-dev model run dry-run test test-fast proto lock clean
+.PHONY: setup setup-dev model run dry-run test test-fast bench-tta proto lock clean
 
 ifeq ($(filter $(GYRE_TARGET),cpu cuda),)
 $(error GYRE_TARGET=$(GYRE_TARGET): expected cpu or cuda)
@@ -78,6 +78,19 @@ test: setup-dev
 
 test-fast: setup-dev
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not slow"
+
+# Time to accuracy (docs/benchmarks.md): gyre async, gyre sync and TRL's GRPOTrainer on the default recipe.
+# The bench extra (trl) goes in with --no-deps: its requirements are all in $(LOCK) already, and a resolving
+# install could move the lock's pins. QUICK=1: the tiny-model pipeline check (minutes) instead of SmolLM2.
+BENCH_STAMP := $(VENV)/.gyre-bench
+BENCH_EXTRA = $$($(BIN)/python -c "import tomllib; print(' '.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['bench']))")
+
+$(BENCH_STAMP): $(STAMP) pyproject.toml
+	$(PIP) --no-deps $(BENCH_EXTRA)
+	touch $@
+
+bench-tta: $(BENCH_STAMP) model
+	HF_HUB_OFFLINE=1 $(BIN)/python -m bench.time_to_accuracy $(if $(QUICK),--quick)
 
 proto: $(DEV_STAMP)
 	$(BIN)/python -m proto.gen
