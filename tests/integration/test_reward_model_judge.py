@@ -12,7 +12,12 @@ SMALL = {"max_tokens": 8, "max_model_len": 256, "kv_cache_gib": 0.25}
 
 
 @pytest.fixture(scope="module")
-def host():
+def host(vllm_worker_process):
+    """vLLM's engine core in its own process, as in the service (vLLM's default): in-process, vLLM's triton
+    dispatcher scans every loaded module and trips over e.g. Flask's ``current_app`` proxy left by moto's server
+    (imported here, so the test holds whatever ran before it in the same pytest worker)."""
+    import flask  # noqa: F401
+
     return RewardModelHost(batch_size=4, max_models=1)
 
 
