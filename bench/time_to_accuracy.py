@@ -116,9 +116,10 @@ def gyre_eval(target: str, scale: Scale, out: Path) -> float:
     return float(rows[-1]["heldout_accuracy"])
 
 
-def measure(root: Path, quick: bool) -> dict:
-    """Train the three arms, score every saved policy, and build the result object."""
-    scale = QUICK if quick else FULL
+def measure(root: Path, quick: bool, scale: Scale | None = None) -> dict:
+    """Train the three arms, score every saved policy, and build the result object (``scale``: ``QUICK`` or
+    ``FULL`` by ``quick`` when not given)."""
+    scale = scale or (QUICK if quick else FULL)
     t0 = time.monotonic()
     if quick:
         from tests.tiny_model import build_tiny_llama
@@ -145,7 +146,8 @@ def measure(root: Path, quick: bool) -> dict:
     from services.control.recipe import load_recipe
 
     recipe = load_recipe(RECIPE, arm_overrides(model, str(root), "gyre_async", scale))
-    return {"bench": "time_to_accuracy", "quick": quick, "machine": machine(), "model": Path(model).name,
+    return {"bench": "time_to_accuracy", "quick": quick, "steps": scale.steps, "eval_every": scale.eval_every,
+            "machine": machine(), "model": Path(model).name,
             "settings": shared_settings(recipe), "reward_version_trl": runs["trl"]["reward_version"],
             "systems": systems, **ratios({a: s["curve"] for a, s in systems.items()}),
             "ratio_rule": "first evaluated point at or above the reference's final accuracy (no interpolation)",
@@ -184,7 +186,14 @@ def main() -> None:
                         help="a tiny random Llama, 4 steps per arm (the pipeline end to end in minutes)")
     parser.add_argument("--dir", default=None, help="where runs go (default: a temp dir, removed)")
     parser.add_argument("--plot", default=None, help="also write the curves as a PNG here")
+    parser.add_argument("--steps", type=int, default=None, help="optimizer steps per arm (default: 100; --quick 4)")
+    parser.add_argument("--eval-every", type=int, default=None,
+                        help="steps between scored policies (default: 10; --quick 2); must divide --steps")
     args = parser.parse_args()
+    base = QUICK if args.quick else FULL
+    scale = Scale(args.steps or base.steps, args.eval_every or base.eval_every, base.overrides)
+    if scale.steps < 1 or scale.eval_every < 1 or scale.steps % scale.eval_every:
+        parser.error(f"--steps {scale.steps} must be a positive multiple of --eval-every {scale.eval_every}")
     if importlib.util.find_spec("trl") is None:
         sys.exit("error: trl is not importable; install the bench extra (`make bench-tta`, or "
                  "`pip install --no-deps 'trl==1.16.0'`; see docs/benchmarks.md)")
@@ -193,7 +202,7 @@ def main() -> None:
     stdout = os.dup(1)
     os.dup2(2, 1)  # services' logs go to stderr: stdout carries the JSON line only
     try:
-        result = measure(root, args.quick)
+        result = measure(root, args.quick, scale)
     finally:
         sys.stdout.flush()
         os.dup2(stdout, 1)

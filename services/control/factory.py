@@ -12,6 +12,7 @@ import ray
 from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_fixed
 
 import faults
+from services.common.cpus import cpu_env
 from services.common.describe import ServiceInfo
 from services.common.logs import LOG_DIR_ENV
 from services.common.names import ROLES, ServiceName
@@ -105,6 +106,11 @@ class ServiceFactory:
         spec = specs[incarnation] if incarnation < len(specs) else ""
         return {**self.env, **faults.armed_env(spec, self.fire_log, service, incarnation)}
 
+    def cpu_env(self, role: str, service: str) -> dict:
+        """``GYRE_CPUS`` / ``OMP_NUM_THREADS`` of ``service`` from ``placement.<role>.cpus`` (``{}`` when unset;
+        ``services.common.cpus``): rollout ``i`` and learner rank ``r`` take their entry of a list."""
+        return cpu_env(getattr(self.recipe.placement, role).cpus_for(ServiceName.parse(service).index))
+
     def _options(self, role: str, service: str, env: dict | None = None, **extra) -> dict:
         """``ActorClass.options`` of one service; a rollout also gets the recipe's ``ray.runtime_env`` (reward
         functions are imported there), its ``env_vars`` merged under gyre's."""
@@ -130,7 +136,7 @@ class ServiceFactory:
         taken"), as the same incarnation. Raises that ``ValueError`` after the patience, other errors at once."""
         incarnation = self.incarnations.get(service, 0)
         self.incarnations[service] = incarnation + 1
-        env = self.fault_env(service, incarnation)
+        env = {**self.fault_env(service, incarnation), **self.cpu_env(role, service)}
         extra = {"max_concurrency": 4} if role == "learner" else {}
         if scheduling_strategy is not None:
             extra["scheduling_strategy"] = scheduling_strategy

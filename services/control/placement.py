@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from services.common.cpus import parse_cpus
 
 
 class RayConfig(BaseModel):
@@ -37,13 +39,36 @@ class RolePlacement(BaseModel):
     """GPUs reserved for the actor (fractions share a GPU)."""
     resources: dict[str, float] = {}
     """Custom Ray resources, e.g. ``{"node_group_rollout": 1}`` to pin the role to a node group."""
+    cpus: str | list[str] | None = None
+    """The role's own CPU set on its node (cpuset list syntax: ``"0"``, ``"0-3,8"``): its processes are bound to
+    these cores and its torch/OpenMP threads number as many (``services.common.cpus``). A list gives one set per
+    instance: rollout ``i`` gets entry ``i`` mod its length, learner rank ``r`` entry ``r``. ``None``: the OS
+    schedules the role on any core (services sharing a node then share cores)."""
+
+    @field_validator("cpus", mode="before")
+    @classmethod
+    def _cpu_ids_as_sets(cls, v):
+        """``cpus: 1`` (YAML reads an int) is the set ``"1"``; likewise inside a list."""
+        as_set = lambda x: str(x) if isinstance(x, int) and not isinstance(x, bool) else x  # noqa: E731
+        return [as_set(x) for x in v] if isinstance(v, list) else as_set(v)
 
     @model_validator(mode="after")
     def _positive_resources(self) -> "RolePlacement":
         bad = {k: v for k, v in self.resources.items() if v <= 0 or not k}
         if bad:
             raise ValueError(f"resources {bad} must map non-empty names to amounts > 0")
+        sets = [self.cpus] if isinstance(self.cpus, str) else list(self.cpus or [])
+        if isinstance(self.cpus, list) and not sets:
+            raise ValueError("cpus [] is empty; give a cpuset such as '0-3', one per instance, or leave cpus unset")
+        for spec in sets:
+            parse_cpus(spec)  # CpuSetError (a ValueError) names the bad set
         return self
+
+    def cpus_for(self, index: int) -> str | None:
+        """The CPU set of instance ``index`` (rollout number, learner rank; 0 for single services), or ``None``."""
+        if self.cpus is None or isinstance(self.cpus, str):
+            return self.cpus
+        return self.cpus[index % len(self.cpus)]
 
     def actor_options(self) -> dict:
         """``ActorClass.options(**...)`` keys for this role."""

@@ -70,6 +70,8 @@ def _kv_line(e) -> str:
 
 def _resources(p) -> str:
     extra = "".join(f" {k}={v:g}" for k, v in sorted(p.resources.items()))
+    if p.cpus is not None:  # services.common.cpus: bound to these cores, as many torch/OpenMP threads
+        extra += f" cpus={p.cpus if isinstance(p.cpus, str) else '|'.join(p.cpus)}"
     return f"num_cpus={p.num_cpus:g} num_gpus={p.num_gpus:g}{extra}"
 
 

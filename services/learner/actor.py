@@ -56,12 +56,14 @@ class LearnerActor:
         from learner.versions import prepare_learner_process
         from learner.ranks import LeaderEngine
         from learner.publisher import WeightPublisher
+        from services.common.cpus import pin_from_env
         from services.common.logs import configure_logging
         from services.common.observability import LearnerMetrics, serve
         from services.learner import weight_server
         from transformers import AutoTokenizer
 
         configure_logging(run_id, "learner")
+        pin_from_env("learner")  # placement.<role>.cpus, before any compute thread starts
         set_rank_env(ranks)
         sec = security_config(security)
         host = host or (sec.bind_host if sec is not None else "127.0.0.1")
@@ -209,11 +211,13 @@ class LearnerRankActor:
         from learner.engine import LearnerEngine
         from learner.loop import LearnerLoopConfig
         from learner.versions import prepare_learner_process
+        from services.common.cpus import pin_from_env
         from services.common.logs import configure_logging
 
         if ranks["rank"] < 1:
             raise ValueError(f"LearnerRankActor is for ranks >= 1, got rank {ranks['rank']} (rank 0 is LearnerActor)")
         configure_logging(run_id, str(ServiceName("learner", ranks["rank"])))
+        pin_from_env(str(ServiceName("learner", ranks["rank"])))  # placement.learner.cpus, before compute starts
         set_rank_env(ranks)
         self.rank = ranks["rank"]
         cfg = LearnerLoopConfig(**config)

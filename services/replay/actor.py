@@ -29,11 +29,13 @@ class ReplayActor:
                  metrics_port: int | None = 0, security: dict | None = None, run_id: str = "run") -> None:
         from replay.buffer import TrajectoryBuffer
         from replay.config import ReplayConfig
+        from services.common.cpus import pin_from_env
         from services.common.logs import configure_logging
         from services.common.observability import replay_registry, serve
         from services.replay import server as replay_server
 
         configure_logging(run_id, "replay")
+        pin_from_env("replay")  # placement.<role>.cpus, before any compute thread starts
         sec = security_config(security)
         host = host or (sec.bind_host if sec is not None else "127.0.0.1")
         self.security = sec

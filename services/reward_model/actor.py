@@ -31,11 +31,13 @@ class RewardModelActor:
         from rollout.rewards.base import RewardConfig
         from rollout.rewards.model import model_spec
         from rollout.rewards.model_host import RewardModelHost
+        from services.common.cpus import pin_from_env
         from services.common.logs import configure_logging
         from services.reward_model.config import RewardServiceConfig
         from services.reward_model.server import serve
 
         configure_logging(run_id, "reward_model")
+        pin_from_env("reward_model")  # placement.<role>.cpus, before any compute thread starts
         sec = security_config(security)
         host = host or (sec.bind_host if sec is not None else "127.0.0.1")
         cfg = RewardServiceConfig(**config)

@@ -36,11 +36,13 @@ class RolloutActor:
         from rollout.config import RolloutConfig
         from rollout.versions import version_source
         from rollout.worker import RolloutWorker
+        from services.common.cpus import pin_from_env
         from services.common.logs import configure_logging
         from services.common.observability import RolloutMetrics, serve
         from transformers import AutoTokenizer
 
         configure_logging(run_id, rollout_id)
+        pin_from_env(rollout_id)  # placement.<role>.cpus, before any compute thread starts
         self.rollout_id, self.security = rollout_id, security_config(security)
         self.reward_models = None
         if reward_model_address is not None:
