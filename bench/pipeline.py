@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import signal
 import statistics
 import subprocess
@@ -47,6 +46,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+from bench.workdir import run_quietly
 from services.control.report import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
@@ -336,16 +336,7 @@ def main() -> None:
     if args.calibrate:
         calibrate_main(json.loads(args.calibrate))
         return
-    root = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="gyre-bench-pipeline-"))
-    stdout = os.dup(1)
-    os.dup2(2, 1)  # services' logs (structlog, Ray, DeepSpeed) go to stderr: stdout carries the JSON line only
-    try:
-        result = measure(root, args.quick)
-    finally:
-        sys.stdout.flush()
-        os.dup2(stdout, 1)
-        if not args.dir:
-            shutil.rmtree(root, ignore_errors=True)
+    result = run_quietly(lambda root: measure(root, args.quick), args.dir, "gyre-bench-pipeline-")
     print(json.dumps(result))
 
 

@@ -32,14 +32,13 @@ import importlib.util
 import json
 import os
 import platform
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 from bench.tta_parts import ARMS, FULL, QUICK, RECIPE, REPO, SMOLLM2, Scale, arm_overrides, ratios, shared_settings
+from bench.workdir import run_quietly
 
 
 def run_gyre(model: str, root: Path, arm: str, scale: Scale) -> dict:
@@ -198,16 +197,7 @@ def main() -> None:
         sys.exit("error: trl is not importable; install the bench extra (`make bench-tta`, or "
                  "`pip install --no-deps 'trl==1.16.0'`; see docs/benchmarks.md)")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    root = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="gyre-bench-tta-"))
-    stdout = os.dup(1)
-    os.dup2(2, 1)  # services' logs go to stderr: stdout carries the JSON line only
-    try:
-        result = measure(root, args.quick, scale)
-    finally:
-        sys.stdout.flush()
-        os.dup2(stdout, 1)
-        if not args.dir:
-            shutil.rmtree(root, ignore_errors=True)
+    result = run_quietly(lambda root: measure(root, args.quick, scale), args.dir, "gyre-bench-tta-")
     if args.plot:
         plot_curves(result["systems"], Path(args.plot), f"time to accuracy: {result['model']}")
     print(json.dumps(result))
