@@ -40,8 +40,8 @@ class RolePlacement(BaseModel):
     resources: dict[str, float] = {}
     """Custom Ray resources, e.g. ``{"node_group_rollout": 1}`` to pin the role to a node group."""
     cpus: str | list[str] | None = None
-    """The role's own CPU set on its node (cpuset list syntax: ``"0"``, ``"0-3,8"``): its processes are bound to
-    these cores and its torch/OpenMP threads number as many (``services.common.cpus``). A list gives one set per
+    """The role's own CPU set on its node (cpuset list syntax: ``"0"``, ``"0-3,8"``; ``"N-"``: every core of the
+    node from ``N`` on): its processes are bound to these cores and its torch/OpenMP threads number as many (``services.common.cpus``). A list gives one set per
     instance: rollout ``i`` gets entry ``i`` mod its length, learner rank ``r`` entry ``r``. ``None``: the OS
     schedules the role on any core (services sharing a node then share cores)."""
 
