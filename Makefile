@@ -90,7 +90,7 @@ $(BENCH_STAMP): $(STAMP) pyproject.toml
 	touch $@
 
 bench-tta: $(BENCH_STAMP) model
-	HF_HUB_OFFLINE=1 $(BIN)/python -m bench.time_to_accuracy $(if $(QUICK),--quick)
+	HF_HUB_OFFLINE=1 $(BIN)/python -m bench.time_to_accuracy $(if $(QUICK),--quick) $(TTA_ARGS)
 
 proto: $(DEV_STAMP)
 	$(BIN)/python -m proto.gen
