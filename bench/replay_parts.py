@@ -45,6 +45,8 @@ def trajectory_batch(first_prompt: int, groups: int, rng: np.random.Generator) -
         "version_span_starts": lists(1, pa.array(np.zeros(n, np.int32))),
         "version_span_versions": lists(1, pa.array(np.zeros(n, np.int64))),
         "reward_fn_version": ["v1"] * n, "rollout_id": ["bench"] * n, "created_at": np.zeros(n),
+        "loss_mask": lists(RESPONSE_LEN, pa.array(np.ones(n * RESPONSE_LEN, np.int8))),
+        "turn_starts": lists(1, pa.array(np.zeros(n, np.int32))),
     }
     arrays = [_column(cols.get(f.name), f.type, n) for f in TRAJECTORY_SCHEMA]  # by name: columns may be added
     return pa.Table.from_arrays(arrays, schema=TRAJECTORY_SCHEMA)

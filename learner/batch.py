@@ -124,6 +124,7 @@ def build_train_batch(
             "version_span_versions",
             "finish_reason",
             "reward_error",
+            "loss_mask",
         )
     }
     groups = _group_rows(cols["group_id"], cols["sample_index"], cols["prompt_token_ids"])
@@ -131,14 +132,14 @@ def build_train_batch(
     truncated, penalty = _overlong(cols["finish_reason"], cols["response_token_ids"], cfg)
     row_index = torch.tensor([rows for rows in groups.values()], dtype=torch.int64)  # [G, n]
     failed = torch.tensor([bool(err) for err in cols["reward_error"]], dtype=torch.bool)
-    lengths = torch.tensor([len(r) for r in cols["response_token_ids"]], dtype=torch.int64)
+    lengths = torch.tensor([sum(m) for m in cols["loss_mask"]], dtype=torch.int64)  # the policy's own tokens
     if cfg.custom_advantage:  # computed below, from the padded rows (``learner.objectives``)
         advantages, baseline = None, scored_rows(cfg, failed, row_index)
     else:
         advantages, baseline = _advantages(cfg, rewards + penalty, row_index, failed, lengths)
     input_ids, attention_mask, response_mask, behaviour = _pad_rows(
-        cols["prompt_token_ids"], cols["response_token_ids"], cols["behaviour_logprobs"], pad_token_id
-    )
+        cols["prompt_token_ids"], cols["response_token_ids"], cols["behaviour_logprobs"], pad_token_id,
+        cols["loss_mask"])
     # out of the loss: truncated rows (DAPO's overlong filtering; still in the baselines above) and rows whose
     # score failed (out of the baselines too)
     dropped = (truncated if cfg.overlong_filter else torch.zeros_like(truncated)) | ~baseline
@@ -242,9 +243,14 @@ def _group_rows(group_ids: list[str], sample_indices: list[int], prompts: list[l
 
 
 def _pad_rows(
-    prompts: list[list[int]], responses: list[list[int]], logprobs: list[list[float]], pad_token_id: int
+    prompts: list[list[int]], responses: list[list[int]], logprobs: list[list[float]], pad_token_id: int,
+    loss_masks: list[list[int]] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-pad ``prompt + response`` rows; returns input_ids, attention_mask, response_mask, behaviour."""
+    """Right-pad ``prompt + response`` rows; returns input_ids, attention_mask, response_mask, behaviour.
+
+    ``loss_masks`` (``[T]`` per row, the trajectory's ``loss_mask``): a multi-turn episode's environment tokens
+    (mask 0) stay in ``input_ids`` and ``attention_mask`` (the model reads them) but leave ``response_mask`` and
+    get behaviour logprob 0.0, so no loss, advantage, KL or ratio metric ever counts them."""
     for row, prompt in enumerate(prompts):
         if not prompt:
             raise ValueError(f"row {row} has an empty prompt; the first response token needs a context")
@@ -258,6 +264,7 @@ def _pad_rows(
         p, t = len(prompt), len(response)
         input_ids[row, : p + t] = torch.tensor(prompt + response, dtype=torch.int64)
         attention_mask[row, : p + t] = 1
-        response_mask[row, p - 1 : p - 1 + t] = True
-        behaviour[row, p - 1 : p - 1 + t] = torch.tensor(lp, dtype=torch.float32)
+        own = torch.ones(t, dtype=torch.bool) if loss_masks is None else torch.tensor(loss_masks[row], dtype=torch.bool)
+        response_mask[row, p - 1 : p - 1 + t] = own
+        behaviour[row, p - 1 : p - 1 + t] = torch.tensor(lp, dtype=torch.float32) * own
     return input_ids, attention_mask, response_mask, behaviour

@@ -40,6 +40,7 @@ from safetensors.torch import load_file, save_file
 from faults import fault_point
 from proto.durable import fsync_path
 from proto.trajectory import SCHEMA_VERSION
+from proto.trajectory_upgrade import UPGRADABLE
 
 log = structlog.get_logger("learner.checkpoint")
 
@@ -284,13 +285,14 @@ def check_resumable(path: Path, meta: CheckpointMetadata, fingerprint: str, worl
     """Refuse to resume from an incompatible checkpoint.
 
     Raises:
-        CheckpointError: schema version differs (always, naming both), world size differs and the
+        CheckpointError: schema version neither ``SCHEMA_VERSION`` nor upgradable (always, naming both), world size differs and the
             checkpoint cannot be resharded (``reshard_refusal``: ZeRO-0, no learner config), or
             the task/dataset fingerprint differs (unless ``force``), listing each difference.
     """
-    if meta.schema_version != SCHEMA_VERSION:
+    if meta.schema_version not in (SCHEMA_VERSION, *UPGRADABLE):  # an upgradable version's data reads as today's
         raise CheckpointError(f"checkpoint {path} was written with trajectory schema version "
-                              f"{meta.schema_version}; this learner uses schema version {SCHEMA_VERSION}")
+                              f"{meta.schema_version}; this learner uses schema version {SCHEMA_VERSION} "
+                              f"(and reads {UPGRADABLE})")
     if meta.world_size != world_size:
         if refusal := reshard_refusal(path):
             raise CheckpointError(f"checkpoint {path} was written by world size {meta.world_size}; this learner "

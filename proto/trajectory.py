@@ -36,6 +36,21 @@ policy-version spans):
   lockstep). A trajectory never spans two timelines but 0 and one other (a rollout cancels its groups in
   flight when it switches timeline), so replay and the learner can tell a crashed learner's versions from the
   resumed learner's same numbers.
+- ``loss_mask`` (list<int8>) ``[T]``: 1 for a token the policy sampled (trained on), 0 for a token an environment
+  or tool wrote into a multi-turn episode's response (observation, tool result, the template's turn markers);
+  all 1 for a single-turn response. Behaviour logprobs of 0-mask tokens are 0.0 and never used.
+- ``turn_starts`` (list<int32>) ``[K]``: token offset in the response where each model turn starts (``[0]`` for
+  a single-turn response); the first is 0, strictly increasing, each ``< max(T, 1)``, and every model turn's
+  first token has mask 1 (an empty response: ``[0]``).
+- ``tool_calls`` (int32), ``tool_errors`` (int32): tool calls the episode's model turns made, and how many of
+  them failed (bad arguments, unknown tool, crash, timeout); 0 for a single-turn response.
+- ``episode_end`` (utf8): why a multi-turn episode ended (``EPISODE_ENDS``): ``"done"`` (the environment said
+  so), ``"max_turns"``, ``"max_tokens"`` (the context is full) — ``""`` for a single-turn response. A broken
+  episode (the environment raised, the time budget ran out) carries its reason in ``reward_error``
+  (``"episode-env_error: ..."``, ``"episode-time_budget: ..."``), which keeps it out of the loss and the baselines.
+
+Version 4 added the last five columns; version-3 data (WAL segments, snapshots, spools) is upgraded on read by
+``proto.trajectory_upgrade`` (mask all 1, one turn, no tools), so an upgrade loses nothing.
 """
 
 from __future__ import annotations
@@ -46,7 +61,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 """Bumped on any incompatible change of the columns below."""
 
 SCHEMA_VERSION_KEY = b"gyre.schema_version"
@@ -55,6 +70,9 @@ FINISH_REASONS = ("stop", "length")
 """The ``finish_reason`` values a trajectory may carry: ``stop`` (EOS or a stop string) and ``length`` (cut at
 the generation budget; what ``AlgorithmConfig.overlong_filter`` masks). vLLM's ``abort`` never reaches replay:
 the engine raises on it (``rollout.engine``)."""
+
+EPISODE_ENDS = ("", "done", "max_turns", "max_tokens")
+"""The ``episode_end`` values: ``""`` for a single-turn response, else why a multi-turn episode ended."""
 
 TRAJECTORY_SCHEMA = pa.schema(
     [
@@ -76,6 +94,11 @@ TRAJECTORY_SCHEMA = pa.schema(
         pa.field("created_at", pa.float64(), nullable=False),
         pa.field("reward_error", pa.utf8(), nullable=False),
         pa.field("policy_timeline", pa.int64(), nullable=False),
+        pa.field("loss_mask", pa.list_(pa.int8()), nullable=False),
+        pa.field("turn_starts", pa.list_(pa.int32()), nullable=False),
+        pa.field("tool_calls", pa.int32(), nullable=False),
+        pa.field("tool_errors", pa.int32(), nullable=False),
+        pa.field("episode_end", pa.utf8(), nullable=False),
     ],
     metadata={SCHEMA_VERSION_KEY: str(SCHEMA_VERSION).encode()},
 )
@@ -90,7 +113,8 @@ class Trajectory:
     """One sampled response with everything the learner needs to train on it off-policy.
 
     Field docs are those of the module docstring; shapes: ``prompt_token_ids [P] int``,
-    ``response_token_ids [T] int``, ``behaviour_logprobs [T] float``, ``version_span_* [S]``.
+    ``response_token_ids [T] int``, ``behaviour_logprobs [T] float``, ``version_span_* [S]``, ``loss_mask [T]``
+    (``None``: all 1, a single-turn response), ``turn_starts [K]`` (``None``: ``[0]``).
     """
 
     trajectory_id: str
@@ -111,6 +135,17 @@ class Trajectory:
     created_at: float
     reward_error: str = ""
     policy_timeline: int = 0
+    loss_mask: list[int] | None = None
+    turn_starts: list[int] | None = None
+    tool_calls: int = 0
+    tool_errors: int = 0
+    episode_end: str = ""
+
+    def __post_init__(self) -> None:
+        if self.loss_mask is None:
+            object.__setattr__(self, "loss_mask", [1] * len(self.response_token_ids))
+        if self.turn_starts is None:
+            object.__setattr__(self, "turn_starts", [0])
 
     @property
     def oldest_version(self) -> int:
@@ -152,6 +187,9 @@ def to_ipc(table: pa.Table) -> bytes:
 
 def from_ipc(payload: bytes) -> pa.Table:
     """Parse and validate Arrow IPC stream bytes.
+
+    Older-version bytes are refused here; files written before an upgrade are read with
+    ``proto.trajectory_upgrade.read_ipc``.
 
     Raises:
         SchemaError: unreadable bytes, wrong schema version, missing/mistyped column, or a row whose
@@ -244,6 +282,7 @@ def validate_table(table: pa.Table) -> None:
     if (n_spans == 0).any():
         raise SchemaError("version_span_versions is empty; every trajectory needs at least one span")
     _check_spans(table, n_tok)
+    _check_turns(table, n_tok)
 
 
 def _list_values(table: pa.Table, name: str) -> tuple[np.ndarray, np.ndarray]:
@@ -288,3 +327,58 @@ def _check_spans(table: pa.Table, n_tok: np.ndarray) -> None:
                 f"{what}; version_span_starts {starts[lo:hi].tolist()}, version_span_versions "
                 f"{versions[lo:hi].tolist()}, {int(n_tok[i])} response tokens"
             )
+
+
+def _row_error(table: pa.Table, i: int, what: str) -> SchemaError:
+    return SchemaError(f"row {i} ({table.column('trajectory_id')[i].as_py()}, group "
+                       f"{table.column('group_id')[i].as_py()}): {what}")
+
+
+def _check_turns(table: pa.Table, n_tok: np.ndarray) -> None:
+    """The multi-turn columns: ``loss_mask`` as long as the response and only 0/1; ``turn_starts`` non-empty,
+    from 0, strictly increasing, inside the response, each on a mask-1 token; tool counts ``0 <= tool_errors <=
+    tool_calls``; ``episode_end`` in ``EPISODE_ENDS``. Vectorised; raises ``SchemaError`` naming the row."""
+    n_mask = _list_lengths(table, "loss_mask")
+    if (bad := np.flatnonzero(n_mask != n_tok)).size:
+        i = int(bad[0])
+        raise _row_error(table, i, f"loss_mask has {n_mask[i]} entries but the response has {n_tok[i]} tokens")
+    m_off, mask = _list_values(table, "loss_mask")
+    if mask.size and ((mask != 0) & (mask != 1)).any():
+        j = int(np.flatnonzero((mask != 0) & (mask != 1))[0])
+        i = int(np.searchsorted(m_off, j, side="right") - 1)
+        raise _row_error(table, i, f"loss_mask holds {int(mask[j])} at token {j - m_off[i]}; expected 0 or 1")
+    t_off, starts = _list_values(table, "turn_starts")
+    n_turns = np.diff(t_off)
+    if (n_turns == 0).any():
+        raise _row_error(table, int(np.flatnonzero(n_turns == 0)[0]), "turn_starts is empty; expected at least [0]")
+    first, last = t_off[:-1], t_off[1:] - 1
+    row_of = np.repeat(np.arange(len(n_tok)), n_turns)
+    inner = np.ones(max(len(starts) - 1, 0), bool)
+    inner[first[1:] - 1] = False
+    step = np.zeros(len(n_tok), bool)
+    step[row_of[:-1][inner & (np.diff(starts) <= 0)]] = True
+    in_range = starts < np.maximum(n_tok, 1)[row_of]
+    on_model = np.ones(len(starts), bool)
+    has_tok = in_range & (n_tok[row_of] > 0)
+    on_model[has_tok] = mask[m_off[row_of[has_tok]] + starts[has_tok]] == 1
+    off_model = np.zeros(len(n_tok), bool)
+    off_model[row_of[~on_model]] = True
+    checks = ((starts[first] != 0, "the first turn must start at token 0"),
+              (step, "turn starts must strictly increase"),
+              (starts[last] >= np.maximum(n_tok, 1), "a turn starts past the response's last token"),
+              (off_model, "a turn starts on a token with loss_mask 0 (turns start with a model token)"))
+    for bad, what in checks:
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise _row_error(table, i, f"{what}; turn_starts {starts[t_off[i]:t_off[i + 1]].tolist()}, "
+                                       f"{int(n_tok[i])} response tokens")
+    calls, errors = table.column("tool_calls").to_numpy(), table.column("tool_errors").to_numpy()
+    if (bad := np.flatnonzero((calls < 0) | (errors < 0) | (errors > calls))).size:
+        i = int(bad[0])
+        raise _row_error(table, i, f"tool_calls {calls[i]}, tool_errors {errors[i]}; expected "
+                                   "0 <= tool_errors <= tool_calls")
+    ends = table.column("episode_end")
+    bad_end = pc.invert(pc.is_in(ends, value_set=pa.array(EPISODE_ENDS)))
+    if pc.any(bad_end).as_py():
+        i = int(pc.index(bad_end, True).as_py())
+        raise _row_error(table, i, f"episode_end {ends[i].as_py()!r}; expected one of {EPISODE_ENDS}")

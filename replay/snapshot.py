@@ -36,6 +36,7 @@ import numpy as np
 import pyarrow as pa
 
 from proto.trajectory import SCHEMA_VERSION, TRAJECTORY_SCHEMA
+from proto.trajectory_upgrade import UPGRADABLE, V3_SCHEMA, upgrade
 from faults import fault_point
 from replay.types import Group, SnapshotError
 from replay.files import HashingFile, ForegroundGate, fsync_dir, read_verified, remove_gently
@@ -221,9 +222,9 @@ def load_snapshot(snap: Path) -> SnapshotData:
     if manifest.get("format_version") != SNAPSHOT_FORMAT_VERSION:
         raise SnapshotError(f"snapshot {snap}: format version {manifest.get('format_version')} is not supported; "
                             f"expected {SNAPSHOT_FORMAT_VERSION}")
-    if manifest.get("schema_version") != SCHEMA_VERSION:
+    if manifest.get("schema_version") not in (SCHEMA_VERSION, *UPGRADABLE):
         raise SnapshotError(f"snapshot {snap}: trajectory schema version {manifest.get('schema_version')} is not "
-                            f"supported; expected {SCHEMA_VERSION}")
+                            f"supported; expected {SCHEMA_VERSION} (or {UPGRADABLE}, upgraded on read)")
     if snap.name != f"snap-{lsn:020d}" or set(files) != {"trajectories.arrow", "groups.arrow", "state.json"}:
         raise SnapshotError(f"snapshot {snap}: manifest names lsn {lsn} and files {sorted(files)}")
     try:
@@ -235,7 +236,10 @@ def load_snapshot(snap: Path) -> SnapshotData:
     except ValueError as exc:
         raise SnapshotError(f"snapshot {snap}: state.json is not JSON: {exc}") from exc
     meta = _read_arrow(snap, "groups.arrow", data["groups.arrow"], GROUPS_SCHEMA).to_pydict()
-    table = _read_arrow(snap, "trajectories.arrow", data["trajectories.arrow"], TRAJECTORY_SCHEMA)
+    old = manifest["schema_version"] != SCHEMA_VERSION  # written before an upgrade: read it and upgrade
+    table = _read_arrow(snap, "trajectories.arrow", data["trajectories.arrow"], V3_SCHEMA if old else TRAJECTORY_SCHEMA)
+    if old:
+        table = upgrade(table, f"snapshot {snap}")
     if sum(meta["num_rows"]) != table.num_rows:
         raise SnapshotError(f"snapshot {snap}: groups.arrow counts {sum(meta['num_rows'])} rows; "
                             f"trajectories.arrow has {table.num_rows}")

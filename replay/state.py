@@ -16,6 +16,7 @@ import pyarrow as pa
 
 from replay.config import ReplayConfig
 from proto.timeline import SHARED
+from proto.trajectory_upgrade import upgrade
 from replay.groups import GroupStore, group_timeline, split_groups
 from replay.ledger import PromptLedger
 from replay.rate_limiter import RateLimiter
@@ -127,7 +128,8 @@ class ReplayState:
         m = rec.meta
         if rec.kind == "insert":
             if plan is None:
-                plan = split_groups(pa.ipc.open_stream(rec.payload).read_all(), len(rec.payload))
+                plan = split_groups(upgrade(pa.ipc.open_stream(rec.payload).read_all(), "WAL insert record"),
+                                    len(rec.payload))
             return self.insert_parts(plan)[0]
         if rec.kind == "evict":
             for key in m["keys"]:

@@ -9,6 +9,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from proto.lockstep import LockstepConfig
+from rollout.environment import EnvironmentConfig
 from proto.model_source import localize_model_data, resolving_models
 from rollout.weights import GrpcTransportConfig, WeightTransportConfig
 
@@ -186,6 +187,10 @@ class RolloutConfig(BaseModel):
     With one rollout and this equal to the learner's ``groups_per_step``, batch t+1 is generated only with
     the weights of step t: synchronous on-policy RL (the verl/TRL default; ``bench.pipeline``'s baseline).
     ``None``: fully asynchronous (generation never waits for the learner)."""
+    environment: EnvironmentConfig | None = None
+    """Multi-turn episodes (``rollout.environment``): each sample of a group is an episode of this environment,
+    model turns interleaved with its observations (tool results), trained on the model's tokens only.
+    ``None``: one prompt, one completion, scored by the task's reward functions."""
     lockstep: LockstepConfig | None = None
     """Deterministic mode (set by the recipe's ``determinism: lockstep``, ``proto.lockstep``): prompt i is
     generated with exactly policy version ``max(0, i // P - lag)``, loaded from the version store, with a

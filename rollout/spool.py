@@ -15,7 +15,7 @@ On-disk layout (one directory per rollout service)::
 Integrity: Arrow IPC carries no checksum, so the CRC-32 (``zlib.crc32``) of the file's bytes is part
 of its name. A put writes the temp file, fsyncs it, renames it to its final name and fsyncs the
 directory, so a name is visible only for complete bytes; loading re-reads the bytes, compares the
-CRC and validates the table (``proto.trajectory.from_ipc``). A truncated file, a flipped byte or a
+CRC and validates the table (``proto.trajectory_upgrade.read_ipc``: a spool written by the previous schema version is upgraded). A truncated file, a flipped byte or a
 wrong schema version raises ``SpoolCorruptError`` naming the file and the reason; ``recover`` and the
 flusher move such a file to ``quarantine/`` and log ``spool_quarantined`` — it is never sent.
 
@@ -41,7 +41,8 @@ import structlog
 
 from faults import fault_point
 from proto.durable import fsync_path as _fsync_dir
-from proto.trajectory import SchemaError, from_ipc, to_ipc
+from proto.trajectory import SchemaError, to_ipc
+from proto.trajectory_upgrade import read_ipc
 
 log = structlog.get_logger("rollout.spool")
 
@@ -244,7 +245,7 @@ def _verified_table(path: Path, crc32: int) -> pa.Table:
         raise SpoolCorruptError(f"spool file {path}: crc32 {got:08x} of its {len(payload)} bytes does not match "
                                 f"{crc32:08x} in its name (truncated or changed)")
     try:
-        return from_ipc(payload)
+        return read_ipc(payload, f"spool file {path}")  # a spool written before an upgrade is read too
     except SchemaError as exc:
         raise SpoolCorruptError(f"spool file {path}: not a valid trajectory table: {exc}") from exc
 

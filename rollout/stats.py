@@ -81,6 +81,9 @@ class RolloutStats:
     """Wall seconds during which at least one insert to replay was in flight or waiting to be retried (the
     worker's own or, with a spool, the flusher's; writing a group to the spool is not counted)."""
     weight_apply_s: float = 0.0
+    episodes: dict[str, int] = field(default_factory=dict)
+    """Multi-turn counters (``count_episodes``): ``episodes``, ``turns``, ``tool_calls``, ``tool_errors``,
+    ``broken`` and ``end/<episode_end>``; empty for single-turn rollouts."""
     """Seconds the engine was paused applying policy versions in ``RolloutWorker.apply_weights``
     (``engine.update_weights``: pause, load, reset the prefix cache, resume), summed over versions; updates run
     one at a time, so this is wall time too."""
@@ -96,6 +99,17 @@ class RolloutStats:
                 if not r.error:
                     acc[0] += r.reward
                     acc[1] += 1
+
+    def count_episodes(self, rows) -> None:
+        """Add a group's multi-turn episodes (trajectory rows with ``episode_end`` or an ``"episode-"`` error)."""
+        for r in rows:
+            if not (r.episode_end or r.reward_error.startswith("episode-")):
+                continue
+            c = self.episodes
+            for key, n in (("episodes", 1), ("turns", len(r.turn_starts)), ("tool_calls", r.tool_calls),
+                           ("tool_errors", r.tool_errors), ("broken", int(bool(r.reward_error))),
+                           (f"end/{r.episode_end or 'broken'}", 1)):
+                c[key] = c.get(key, 0) + n
 
     def as_dict(self, version: int) -> dict:
         """Plain values (``stats()``, ``describe()``, Prometheus, metrics rows): counters, ``tokens_per_s`` since
@@ -116,7 +130,8 @@ class RolloutStats:
                 "generate_s": self.generate.seconds(), "score_s": self.score.seconds(),
                 "insert_s": self.insert.seconds(),
                 "weight_apply_s": self.weight_apply_s + (self.other_weight_loads() if self.other_weight_loads else 0.0),
-                **(self.spool.stats().as_dict() if self.spool else {})}
+                **(self.spool.stats().as_dict() if self.spool else {}),
+                **({"episodes": dict(self.episodes)} if self.episodes else {})}
 
 
 def merge_reward_means(stats: list[dict]) -> dict[str, float]:

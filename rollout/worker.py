@@ -19,6 +19,7 @@ from faults import fault_point
 from proto.retry import doubling
 from proto.timeline import SHARED, is_new, label
 from proto.trajectory import Trajectory, make_ids, to_table
+from rollout.agent_group import EpisodeRunner
 from rollout.config import RolloutConfig
 from rollout.evaluation import EvalConfig, EvalResult, evaluate
 from rollout.spool import Spool, SpoolFlusher
@@ -75,6 +76,8 @@ class RolloutWorker:
         self._puts: set[asyncio.Future] = set()
         self._gate = (-1, 0)  # (policy version, groups started with it) for max_groups_per_version
         self._new_version = asyncio.Event()
+        self.episodes = EpisodeRunner(config.environment, tokenizer) if config.environment else None
+        """Multi-turn episodes (``rollout.agent_group``) when the recipe sets ``rollout.environment``."""
 
     # ---- weights ------------------------------------------------------------------------------
     async def apply_weights(self, version: int, named_tensors, timeline: int = SHARED) -> None:
@@ -234,10 +237,19 @@ class RolloutWorker:
         seed = self.versions.sampling_seed(prompt_index, group_id, self.seed)
         async with self.versions.generating(prompt_index):  # lockstep: the prompt's exact policy version
             with self.stats.generate:
-                samples = await self.engine.generate(prompt_ids, self.config.group_size, self.config.sampling,
-                                                     request_id=f"{group_id}@{self.rollout_id}", seed=seed)
+                if self.episodes is not None:
+                    samples = await self.episodes.run_group(
+                        self.engine, problem, self.config.group_size, self.config.sampling,
+                        f"{group_id}@{self.rollout_id}", self.config.engine.max_model_len, seed, prompt_ids)
+                else:
+                    samples = await self.engine.generate(prompt_ids, self.config.group_size, self.config.sampling,
+                                                         request_id=f"{group_id}@{self.rollout_id}", seed=seed)
         timeline = self.timeline  # of the weights that sampled the newest tokens (no await since they did)
-        finish = self._finish_group(prompt_index, attempt, problem, reward_fn, prompt_ids, samples, timeline)
+        if self.episodes is not None:
+            finish = self._deliver_rows(problem.task, self.episodes.rows(
+                samples, prompt_index, attempt, problem.task, self.rollout_id, timeline), {})
+        else:
+            finish = self._finish_group(prompt_index, attempt, problem, reward_fn, prompt_ids, samples, timeline)
         if self.spool is None:
             await finish
             return
@@ -268,13 +280,18 @@ class RolloutWorker:
                 version_span_versions=list(s.version_span_versions), reward_fn_version=scored[i].version,
                 rollout_id=self.rollout_id, created_at=time.time(),
                 policy_timeline=label(s.version_span_versions[-1], timeline)))
+        await self._deliver_rows(problem.task, rows, score.parts)
+
+    async def _deliver_rows(self, task: str, rows: list[Trajectory], reward_parts) -> None:
+        """Deliver a scored group's rows (``_deliver``) and count them (``reward_parts``: per reward function)."""
         await self._deliver(to_table(rows))
         self.stats.groups += 1
         self.stats.trajectories += len(rows)
-        self.stats.tokens += sum(len(r.response_token_ids) for r in rows)
+        self.stats.tokens += sum(sum(r.loss_mask) for r in rows)  # sampled tokens, not observations
         self.stats.reward_sum += sum(r.reward for r in rows)
         self.stats.reward_errors += sum(bool(r.reward_error) for r in rows)
-        self.stats.count_rewards(problem.task, score.parts)
+        self.stats.count_rewards(task, reward_parts)
+        self.stats.count_episodes(rows)
 
     async def _start_spool(self, loop) -> asyncio.Task | None:
         """Recover the spool (quarantining corrupt files) and start its flusher task; None without a spool."""

@@ -205,3 +205,86 @@ def test_bad_tensor_raises_naming_it_and_old_weights_keep_serving(running, origi
         running.run(engine.update_weights(v + 1, weights))
     assert engine.version == v
     assert running.greedy() == before
+
+
+class TwoTurnEnv:
+    """Scripted: asks, answers the first turn with a tool result after a weight update, ends on the second."""
+
+    def __init__(self, engine, new_weights) -> None:
+        self.engine, self.new_weights, self.turns = engine, new_weights, 0
+
+    def reset(self, problem):
+        return [{"role": "user", "content": f"What is {problem}?"}]
+
+    async def step(self, completion):
+        from rollout.environment import EnvStep
+
+        self.turns += 1
+        if self.turns == 1:  # between the turns: the learner's next policy arrives
+            await self.engine.update_weights(self.engine.version + 1, self.new_weights)
+            return EnvStep(observation=[{"role": "tool", "content": "5"}], tool_calls=1)
+        return EnvStep(reward=1.0, done=True)
+
+    def close(self):
+        pass
+
+
+class Spy:
+    """The engine, recording every generate call's context and samples."""
+
+    def __init__(self, engine) -> None:
+        self.engine, self.calls = engine, []
+
+    @property
+    def version(self):
+        return self.engine.version
+
+    async def generate(self, prompt_token_ids, n, sampling, request_id, seed=None):
+        samples = await self.engine.generate(prompt_token_ids, n, sampling, request_id, seed=seed)
+        self.calls.append((list(prompt_token_ids), samples))
+        return samples
+
+
+def test_two_turn_episode_is_token_exact_with_mask_and_spans_across_a_weight_update(running, original, vllm_model):
+    from transformers import AutoTokenizer
+
+    from rollout.environment import EpisodeConfig
+    from rollout.episode import TurnRenderer, run_episode
+
+    engine = running.engine
+    tok = AutoTokenizer.from_pretrained(vllm_model)
+    spy, v = Spy(engine), engine.version
+    env = TwoTurnEnv(engine, perturbed(original, seed=2))
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=12)
+    try:
+        ep = running.run(run_episode(spy, TurnRenderer(tok), env, "2+3", sampling, EpisodeConfig(max_turns=4),
+                                     "episode-a", max_model_len=1024, seed=5))
+    finally:
+        running.run(engine.update_weights(engine.version + 1, original))
+    assert (ep.error, ep.episode_end, ep.reward, ep.tool_calls) == ("", "done", 1.0, 1)
+    (ctx1, (s1,)), (ctx2, (s2,)) = spy.calls
+    text = tok.apply_chat_template([{"role": "user", "content": "What is 2+3?"}], add_generation_prompt=True,
+                                   tokenize=False)
+    assert ctx1 == ep.prompt_token_ids == tok.encode(text, add_special_tokens=False)
+    closed = s1.token_ids[-1] == tok.convert_tokens_to_ids("<|im_end|>")
+    obs = tok.encode(("" if closed else "<|im_end|>") + "\n<|im_start|>tool\n5<|im_end|>\n<|im_start|>assistant\n",
+                     add_special_tokens=False)
+    # token by token: the engine's outputs plus the tokenised observation, and turn 2 saw exactly that context
+    assert ep.token_ids == s1.token_ids + obs + s2.token_ids
+    assert ctx2 == ep.prompt_token_ids + s1.token_ids + obs
+    assert ep.logprobs == s1.logprobs + [0.0] * len(obs) + s2.logprobs
+    assert ep.loss_mask == [1] * len(s1.token_ids) + [0] * len(obs) + [1] * len(s2.token_ids)
+    assert ep.turn_starts == [0, len(s1.token_ids) + len(obs)]
+    # the weight update between the turns shows in the spans, at turn 2's first token
+    assert (s1.version_span_versions, s2.version_span_versions) == ([v], [v + 1])
+    assert ep.version_span_starts == [0, len(s1.token_ids) + len(obs)]
+    assert ep.version_span_versions == [v, v + 1]
+    from proto.trajectory import Trajectory, from_table, to_table
+
+    row = Trajectory(trajectory_id="0-0-0", group_id="0-0", prompt_index=0, sample_index=0, attempt=0, task="t",
+                     prompt_token_ids=ep.prompt_token_ids, response_token_ids=ep.token_ids,
+                     behaviour_logprobs=ep.logprobs, reward=ep.reward, finish_reason=ep.finish_reason,
+                     version_span_starts=ep.version_span_starts, version_span_versions=ep.version_span_versions,
+                     reward_fn_version="env", rollout_id="r", created_at=0.0, loss_mask=ep.loss_mask,
+                     turn_starts=ep.turn_starts, tool_calls=ep.tool_calls, episode_end=ep.episode_end)
+    assert from_table(to_table([row])) == [row]  # the stored trajectory is the episode, exactly

@@ -125,3 +125,21 @@ def test_rloo_rejects_single_sample_groups():
     rows = [_traj(1, 0, [5], [6], 1.0), _traj(2, 0, [5], [7], 0.0)]
     with pytest.raises(ValueError, match="group size 1"):
         build_train_batch(to_table(rows), pad_token_id=PAD, learner_version=0, cfg=AlgorithmConfig(advantage="rloo"))
+
+
+def test_environment_tokens_are_read_but_never_trained_and_broken_episodes_leave_the_batch():
+    """A multi-turn row: model 2, observation 2 (mask 0), model 1. The observation stays in the input (the model
+    reads it) but leaves the response mask, its behaviour logprobs are 0, and dr_grpo's length is 3, not 5."""
+    ep = dataclasses.replace(_traj(7, 0, [11, 12, 13], [101, 102, 50, 51, 103], 1.0),
+                             behaviour_logprobs=[-1.01, -1.02, -9.0, -9.0, -1.03], loss_mask=[1, 1, 0, 0, 1],
+                             turn_starts=[0, 4], tool_calls=1, episode_end="done")
+    broken = dataclasses.replace(_traj(7, 1, [11, 12, 13], [111, 60], 0.0), loss_mask=[1, 0],
+                                 reward_error="episode-env_error: step raised ValueError: x")
+    other = _traj(7, 2, [11, 12, 13], [121], 0.0)
+    batch = build_train_batch(to_table([ep, broken, other]), pad_token_id=PAD, learner_version=4, cfg=CFG)
+    assert batch.input_ids[0].tolist() == [11, 12, 13, 101, 102, 50, 51, 103]
+    assert batch.response_mask[0].tolist() == [False, False, True, True, False, False, True]
+    assert batch.behaviour_logprobs[0].tolist() == pytest.approx([0, 0, -1.01, -1.02, 0, 0, -1.03])
+    assert not batch.response_mask[1].any() and not batch.baseline_rows[1]  # the broken episode: nothing
+    assert batch.num_response_tokens == 3 + 1
+    assert batch.advantages[0] > 0 > batch.advantages[2]  # the baseline is the two scored rows'

@@ -81,7 +81,8 @@ def test_bad_version_spans_name_row_group_and_spans(starts, versions, what):
 
 
 def test_valid_version_spans_pass_in_slices_and_chunks():
-    one_span_empty = dataclasses.replace(make_group(1, n=1)[0], response_token_ids=[], behaviour_logprobs=[])
+    one_span_empty = dataclasses.replace(make_group(1, n=1)[0], response_token_ids=[], behaviour_logprobs=[],
+                                         loss_mask=None)
     rows = make_group(0, n=2, spans=([0, 1, 3], [2, 2, 5]), response_len=4) + [one_span_empty]
     assert from_table(to_table(rows)) == rows  # equal versions, a start at T - 1, an empty response with [0]
     bad = dataclasses.replace(make_group(9, n=1)[0], version_span_starts=[2], version_span_versions=[0])

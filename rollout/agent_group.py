@@ -1,0 +1,105 @@
+"""A GRPO group of multi-turn episodes: ``group_size`` environments on one problem, run concurrently, as
+trajectory rows (``proto.trajectory`` version 4: loss mask, turn starts, tool counts).
+
+The rollout worker uses this instead of one ``engine.generate(n=group_size)`` call when the recipe sets
+``rollout.environment`` (``rollout.environment.EnvironmentConfig``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from collections import Counter
+from typing import Any
+
+from proto.callable_spec import CallableSpecError, load_callable
+from proto.timeline import label
+from proto.trajectory import Trajectory, make_ids
+from rollout.config import SamplingConfig
+from rollout.environment import Environment, EnvironmentConfig
+from rollout.episode import Episode, TurnRenderer, run_episode
+
+
+class EnvironmentLoadError(ValueError):
+    """``rollout.environment.factory`` names nothing loadable; the message names the spec and why."""
+
+
+class EpisodeRunner:
+    """Runs the groups of one rollout's environment.
+
+    Args:
+        config: the recipe's ``rollout.environment``.
+        tokenizer: the policy's HF tokenizer (its chat template renders prompts and observations).
+
+    Raises:
+        EnvironmentLoadError: the factory does not import or is not callable.
+        ValueError: the chat template cannot be diffed (``TurnRenderer``).
+    """
+
+    def __init__(self, config: EnvironmentConfig, tokenizer) -> None:
+        try:
+            self.factory, source = load_callable(config.factory)
+        except CallableSpecError as exc:
+            raise EnvironmentLoadError(f"rollout.environment.factory {config.factory!r}: {exc}") from exc
+        self.config = config
+        self.renderer = TurnRenderer(tokenizer)
+        self.version = f"env:{config.factory}@{hashlib.sha256(source).hexdigest()[:12]}"
+        """Recorded as each row's ``reward_fn_version``: the environment scores the episodes."""
+
+    def _make(self) -> Environment:
+        env = self.factory(**self.config.kwargs)
+        if not all(callable(getattr(env, m, None)) for m in ("reset", "step")):
+            raise TypeError(f"{self.config.factory} returned {type(env).__name__}, which has no reset/step; "
+                            "expected a rollout.environment.Environment")
+        return env
+
+    async def run_group(self, engine, problem: Any, n: int, sampling: SamplingConfig, request_id: str,
+                        max_model_len: int, seed: int | None, fallback_prompt: list[int]) -> list[Episode]:
+        """``n`` episodes on ``problem`` (episode ``i`` seeds its turn ``k`` with ``seed + i * max_turns + k``).
+
+        Episodes whose first messages render differently from the group's majority, and episodes whose
+        environment could not be made, are broken (``error``) with the group's prompt and no response; a group
+        none of whose episodes started uses ``fallback_prompt``. Raises what the engine raises."""
+        turns = self.config.max_turns
+
+        async def one(i: int) -> Episode:
+            try:
+                env = self._make()
+            except Exception as exc:  # noqa: BLE001 - user code
+                return Episode(prompt_token_ids=[], error=f"episode-env_error: factory raised "
+                                                           f"{type(exc).__name__}: {exc}"[:2000])
+            return await run_episode(engine, self.renderer, env, problem, sampling, self.config,
+                                     f"{request_id}-e{i}", max_model_len,
+                                     None if seed is None else seed + i * turns)
+
+        episodes = list(await asyncio.gather(*(one(i) for i in range(n))))
+        started = Counter(tuple(e.prompt_token_ids) for e in episodes if e.prompt_token_ids)
+        prompt = list(started.most_common(1)[0][0]) if started else list(fallback_prompt)
+        for e in episodes:
+            if e.prompt_token_ids != prompt:
+                why = e.error or ("episode-env_error: reset returned other first messages than the group's other "
+                                  "episodes (a group shares its prompt): make reset deterministic in the problem")
+                e.__dict__.update(Episode(prompt_token_ids=prompt, error=why).__dict__)
+            if not e.turn_starts:
+                e.turn_starts, e.version_span_starts, e.version_span_versions = [0], [0], [engine.version]
+        return episodes
+
+    def rows(self, episodes: list[Episode], prompt_index: int, attempt: int, task: str, rollout_id: str,
+             timeline: int) -> list[Trajectory]:
+        """Trajectory rows of a group's episodes (sample ``i`` = episode ``i``); a broken episode keeps its tokens
+        for inspection but carries its reason in ``reward_error`` and reward 0.0 (never trained on)."""
+        rows = []
+        for i, e in enumerate(episodes):
+            tid, gid = make_ids(prompt_index, i, attempt)
+            rows.append(Trajectory(
+                trajectory_id=tid, group_id=gid, prompt_index=prompt_index, sample_index=i, attempt=attempt,
+                task=task, prompt_token_ids=e.prompt_token_ids, response_token_ids=e.token_ids,
+                behaviour_logprobs=e.logprobs, reward=0.0 if e.error else e.reward, reward_error=e.error,
+                finish_reason=e.finish_reason, version_span_starts=e.version_span_starts,
+                version_span_versions=e.version_span_versions, reward_fn_version=self.version,
+                rollout_id=rollout_id, created_at=time.time(),
+                policy_timeline=label(e.version_span_versions[-1], timeline), loss_mask=e.loss_mask,
+                turn_starts=e.turn_starts, tool_calls=e.tool_calls, tool_errors=e.tool_errors,
+                episode_end="" if e.error else e.episode_end))
+        return rows

@@ -1,0 +1,109 @@
+"""Multi-turn environments: the protocol an agent task implements, and the limits an episode runs under.
+
+An episode (``rollout.episode.run_episode``) alternates model turns and environment steps::
+
+    messages = env.reset(problem)            # the first messages (system, user): the prompt
+    loop:                                    # at most EpisodeConfig.max_turns model turns
+        model turn (tokens the engine sampled)
+        step = env.step(model's text)        # tool results / feedback as messages, a reward, done?
+        if step.done: stop
+        observation tokens appended          # never a re-rendered transcript
+
+The shape is gym's (``reset`` / ``step``) as verl's agent loop, AReaL's and ``verifiers``' multi-turn
+environments use it. One ``Environment`` object serves one episode: the rollout makes a fresh one per episode
+from the recipe's factory, so per-episode state lives on ``self``. ``reset``, ``step`` and ``close`` may be plain
+or ``async def``; plain ones run in a worker thread (a blocking tool call does not stall generation).
+
+The episode's reward is the sum of its steps' rewards. An environment that raises, or an episode over its time
+budget, ends the episode as *broken*: its reason is recorded (``reward_error`` ``"episode-env_error: ..."`` /
+``"episode-time_budget: ..."``) and the learner trains on none of its tokens (``learner.batch``).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+Message = dict[str, Any]
+"""A chat message as the tokenizer's chat template takes it: ``{"role": ..., "content": ...}``."""
+
+
+@dataclass(frozen=True)
+class EnvStep:
+    """What the environment answers to one model turn."""
+
+    observation: list[Message] = field(default_factory=list)
+    """Messages appended after the model's turn (a ``tool`` result, a ``user`` follow-up); rendered with the
+    policy's chat template and appended as tokens with loss mask 0. Ignored when ``done``."""
+    reward: float = 0.0
+    """Reward of this step (finite); the episode's reward is the sum over its steps."""
+    done: bool = False
+    """The episode is over (answered, solved, or given up by the environment)."""
+    tool_calls: int = 0
+    """Tool calls the model's turn made (counted into the trajectory's ``tool_calls``)."""
+    tool_errors: int = 0
+    """How many of them failed (unknown tool, bad arguments, crash, timeout)."""
+
+
+class Environment(ABC):
+    """One episode of a multi-turn task. Subclass it and name the class (or any factory returning one) in the
+    recipe; see the module docstring for the loop. Methods may be ``async def``."""
+
+    @abstractmethod
+    def reset(self, problem: Any) -> list[Message]:
+        """Start an episode on ``problem`` (``rollout.tasks.Problem``: ``question``, ``entry``, ``task``) and return
+        its first messages. Every episode of one GRPO group gets the same problem and must return the same
+        messages (the group shares its prompt tokens)."""
+
+    @abstractmethod
+    def step(self, completion: str) -> EnvStep:
+        """Answer the model's turn ``completion`` (its text, special tokens skipped)."""
+
+    def close(self) -> None:
+        """Release what the episode held (sandboxes, files); called once after the last step, also when the
+        episode broke. Errors here are logged, never raised into the rollout."""
+
+
+class EpisodeConfig(BaseModel):
+    """Limits of one multi-turn episode (the recipe's ``rollout.environment`` section, with the factory)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_turns: int = Field(default=4, ge=1, le=256)
+    """Most model turns per episode; an episode that reaches it ends with ``episode_end "max_turns"`` and
+    ``finish_reason "length"`` (a model that never stops calling tools is cut here)."""
+    time_budget_s: float = Field(default=300.0, gt=0)
+    """Wall-clock seconds one episode may take, generation and environment together; past it the episode is
+    broken (``"episode-time_budget: ..."``, not trained on)."""
+    max_observation_chars: int = Field(default=4096, ge=16)
+    """Longest content of one observation message, in characters; longer content (a tool printing megabytes)
+    is cut to this with a ``[... N chars cut]`` marker before it is tokenised."""
+
+
+class EnvironmentConfig(EpisodeConfig):
+    """The recipe's ``rollout.environment``: which environment runs each episode, and the episode limits.
+
+    With it set, every group is ``group_size`` episodes of ``factory(**kwargs)`` environments on the leased
+    problem (``rollout.agent_group``) instead of single completions, scored by the environments' rewards (the
+    task's ``reward_funcs`` do not run)."""
+
+    factory: str
+    """``"pkg.module:Name"`` or ``"path/to/file.py:Name"`` (``proto.callable_spec``): a class or function that,
+    called with ``kwargs``, returns a fresh ``Environment`` (one per episode)."""
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments of ``factory`` (plain YAML values)."""
+
+    @field_validator("factory")
+    @classmethod
+    def _spec(cls, value: str) -> str:
+        from proto.callable_spec import CallableSpecError, split_spec
+
+        try:
+            split_spec(value)
+        except CallableSpecError as exc:
+            raise ValueError(f"rollout.environment.factory {value!r}: {exc}; expected 'pkg.module:Name' or "
+                             "'path/to/file.py:Name'") from exc
+        return value

@@ -1,0 +1,225 @@
+"""Multi-turn episodes with a scripted engine and the real SmolLM2 chat template: token accounting, limits and
+every way an environment can misbehave (the episode ends with a reason, nothing breaks the worker)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from transformers import AutoTokenizer
+
+from proto.trajectory import from_table, to_table
+from replay.buffer import TrajectoryBuffer
+from replay.config import ReplayConfig
+from rollout.agent_group import EnvironmentLoadError, EpisodeRunner
+from rollout.config import RolloutConfig, SamplingConfig
+from rollout.environment import EnvironmentConfig, EnvStep, EpisodeConfig
+from rollout.episode import TurnRenderer, run_episode
+from rollout.types import Sample
+from rollout.worker import RolloutWorker
+from tests.fakes import FakeReplay, until
+from tests.unit.rollout.test_rollout_worker import TASK
+
+SAMPLING = SamplingConfig(temperature=1.0, max_new_tokens=8)
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_llama):
+    return AutoTokenizer.from_pretrained(tiny_llama)
+
+
+class ScriptEngine:
+    """One sample per call: ``closed`` turns end with ``<|im_end|>`` (id 2); records each call's context."""
+
+    def __init__(self, closed: bool = True, version: int = 0, delay_s: float = 0.0) -> None:
+        self.closed, self.version, self.delay_s, self.contexts = closed, version, delay_s, []
+
+    async def generate(self, prompt_token_ids, n, sampling, request_id, seed=None):
+        assert n == 1 and len(prompt_token_ids) + sampling.max_new_tokens <= 1024
+        self.contexts.append(list(prompt_token_ids))
+        await asyncio.sleep(self.delay_s)
+        ids = [100 + len(self.contexts), 7] + ([2] if self.closed else [])
+        return [Sample(token_ids=ids, logprobs=[-0.5] * len(ids), finish_reason="stop" if self.closed else "length",
+                       version_span_starts=[0], version_span_versions=[self.version], text="call calc")]
+
+
+class Chatty:
+    """Never done: answers every turn with a tool result (a model that never stops calling tools)."""
+
+    def __init__(self, output: str = "42", fail_on: int = 0, hang_s: float = 0.0, sync_hang_s: float = 0.0):
+        self.output, self.fail_on, self.hang_s, self.sync_hang_s, self.turns = output, fail_on, hang_s, sync_hang_s, 0
+        self.closed = False
+
+    def reset(self, problem):
+        return [{"role": "user", "content": f"Compute {problem}"}]
+
+    def step(self, completion):
+        self.turns += 1
+        if self.turns == self.fail_on:
+            raise RuntimeError("tool backend fell over")
+        time.sleep(self.sync_hang_s)
+        return EnvStep(observation=[{"role": "tool", "content": self.output}], tool_calls=1,
+                       tool_errors=int(self.output == "error"))
+
+    def close(self):
+        self.closed = True
+
+
+class Hanging(Chatty):
+    async def step(self, completion):
+        await asyncio.sleep(60)
+
+
+def play(env, engine=None, config=EpisodeConfig(max_turns=3), max_model_len=1024, tok=None):
+    engine = engine or ScriptEngine()
+    return asyncio.run(run_episode(engine, TurnRenderer(tok), env, "2+3", SAMPLING, config, "req", max_model_len,
+                                   seed=1)), engine
+
+
+def test_observations_append_the_template_text_after_the_turn_closed_or_cut(tok):
+    r = TurnRenderer(tok)
+    obs = [{"role": "tool", "content": "5"}]
+    tail = "\n<|im_start|>tool\n5<|im_end|>\n<|im_start|>assistant\n"
+    assert r.observation_ids(obs, turn_closed=True) == tok.encode(tail, add_special_tokens=False)
+    assert r.observation_ids(obs, turn_closed=False) == tok.encode("<|im_end|>" + tail, add_special_tokens=False)
+    assert tok.decode(r.observation_ids(obs, turn_closed=True)) == tail
+
+
+def test_a_model_that_never_stops_calling_tools_is_cut_at_max_turns(tok):
+    env = Chatty()
+    ep, engine = play(env, tok=tok)
+    assert (ep.episode_end, ep.finish_reason, ep.error, ep.tool_calls) == ("max_turns", "length", "", 3)
+    assert len(ep.turn_starts) == len(engine.contexts) == 3 and env.closed
+    obs = TurnRenderer(tok).observation_ids([{"role": "tool", "content": "42"}], turn_closed=True)
+    turn = [101, 7, 2]
+    assert ep.token_ids == turn + obs + [102, 7, 2] + obs + [103, 7, 2]  # no observation after the last turn
+    assert ep.loss_mask == [1] * 3 + [0] * len(obs) + [1] * 3 + [0] * len(obs) + [1] * 3
+    assert engine.contexts[2] == ep.prompt_token_ids + ep.token_ids[:ep.turn_starts[2]]
+
+
+def test_an_environment_that_raises_breaks_the_episode_with_its_reason(tok):
+    env = Chatty(fail_on=2)
+    ep, _ = play(env, tok=tok)
+    assert ep.error == "episode-env_error: step raised RuntimeError: tool backend fell over"
+    assert len(ep.turn_starts) == 2 and env.closed
+
+
+@pytest.mark.parametrize("env", [Hanging(), Chatty(sync_hang_s=3.0)], ids=["async", "blocking"])
+def test_a_hanging_step_ends_the_episode_at_its_time_budget(tok, env):
+    async def timed():
+        start = time.monotonic()
+        ep = await run_episode(ScriptEngine(), TurnRenderer(tok), env, "2+3", SAMPLING,
+                               EpisodeConfig(max_turns=3, time_budget_s=0.5), "req", 1024)
+        return ep, time.monotonic() - start
+
+    ep, seconds = asyncio.run(timed())
+    assert ep.error.startswith("episode-time_budget: over 0.5 s after 1 turns")
+    assert seconds < 2.9  # the blocking step's thread is left behind, not waited for
+
+
+def test_megabytes_of_tool_output_are_cut_before_tokenising(tok):
+    ep, _ = play(Chatty(output="x" * 2_000_000), config=EpisodeConfig(max_turns=2, max_observation_chars=64), tok=tok)
+    tool = [m for m in ep.messages if m["role"] == "tool"][0]["content"]
+    assert len(tool) == 64 and tool.endswith("[... 1999936 chars cut]")
+    assert ep.loss_mask.count(0) < 64
+
+
+def test_a_full_context_ends_the_episode_with_max_tokens(tok):
+    ep, engine = play(Chatty(output="y " * 200), config=EpisodeConfig(max_turns=5), max_model_len=120, tok=tok)
+    assert (ep.episode_end, ep.finish_reason, ep.error) == ("max_tokens", "length", "")
+    assert len(ep.prompt_token_ids) + len(ep.token_ids) < 120
+
+
+def test_a_cut_turn_is_closed_with_the_end_token_as_an_observation_token(tok):
+    ep, _ = play(Chatty(), engine=ScriptEngine(closed=False), config=EpisodeConfig(max_turns=2), tok=tok)
+    assert ep.token_ids[2] == 2 and ep.loss_mask[2] == 0  # <|im_end|> written by gyre, not trained on
+
+
+@pytest.mark.parametrize("reset, message", [
+    (lambda self, p: "hello", "reset returned 'hello'; expected a list of messages"),
+    (lambda self, p: 1 / 0, "reset raised ZeroDivisionError: division by zero"),
+])
+def test_bad_resets_break_the_episode_naming_what_was_wrong(tok, reset, message):
+    env = type("Bad", (Chatty,), {"reset": reset})()
+    ep, engine = play(env, tok=tok)
+    assert ep.error.startswith(f"episode-env_error: {message}") and engine.contexts == []
+    assert (ep.turn_starts, ep.version_span_starts, ep.version_span_versions) == ([0], [0], [0])
+
+
+class Counting(Chatty):
+    """Done after two turns, reward 1 on the last; reset varies with the episode when ``vary`` (broken)."""
+
+    made = 0
+
+    def __init__(self, vary: bool = False, explode: bool = False):
+        super().__init__()
+        if explode:
+            raise OSError("no sandbox left")
+        Counting.made += 1
+        self.vary, self.n = vary, Counting.made
+
+    def reset(self, problem):
+        return [{"role": "user", "content": f"Compute {problem}" + (f" #{self.n}" if self.vary and self.n % 2 else "")}]
+
+    def step(self, completion):
+        super().step(completion)
+        return EnvStep(reward=1.0, done=True) if self.turns == 2 else EnvStep(
+            observation=[{"role": "tool", "content": "4"}], tool_calls=1)
+
+
+def runner(tok, **kwargs):
+    return EpisodeRunner(EnvironmentConfig(factory="tests.unit.rollout.test_episodes:Counting", max_turns=3,
+                                           kwargs=kwargs), tok)
+
+
+def test_a_group_of_episodes_becomes_valid_rows_and_broken_ones_are_not_trained(tok):
+    run = runner(tok, vary=True)
+    eps = asyncio.run(run.run_group(ScriptEngine(), "2+2", 4, SAMPLING, "g", 1024, 3, fallback_prompt=[1]))
+    rows = from_table(to_table(run.rows(eps, 0, 0, "calc", "r0", 0)))
+    prompts = {tuple(r.prompt_token_ids) for r in rows}
+    assert len(prompts) == 1  # the group shares its prompt: the majority's
+    ok = [r for r in rows if not r.reward_error]
+    bad = [r for r in rows if r.reward_error]
+    assert len(ok) == 2 and len(bad) == 2
+    assert all(r.reward == 1.0 and r.episode_end == "done" and r.tool_calls == 1 and len(r.turn_starts) == 2
+               for r in ok)
+    assert all(r.reward == 0.0 and "reset returned other first messages" in r.reward_error
+               and r.response_token_ids == [] for r in bad)
+    assert ok[0].reward_fn_version.startswith("env:tests.unit.rollout.test_episodes:Counting@")
+
+
+def test_a_factory_that_raises_breaks_every_episode_and_a_bad_spec_fails_at_start(tok):
+    run = runner(tok, explode=True)
+    eps = asyncio.run(run.run_group(ScriptEngine(), "2+2", 2, SAMPLING, "g", 1024, 3, fallback_prompt=[1, 2]))
+    rows = from_table(to_table(run.rows(eps, 0, 0, "calc", "r0", 0)))
+    assert [r.reward_error for r in rows] == ["episode-env_error: factory raised OSError: no sandbox left"] * 2
+    assert all(r.prompt_token_ids == [1, 2] for r in rows)
+    with pytest.raises(EnvironmentLoadError, match="rollout.environment.factory 'tests.unit.rollout.test_episodes:Nope'"):
+        EpisodeRunner(EnvironmentConfig(factory="tests.unit.rollout.test_episodes:Nope"), tok)
+    with pytest.raises(ValueError, match="rollout.environment.factory 'no colon'"):
+        EnvironmentConfig(factory="no colon")
+
+
+def test_the_worker_streams_episode_groups_with_masks_and_counts_them(tok):
+    buf = TrajectoryBuffer(ReplayConfig())
+    config = RolloutConfig.model_construct(
+        engine=type("E", (), {"max_model_len": 1024})(), sampling=SAMPLING, group_size=2, groups_in_flight=2,
+        max_ready_groups=2, retry_backoff_s=0.01, num_workers=1,
+        environment=EnvironmentConfig(factory="tests.unit.rollout.test_episodes:Counting", max_turns=3))
+    worker = RolloutWorker("r0", config, TASK, ScriptEngine(), FakeReplay(buf), tok, seed=3)
+
+    async def go():
+        task = asyncio.create_task(worker.run())
+        await until(lambda: task.done() or buf.info()["size_groups"] >= 2, "two episode groups in replay")
+        worker.stop()
+        await task
+
+    asyncio.run(go())
+    _, table = buf.sample(1, learner_version=0)
+    row = from_table(table)[0]
+    assert row.episode_end == "done" and 0 in row.loss_mask and row.reward == 1.0
+    stats = worker.stats.as_dict(0)["episodes"]
+    assert stats["episodes"] == 2 * worker.stats.groups and stats["turns"] == 2 * stats["episodes"]
+    assert stats["tool_calls"] == stats["episodes"] and stats["end/done"] == stats["episodes"]
+    assert worker.stats.tokens == 6 * stats["episodes"]  # sampled tokens only (2 turns × 3), not observations
