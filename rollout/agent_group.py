@@ -19,6 +19,7 @@ from proto.trajectory import Trajectory, make_ids
 from rollout.config import SamplingConfig
 from rollout.environment import Environment, EnvironmentConfig
 from rollout.episode import Episode, TurnRenderer, run_episode
+from rollout.rewards.base import Group, RewardResult
 
 
 class EnvironmentLoadError(ValueError):
@@ -85,19 +86,31 @@ class EpisodeRunner:
                 e.turn_starts, e.version_span_starts, e.version_span_versions = [0], [0], [engine.version]
         return episodes
 
+    def task_group(self, episodes: list[Episode], entry: dict) -> Group:
+        """What the task's reward functions score (``EnvironmentConfig.task_reward``): each episode's last model
+        turn as the completion (``""`` for one that never generated) and its first messages as the prompt."""
+        return Group([e.completions[-1] if e.completions else "" for e in episodes],
+                     [e.prompt_messages for e in episodes], entry, [[] for _ in episodes])
+
     def rows(self, episodes: list[Episode], prompt_index: int, attempt: int, task: str, rollout_id: str,
-             timeline: int) -> list[Trajectory]:
-        """Trajectory rows of a group's episodes (sample ``i`` = episode ``i``); a broken episode keeps its tokens
-        for inspection but carries its reason in ``reward_error`` and reward 0.0 (never trained on)."""
+             timeline: int, task_scores: list[RewardResult] | None = None) -> list[Trajectory]:
+        """Trajectory rows of a group's episodes (sample ``i`` = episode ``i``), rewarded with the environment's
+        reward plus ``task_scores[i]`` (the task's reward functions). A broken episode (or one whose task score
+        failed) keeps its tokens for inspection but carries the reason in ``reward_error`` and reward 0.0 (never
+        trained on)."""
         rows = []
         for i, e in enumerate(episodes):
             tid, gid = make_ids(prompt_index, i, attempt)
+            score = task_scores[i] if task_scores is not None else None
+            error = e.error or (score.error if score is not None else "")
+            reward = 0.0 if error else e.reward + (score.reward if score is not None else 0.0)
+            version = self.version if score is None else f"{self.version}+{score.version}"
             rows.append(Trajectory(
                 trajectory_id=tid, group_id=gid, prompt_index=prompt_index, sample_index=i, attempt=attempt,
                 task=task, prompt_token_ids=e.prompt_token_ids, response_token_ids=e.token_ids,
-                behaviour_logprobs=e.logprobs, reward=0.0 if e.error else e.reward, reward_error=e.error,
+                behaviour_logprobs=e.logprobs, reward=reward, reward_error=error,
                 finish_reason=e.finish_reason, version_span_starts=e.version_span_starts,
-                version_span_versions=e.version_span_versions, reward_fn_version=self.version,
+                version_span_versions=e.version_span_versions, reward_fn_version=version,
                 rollout_id=rollout_id, created_at=time.time(),
                 policy_timeline=label(e.version_span_versions[-1], timeline), loss_mask=e.loss_mask,
                 turn_starts=e.turn_starts, tool_calls=e.tool_calls, tool_errors=e.tool_errors,

@@ -87,14 +87,18 @@ class EnvironmentConfig(EpisodeConfig):
     """The recipe's ``rollout.environment``: which environment runs each episode, and the episode limits.
 
     With it set, every group is ``group_size`` episodes of ``factory(**kwargs)`` environments on the leased
-    problem (``rollout.agent_group``) instead of single completions, scored by the environments' rewards (the
-    task's ``reward_funcs`` do not run)."""
+    problem (``rollout.agent_group``) instead of single completions, scored by the environments' rewards plus,
+    with ``task_reward``, the task's reward functions on each episode's final answer."""
 
     factory: str
     """``"pkg.module:Name"`` or ``"path/to/file.py:Name"`` (``proto.callable_spec``): a class or function that,
     called with ``kwargs``, returns a fresh ``Environment`` (one per episode)."""
     kwargs: dict[str, Any] = Field(default_factory=dict)
     """Keyword arguments of ``factory`` (plain YAML values)."""
+    task_reward: bool = True
+    """Also score each episode's last model turn with the task's reward functions (TRL's ``reward_funcs``
+    convention: ``completions`` are the final answers, ``prompts`` the episodes' first messages) and add it to the
+    environment's reward. False: the environment's step rewards alone."""
 
     @field_validator("factory")
     @classmethod

@@ -105,6 +105,8 @@ class Episode:
     tool_errors: int = 0
     messages: list[Message] = field(default_factory=list)
     """The transcript as messages (for logs and evaluation; never re-tokenised)."""
+    prompt_messages: list[Message] = field(default_factory=list)
+    """The environment's first messages (what ``prompt_token_ids`` renders)."""
     completions: list[str] = field(default_factory=list)
     """Each model turn's text."""
 
@@ -221,7 +223,7 @@ async def _play(engine, renderer: TurnRenderer, env: Environment, problem, sampl
     if episode.prompt_token_ids and ids != episode.prompt_token_ids:
         raise _EnvFault("reset returned other first messages than the group's first episode (a group shares its "
                         "prompt): make reset deterministic in the problem")
-    episode.prompt_token_ids, episode.messages = ids, list(first)
+    episode.prompt_token_ids, episode.messages, episode.prompt_messages = ids, list(first), list(first)
     for turn in range(config.max_turns):
         room = max_model_len - len(episode.context)
         if room < 1:

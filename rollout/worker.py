@@ -246,8 +246,7 @@ class RolloutWorker:
                                                          request_id=f"{group_id}@{self.rollout_id}", seed=seed)
         timeline = self.timeline  # of the weights that sampled the newest tokens (no await since they did)
         if self.episodes is not None:
-            finish = self._deliver_rows(problem.task, self.episodes.rows(
-                samples, prompt_index, attempt, problem.task, self.rollout_id, timeline), {})
+            finish = self._finish_episodes(prompt_index, attempt, problem, reward_fn, samples, timeline)
         else:
             finish = self._finish_group(prompt_index, attempt, problem, reward_fn, prompt_ids, samples, timeline)
         if self.spool is None:
@@ -281,6 +280,18 @@ class RolloutWorker:
                 rollout_id=self.rollout_id, created_at=time.time(),
                 policy_timeline=label(s.version_span_versions[-1], timeline)))
         await self._deliver_rows(problem.task, rows, score.parts)
+
+    async def _finish_episodes(self, prompt_index: int, attempt: int, problem, reward_fn, episodes,
+                               timeline: int) -> None:
+        """Score a group of episodes (``rollout.environment.EnvironmentConfig.task_reward``: the task's reward
+        functions on the final answers, added to the environments' rewards) and deliver their rows."""
+        score = None
+        if self.config.environment.task_reward:
+            with self.stats.score:
+                score = (await score_groups([(reward_fn, self.episodes.task_group(episodes, problem.entry))]))[0]
+        rows = self.episodes.rows(episodes, prompt_index, attempt, problem.task, self.rollout_id, timeline,
+                                  score.results if score else None)
+        await self._deliver_rows(problem.task, rows, score.parts if score else {})
 
     async def _deliver_rows(self, task: str, rows: list[Trajectory], reward_parts) -> None:
         """Deliver a scored group's rows (``_deliver``) and count them (``reward_parts``: per reward function)."""

@@ -65,6 +65,9 @@ class SandboxConfig(BaseModel):
     require the namespace (``SandboxError`` when unavailable); ``audit``: never use a namespace."""
     stderr_tail_chars: int = Field(2000, ge=0)
     """How much of the end of stderr the result keeps."""
+    stdout_head_chars: int = Field(0, ge=0)
+    """How much of the start of stdout the result keeps (``SandboxResult.stdout``; a tool's output); at most
+    this many characters are read, however much the program printed."""
 
 
 class SandboxError(RuntimeError):
@@ -89,6 +92,10 @@ class SandboxResult:
     """Active layers, e.g. ``("process", "netns", "rlimits", "nproc", "audit")``."""
     workdir: str
     """The temp dir the program ran in (already removed)."""
+    stdout: str = ""
+    """The first ``stdout_head_chars`` characters of the program's stdout ("" when that is 0)."""
+    stdout_cut: bool = False
+    """stdout held more than ``stdout`` (it was cut)."""
 
 
 @dataclass(frozen=True)
@@ -163,6 +170,7 @@ def run_python(code: str, config: SandboxConfig | None = None) -> SandboxResult:
         wall = time.monotonic() - start
         out = (root / "verdict").read_bytes().decode("utf-8", "replace")
         err = (root / "stderr").read_bytes().decode("utf-8", "replace")
+        stdout, cut = _head(root / "stdout", config.stdout_head_chars)
     except OSError as exc:
         return SandboxResult(False, "error", f"sandbox could not run: {exc}", "", time.monotonic() - start,
                              layers, str(root))
@@ -170,7 +178,19 @@ def run_python(code: str, config: SandboxConfig | None = None) -> SandboxResult:
         shutil.rmtree(root, ignore_errors=True)
     status, detail = _classify(out, err, nonce, rc, timed_out, config)
     tail = err[-config.stderr_tail_chars:] if config.stderr_tail_chars else ""
-    return SandboxResult(status == "ok", status, detail, tail, wall, layers, str(root))
+    return SandboxResult(status == "ok", status, detail, tail, wall, layers, str(root), stdout, cut)
+
+
+def _head(path: Path, chars: int) -> tuple[str, bool]:
+    """The first ``chars`` characters of a UTF-8 file (reads at most ``4 * chars + 4`` bytes) and whether it
+    holds more."""
+    if chars == 0:
+        return "", path.stat().st_size > 0
+    with open(path, "rb") as f:
+        raw = f.read(4 * chars + 4)
+        more = bool(f.read(1))
+    text = raw.decode("utf-8", "replace")
+    return text[:chars], more or len(text) > chars
 
 
 def _run_child(argv: list[str], root: Path, home: Path, timeout_s: float, request: dict) -> tuple[int, bool]:
