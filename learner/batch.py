@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pyarrow as pa
 import torch
@@ -68,6 +68,9 @@ class TrainBatch:
     """[B] bool: the rows that trained and formed their group's baseline (``AlgorithmConfig.failed_scores``);
     all True when no score failed. Rows outside it have no response tokens."""
 
+    episodes: dict[str, float] = field(default_factory=dict)
+    """Multi-turn metrics of the batch (``episode_metrics``); empty when no row is an episode."""
+
     @property
     def shaped_rewards(self) -> torch.Tensor:
         """[B] float32: ``rewards + overlong_penalty``, the outcome rewards the advantages are computed from."""
@@ -125,6 +128,10 @@ def build_train_batch(
             "finish_reason",
             "reward_error",
             "loss_mask",
+            "turn_starts",
+            "tool_calls",
+            "tool_errors",
+            "episode_end",
         )
     }
     groups = _group_rows(cols["group_id"], cols["sample_index"], cols["prompt_token_ids"])
@@ -165,7 +172,30 @@ def build_train_batch(
         overlong_penalty=penalty,
         reward_failed=failed,
         baseline_rows=baseline,
+        episodes=episode_metrics(cols),
     )
+
+
+def episode_metrics(cols: dict[str, list]) -> dict[str, float]:
+    """Per-episode metrics over a batch's multi-turn rows (``episode_end`` set, or a broken episode's
+    ``"episode-"`` reward error); ``{}`` when there are none. ``episode_turns_mean``: model turns per episode;
+    ``tool_calls_mean``: tool calls per episode; ``tool_error_frac``: failed calls ÷ calls (0 without calls);
+    ``episode_broken_frac``: episodes that broke (environment error, time budget; not trained on);
+    ``episode_max_turns_frac``: episodes cut at ``max_turns``; ``env_token_frac``: the episodes' response tokens
+    written by the environment (loss mask 0) ÷ all their response tokens."""
+    rows = [i for i, (end, err) in enumerate(zip(cols["episode_end"], cols["reward_error"]))
+            if end or err.startswith("episode-")]
+    if not rows:
+        return {}
+    n = len(rows)
+    calls = sum(cols["tool_calls"][i] for i in rows)
+    tokens = sum(len(cols["loss_mask"][i]) for i in rows)
+    return {"episode_turns_mean": sum(len(cols["turn_starts"][i]) for i in rows) / n,
+            "tool_calls_mean": calls / n,
+            "tool_error_frac": sum(cols["tool_errors"][i] for i in rows) / calls if calls else 0.0,
+            "episode_broken_frac": sum(cols["reward_error"][i].startswith("episode-") for i in rows) / n,
+            "episode_max_turns_frac": sum(cols["episode_end"][i] == "max_turns" for i in rows) / n,
+            "env_token_frac": (tokens - sum(sum(cols["loss_mask"][i]) for i in rows)) / tokens if tokens else 0.0}
 
 
 def scored_rows(cfg: AlgorithmConfig, failed: torch.Tensor, group_rows: torch.Tensor) -> torch.Tensor:

@@ -226,7 +226,8 @@ class LearnerEngine:
     def _batch_metrics(self, batch: TrainBatch, targets: StepTargets | None) -> dict[str, float]:
         """Reward, advantage, staleness (and critic, KL-in-reward) metrics of the batch itself, and its
         ``truncated_frac`` (``overlong_penalty_mean`` with the soft overlong punishment;
-        ``learner.batch.truncation_metrics``). ``reward_mean`` / ``reward_std`` are the verifier's raw rewards."""
+        ``learner.batch.truncation_metrics``), and multi-turn episodes' metrics (``learner.batch.episode_metrics``).
+        ``reward_mean`` / ``reward_std`` are the verifier's raw rewards."""
         adv, critic = batch.advantages if targets is None else targets.advantages, {}
         valid = adv[batch.response_mask] if adv.dim() == 2 else adv
         adv_abs = float(valid.abs().mean()) if valid.numel() else 0.0  # 0, not NaN, when every row is filtered
@@ -244,6 +245,7 @@ class LearnerEngine:
             **critic,
             **truncation_metrics(batch, self.algo),
             **reward_error_metrics(batch),
+            **batch.episodes,
         }
 
     def _forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor):

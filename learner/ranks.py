@@ -155,7 +155,8 @@ def _batch_tensors(batch: TrainBatch) -> dict[str, torch.Tensor]:
 
 
 def _batch_of(args: dict, tensors: dict[str, torch.Tensor]) -> TrainBatch:
-    return TrainBatch(**{name: tensors[name] for name in _BATCH_TENSORS}, num_groups=int(args["num_groups"]))
+    return TrainBatch(**{name: tensors[name] for name in _BATCH_TENSORS}, num_groups=int(args["num_groups"]),
+                      episodes={k: float(v) for k, v in args.get("episodes", {}).items()})
 
 
 class LeaderEngine:
@@ -208,7 +209,8 @@ class LeaderEngine:
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """Broadcast ``batch`` ([B, L] tensors as in ``TrainBatch``) and step every rank on it."""
-        return self._run("train_step", {"num_groups": batch.num_groups}, _batch_tensors(batch),
+        return self._run("train_step", {"num_groups": batch.num_groups, "episodes": batch.episodes},
+                         _batch_tensors(batch),
                          lambda: self._engine.train_step(batch))
 
     def named_weights(self, dtype: torch.dtype | None = torch.bfloat16) -> list[tuple[str, torch.Tensor]]:

@@ -21,6 +21,7 @@ from proto.timeline import SHARED, is_new, label
 from proto.trajectory import Trajectory, make_ids, to_table
 from rollout.agent_group import EpisodeRunner
 from rollout.config import RolloutConfig
+from rollout.episode_eval import evaluate_episodes
 from rollout.evaluation import EvalConfig, EvalResult, evaluate
 from rollout.spool import Spool, SpoolFlusher
 from rollout.stats import RolloutStats
@@ -357,5 +358,9 @@ class RolloutWorker:
         accuracy and, with ``config.n_samples = k > 0``, mean@k and pass@k per set, plus every completion.
         ``config`` ``None``: ``EvalConfig()`` (all sets, k = 1). A budget left unset is the training one
         (``sampling.max_new_tokens``). Raises ``ValueError`` for a set the task does not have."""
+        if self.episodes is not None:  # a multi-turn environment: each problem is an episode
+            return await evaluate_episodes(self.task, self.engine, self.episodes, self._prompt_ids,
+                                           config or EvalConfig(), self.config.sampling.max_new_tokens,
+                                           self.config.engine.max_model_len)
         return await evaluate(self.task, self.engine, self._prompt_ids, config or EvalConfig(),
                               self.config.sampling.max_new_tokens)

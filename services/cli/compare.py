@@ -40,7 +40,8 @@ DEFAULT_METRICS = ("reward_mean", "heldout_accuracy", "staleness_mean", "is_rati
 """Compared when no ``--metric`` is given, each where some run has it: training reward, greedy held-out accuracy,
 policy lag of the trained tokens, mean importance ratio π_proximal/π_behaviour, PPO-clipped and TIS-truncated
 token fractions, Kish ESS of the importance weights, k3 KL to the proximal policy and to the reference."""
-LOWER_IS_BETTER = ("*kl*", "staleness*", "*clip_frac", "loss", "mis_masked_frac", "truncated_frac")
+LOWER_IS_BETTER = ("*kl*", "staleness*", "*clip_frac", "loss", "mis_masked_frac", "truncated_frac", "episode_broken_frac",
+                   "episode_max_turns_frac", "tool_error_frac")
 """``fnmatch`` patterns of metrics whose best value is the lowest and whose threshold is reached from above."""
 
 

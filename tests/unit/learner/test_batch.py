@@ -143,3 +143,7 @@ def test_environment_tokens_are_read_but_never_trained_and_broken_episodes_leave
     assert not batch.response_mask[1].any() and not batch.baseline_rows[1]  # the broken episode: nothing
     assert batch.num_response_tokens == 3 + 1
     assert batch.advantages[0] > 0 > batch.advantages[2]  # the baseline is the two scored rows'
+    assert batch.episodes == pytest.approx({"episode_turns_mean": 1.5, "tool_calls_mean": 0.5, "tool_error_frac": 0.0,
+                                            "episode_broken_frac": 0.5, "episode_max_turns_frac": 0.0,
+                                            "env_token_frac": 3 / 7})
+    assert build_train_batch(to_table(_rows()), pad_token_id=PAD, learner_version=4, cfg=CFG).episodes == {}

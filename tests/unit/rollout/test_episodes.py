@@ -223,3 +223,23 @@ def test_the_worker_streams_episode_groups_with_masks_and_counts_them(tok):
     assert stats["episodes"] == 2 * worker.stats.groups and stats["turns"] == 2 * stats["episodes"]
     assert stats["tool_calls"] == stats["episodes"] and stats["end/done"] == stats["episodes"]
     assert worker.stats.tokens == 6 * stats["episodes"]  # sampled tokens only (2 turns × 3), not observations
+
+
+def test_evaluation_runs_one_greedy_episode_per_held_out_problem_and_reports_tool_use(tok):
+    from rollout.evaluation import EvalConfig
+
+    config = RolloutConfig.model_construct(
+        engine=type("E", (), {"max_model_len": 1024})(), sampling=SAMPLING, group_size=2, groups_in_flight=2,
+        max_ready_groups=2, retry_backoff_s=0.01, num_workers=1,
+        environment=EnvironmentConfig(factory="tests.unit.rollout.test_episodes:Counting", max_turns=3))
+    engine = ScriptEngine()
+    worker = RolloutWorker("r0", config, TASK, engine, FakeReplay(TrajectoryBuffer(ReplayConfig())), tok, seed=3)
+    result = asyncio.run(worker.evaluate(EvalConfig(n_samples=2)))
+    m = result.metrics
+    assert m["heldout_size"] == 4 and m["heldout_accuracy"] == 1.0  # the environment's reward 1 (+ task's 0)
+    assert (m["heldout_tool_use_rate"], m["heldout_tool_calls_mean"], m["heldout_turns_mean"]) == (1.0, 1.0, 2.0)
+    assert m["heldout_broken"] == 0 and m["heldout_pass@2"] == 1.0
+    greedy = [r for r in result.completions if r["greedy"]]
+    assert len(greedy) == 4 and len(result.completions) == 4 + 4 * 2
+    assert greedy[0]["transcript"][-1] == {"role": "assistant", "content": "call calc"}
+    assert greedy[0]["turns"] == 2 and greedy[0]["episode_end"] == "done"
