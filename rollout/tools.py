@@ -192,20 +192,29 @@ class ToolEnvironment(Environment):
         instructions: text before the tool list in the system prompt.
         max_calls_per_turn: calls run per turn; further calls in the same turn get an error result.
         max_output_chars: longest tool result shown to the model.
+        few_shot: messages placed between the system prompt and the question (a worked example of a tool call:
+            ``user``, ``assistant`` with a ``<tool_call>``, ``tool``, ``assistant``), for a model never trained on
+            the format.
     """
 
     def __init__(self, tools: list[str] | tuple[str, ...] = ("calculator",), instructions: str = "",
-                 max_calls_per_turn: int = 4, max_output_chars: int = 2000) -> None:
+                 max_calls_per_turn: int = 4, max_output_chars: int = 2000,
+                 few_shot: list[Message] | tuple = ()) -> None:
         unknown = sorted(set(tools) - set(TOOLS))
         if unknown or not tools:
             raise ValueError(f"tools {list(tools)}: unknown {unknown}; expected a non-empty list of {sorted(TOOLS)}")
+        bad = [m for m in few_shot if not (isinstance(m, dict) and isinstance(m.get("role"), str)
+                                           and isinstance(m.get("content"), str))]
+        if bad:
+            raise ValueError(f"few_shot {bad[:1]!r:.200}: expected messages {{'role': str, 'content': str}}")
         self.tools = {name: TOOLS[name]() for name in tools}
         self.instructions, self.max_calls, self.max_output = instructions, max_calls_per_turn, max_output_chars
+        self.few_shot = [dict(m) for m in few_shot]
 
     def reset(self, problem: Any) -> list[Message]:
         question = getattr(problem, "question", problem)
         return [{"role": "system", "content": tools_system_prompt(list(self.tools.values()), self.instructions)},
-                {"role": "user", "content": str(question)}]
+                *self.few_shot, {"role": "user", "content": str(question)}]
 
     def step(self, completion: str) -> EnvStep:
         calls = parse_tool_calls(completion)
