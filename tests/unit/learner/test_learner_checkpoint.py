@@ -105,6 +105,8 @@ def test_schema_world_size_and_fingerprint_checks(tmp_path):
     with pytest.raises(ckpt.CheckpointError,
                        match=f"schema version {SCHEMA_VERSION + 1}; this learner uses schema version {SCHEMA_VERSION}"):
         ckpt.check_resumable(path, old, "task=a", world_size=1, force=True)
+    v3 = ckpt.CheckpointMetadata(step=1, policy_version=1, schema_version=3, fingerprint="task=a")  # before multi-turn
+    ckpt.check_resumable(path, v3, "task=a", world_size=1)  # its replay data is upgraded on read: it resumes
     with pytest.raises(ckpt.CheckpointError, match="world size 1; this learner has world size 2"):
         ckpt.check_resumable(path, meta, "task=a", world_size=2)
     with pytest.raises(ckpt.CheckpointError, match="fingerprint: checkpoint 'task=a' != current 'task=b'"):

@@ -118,7 +118,10 @@ def test_tensor_parallel_larger_than_a_rollouts_gpus_is_refused():
 
 def test_engine_arguments_per_device(tiny_llama):
     cfg = EngineConfig(model=str(tiny_llama))
-    assert cfg.device_settings(False) == {"enforce_eager": True, "kv_cache_memory_bytes": 1 << 30}
+    assert cfg.device_settings(False) == {"enforce_eager": True, "kv_cache_memory_bytes": 1 << 30,
+                                           "enable_chunked_prefill": False, "max_num_batched_tokens": 4096}
+    long = EngineConfig(model=str(tiny_llama), max_model_len=8192)
+    assert long.device_settings(False)["max_num_batched_tokens"] == 8192  # a whole prompt fits one step
     assert cfg.device_settings(True) == {"enforce_eager": False, "kv_cache_memory_bytes": None,
                                           "gpu_memory_utilization": 0.9, "tensor_parallel_size": 1}
     pinned = EngineConfig(model=str(tiny_llama), enforce_eager=True, kv_cache_gib=0.5, tensor_parallel_size=2,
