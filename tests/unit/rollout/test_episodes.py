@@ -243,3 +243,18 @@ def test_evaluation_runs_one_greedy_episode_per_held_out_problem_and_reports_too
     assert len(greedy) == 4 and len(result.completions) == 4 + 4 * 2
     assert greedy[0]["transcript"][-1] == {"role": "assistant", "content": "call calc"}
     assert greedy[0]["turns"] == 2 and greedy[0]["episode_end"] == "done"
+
+
+def test_the_tool_use_example_recipe_loads_and_its_environment_starts(tok):
+    from pathlib import Path
+
+    from services.control.recipe import load_recipe
+
+    repo = Path(__file__).resolve().parents[3]
+    recipe = load_recipe(repo / "examples/tool-use/recipe.yaml", dry_run=True)
+    env_cfg = recipe.rollout.environment
+    assert env_cfg.factory == "rollout.tools:ToolEnvironment" and env_cfg.max_turns == 3
+    runner = EpisodeRunner(env_cfg, tok)
+    first = runner._make().reset(type("P", (), {"question": "What is 1 + 2?"})())
+    assert [m["role"] for m in first] == ["system"] + ["user", "assistant", "tool", "assistant"] * 2 + ["user"]
+    assert len(runner.renderer.prompt_ids(first)) < recipe.rollout.engine.max_model_len // 2
