@@ -127,8 +127,10 @@ class Chaos(threading.Thread):
         pid = next(s["pid"] for s in self._status()["services"] if s["name"] == name)
         os.kill(pid, signal.SIGKILL)
         self.killed[name] = pid
+        # 300 s: rollout-0 restarts while the 2 rollouts scaled out start, 3 vLLM engines on 2 shared cores (158 s
+        # in a fresh-clone `make test` beside the other xdist worker; ~40 s for one engine alone)
         self._wait(lambda s: s["restarts"].get(name) == 1 and next(
-            x["pid"] for x in s["services"] if x["name"] == name) not in (None, pid), f"{name} restarted")
+            x["pid"] for x in s["services"] if x["name"] == name) not in (None, pid), f"{name} restarted", 300.0)
         if name.startswith("rollout"):
             return version
         return self._wait(lambda s: (s["learner_version"] or 0) > version, f"training after {name} restart")[
