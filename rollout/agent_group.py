@@ -77,11 +77,11 @@ class EpisodeRunner:
         episodes = list(await asyncio.gather(*(one(i) for i in range(n))))
         started = Counter(tuple(e.prompt_token_ids) for e in episodes if e.prompt_token_ids)
         prompt = list(started.most_common(1)[0][0]) if started else list(fallback_prompt)
-        for e in episodes:
+        for i, e in enumerate(episodes):
             if e.prompt_token_ids != prompt:
                 why = e.error or ("episode-env_error: reset returned other first messages than the group's other "
                                   "episodes (a group shares its prompt): make reset deterministic in the problem")
-                e.__dict__.update(Episode(prompt_token_ids=prompt, error=why).__dict__)
+                e = episodes[i] = Episode(prompt_token_ids=prompt, error=why)
             if not e.turn_starts:
                 e.turn_starts, e.version_span_starts, e.version_span_versions = [0], [0], [engine.version]
         return episodes

@@ -41,9 +41,9 @@ async def evaluate_episodes(task, engine, runner: EpisodeRunner, prompt_ids: Cal
     jobs += [run(i, p, k, sampled, zlib.crc32(f"{config.seed}-{s}-{j}".encode()))
              for i, (s, j, p) in enumerate(chosen)] if k else []
     results = await asyncio.gather(*jobs)
-    per_problem = [(where, i, i_group == 0, e) for i_group, chunk in enumerate([results[:len(chosen)],
-                                                                               results[len(chosen):]])
-                   for where, episodes in zip(chosen, chunk) for i, e in enumerate(episodes)]
+    greedy_eps, sampled_eps = results[:len(chosen)], results[len(chosen):]
+    per_problem = [(where, 0, True, eps[0]) for where, eps in zip(chosen, greedy_eps)]
+    per_problem += [(where, i, False, e) for where, eps in zip(chosen, sampled_eps) for i, e in enumerate(eps)]
     scores = [None] * len(per_problem)
     if runner.config.task_reward:
         groups = [(task.reward_for(p.task), runner.task_group([e], p.entry)) for (_, _, p), _, _, e in per_problem]
