@@ -196,12 +196,19 @@ def from_ipc(payload: bytes) -> pa.Table:
             ``response_token_ids`` and ``behaviour_logprobs`` lengths differ, whose reward is not finite, or
             whose version spans break the invariants above (``validate_table``).
     """
+    table = read_stream(payload)
+    validate_table(table)
+    return table
+
+
+def read_stream(payload: bytes, source: str = "payload") -> pa.Table:
+    """Arrow IPC stream bytes → a table, structurally checked (``Table.validate(full=True)``) but not against the
+    schema. Raises ``SchemaError`` ("``source`` is not an Arrow IPC stream: ...") for unreadable bytes."""
     try:
         table = pa.ipc.open_stream(payload).read_all()
         table.validate(full=True)
     except (pa.ArrowException, OSError) as exc:
-        raise SchemaError(f"payload is not an Arrow IPC stream: {exc}") from exc
-    validate_table(table)
+        raise SchemaError(f"{source} is not an Arrow IPC stream: {exc}") from exc
     return table
 
 

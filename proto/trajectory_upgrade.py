@@ -16,7 +16,8 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
-from proto.trajectory import SCHEMA_VERSION, SCHEMA_VERSION_KEY, TRAJECTORY_SCHEMA, SchemaError, validate_table
+from proto.trajectory import (SCHEMA_VERSION, SCHEMA_VERSION_KEY, TRAJECTORY_SCHEMA, SchemaError, read_stream,
+                              validate_table)
 
 UPGRADABLE = (3,)
 """Older trajectory schema versions :func:`upgrade` turns into ``SCHEMA_VERSION``."""
@@ -81,11 +82,6 @@ def read_ipc(payload: bytes, source: str) -> pa.Table:
     Raises:
         SchemaError: unreadable bytes, an unsupported version, or a table ``validate_table`` refuses.
     """
-    try:
-        table = pa.ipc.open_stream(payload).read_all()
-        table.validate(full=True)
-    except (pa.ArrowException, OSError) as exc:
-        raise SchemaError(f"{source}: not an Arrow IPC stream: {exc}") from exc
-    table = upgrade(table, source)
+    table = upgrade(read_stream(payload, source), source)
     validate_table(table)
     return table

@@ -82,8 +82,7 @@ class EpisodeRunner:
                 why = e.error or ("episode-env_error: reset returned other first messages than the group's other "
                                   "episodes (a group shares its prompt): make reset deterministic in the problem")
                 e = episodes[i] = Episode(prompt_token_ids=prompt, error=why)
-            if not e.turn_starts:
-                e.turn_starts, e.version_span_starts, e.version_span_versions = [0], [0], [engine.version]
+            e.close_empty(engine.version)
         return episodes
 
     def task_group(self, episodes: list[Episode], entry: dict) -> Group:
@@ -102,8 +101,7 @@ class EpisodeRunner:
         for i, e in enumerate(episodes):
             tid, gid = make_ids(prompt_index, i, attempt)
             score = task_scores[i] if task_scores is not None else None
-            error = e.error or (score.error if score is not None else "")
-            reward = 0.0 if error else e.reward + (score.reward if score is not None else 0.0)
+            reward, error = episode_reward(e, score)
             version = self.version if score is None else f"{self.version}+{score.version}"
             rows.append(Trajectory(
                 trajectory_id=tid, group_id=gid, prompt_index=prompt_index, sample_index=i, attempt=attempt,
@@ -116,3 +114,10 @@ class EpisodeRunner:
                 turn_starts=e.turn_starts, tool_calls=e.tool_calls, tool_errors=e.tool_errors,
                 episode_end="" if e.error else e.episode_end))
         return rows
+
+
+def episode_reward(episode: Episode, score: RewardResult | None) -> tuple[float, str]:
+    """``(reward, reward_error)`` of an episode: the environment's reward plus the task's ``score`` (``None``: not
+    scored by the task), or ``(0.0, why)`` when the episode broke or its task score failed."""
+    error = episode.error or (score.error if score is not None else "")
+    return (0.0, error) if error else (episode.reward + (score.reward if score is not None else 0.0), "")

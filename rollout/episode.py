@@ -132,6 +132,12 @@ class Episode:
         self.loss_mask += [0] * len(ids)
         self.messages += observation
 
+    def close_empty(self, version: int) -> None:
+        """Give an episode without a model turn (broken before its first) the one turn and span every trajectory
+        has: ``turn_starts [0]``, a span ``[0]`` of policy ``version``."""
+        if not self.turn_starts:
+            self.turn_starts, self.version_span_starts, self.version_span_versions = [0], [0], [version]
+
     @property
     def context(self) -> list[int]:
         """``prompt + response`` ids: what the next turn is sampled from."""
@@ -192,9 +198,7 @@ async def run_episode(engine, renderer: TurnRenderer, env: Environment, problem:
             await asyncio.wait_for(call(env.close), 10.0)
         except Exception as exc:  # noqa: BLE001 - user code; a close failure loses nothing generated
             log.warning("environment_close_failed", request_id=request_id, error=repr(exc)[:300])
-    if not episode.turn_starts:
-        episode.turn_starts = [0]
-        episode.version_span_starts, episode.version_span_versions = [0], [engine.version]
+    episode.close_empty(engine.version)
     if episode.error:
         log.info("episode_broken", request_id=request_id, error=episode.error[:300],
                  seconds=round(time.monotonic() - started, 2))

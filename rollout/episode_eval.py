@@ -16,7 +16,7 @@ import uuid
 import zlib
 from typing import Any, Callable
 
-from rollout.agent_group import EpisodeRunner
+from rollout.agent_group import EpisodeRunner, episode_reward
 from rollout.config import SamplingConfig
 from rollout.evaluation import EvalConfig, EvalResult, _jsonable, select_sets, summarize
 from rollout.rewards.scoring import score_groups
@@ -50,8 +50,7 @@ async def evaluate_episodes(task, engine, runner: EpisodeRunner, prompt_ids: Cal
         scores = [g.results[0] for g in await score_groups(groups)]
     records = []
     for ((name, j, p), i, is_greedy, e), score in zip(per_problem, scores):
-        error = e.error or (score.error if score is not None else "")
-        reward = 0.0 if error else e.reward + (score.reward if score is not None else 0.0)
+        reward, error = episode_reward(e, score)
         records.append({"set": name, "index": j, "prompt": str(getattr(p, "question", p)),
                         "completion": e.completions[-1] if e.completions else "", "reward": reward,
                         "reward_error": error, "answer": _jsonable(p.entry.get("answer")), "sample": i,
