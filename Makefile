@@ -103,11 +103,11 @@ UV_COMPILE = $(BIN)/uv pip compile pyproject.toml -q --python-version 3.11 \
 CPU_ONLY = $(TORCH_SOURCE) --index-strategy unsafe-best-match \
   --no-emit-package torchvision --no-emit-package torchaudio --no-emit-package torchcodec
 lock: $(DEV_STAMP)
-	$(UV_COMPILE) --extra cpu $(CPU_ONLY) -o requirements/cpu.lock
-	$(UV_COMPILE) --extra cuda -o requirements/cuda.lock
-	$(UV_COMPILE) --extra cpu --extra test --extra dev --extra docs --extra tracking $(CPU_ONLY) \
+	$(UV_COMPILE) --extra cpu --extra verifiers $(CPU_ONLY) -o requirements/cpu.lock
+	$(UV_COMPILE) --extra cuda --extra verifiers -o requirements/cuda.lock
+	$(UV_COMPILE) --extra cpu --extra verifiers --extra test --extra dev --extra docs --extra tracking $(CPU_ONLY) \
 	  -c requirements/cpu.lock --override requirements/tracking-overrides.txt -o requirements/cpu-dev.lock
-	$(UV_COMPILE) --extra cuda --extra test --extra dev --extra docs --extra tracking \
+	$(UV_COMPILE) --extra cuda --extra verifiers --extra test --extra dev --extra docs --extra tracking \
 	  -c requirements/cuda.lock --override requirements/tracking-overrides.txt -o requirements/cuda-dev.lock
 
 clean:

@@ -55,9 +55,27 @@ class EpisodeRunner:
                             "expected a rollout.environment.Environment")
         return env
 
+    def heldout(self, task) -> list:
+        """The held-out problems evaluation plays (``rollout.episode_eval``): ``task``'s (``TaskSource.heldout``)."""
+        return task.heldout()
+
+    def fallback_prompt(self, problem, prompt_ids) -> list[int]:
+        """The prompt of a group none of whose episodes started: ``prompt_ids(problem)`` (the task's rendering)."""
+        return prompt_ids(problem)
+
+    async def close(self) -> None:
+        """Nothing to release (each episode closes its environment)."""
+
+    @property
+    def task_reward(self) -> bool:
+        """Whether the task's reward functions also score the episodes (``EnvironmentConfig.task_reward``)."""
+        return self.config.task_reward
+
     async def run_group(self, engine, problem: Any, n: int, sampling: SamplingConfig, request_id: str,
-                        max_model_len: int, seed: int | None, fallback_prompt: list[int]) -> list[Episode]:
-        """``n`` episodes on ``problem`` (episode ``i`` seeds its turn ``k`` with ``seed + i * max_turns + k``).
+                        max_model_len: int, seed: int | None, fallback_prompt: list[int],
+                        prompt_index: int = 0) -> list[Episode]:
+        """``n`` episodes on ``problem`` (episode ``i`` seeds its turn ``k`` with ``seed + i * max_turns + k``;
+        ``prompt_index`` is not used: the problem is the environment's input).
 
         Episodes whose first messages render differently from the group's majority, and episodes whose
         environment could not be made, are broken (``error``) with the group's prompt and no response; a group
@@ -75,15 +93,8 @@ class EpisodeRunner:
                                      None if seed is None else seed + i * turns)
 
         episodes = list(await asyncio.gather(*(one(i) for i in range(n))))
-        started = Counter(tuple(e.prompt_token_ids) for e in episodes if e.prompt_token_ids)
-        prompt = list(started.most_common(1)[0][0]) if started else list(fallback_prompt)
-        for i, e in enumerate(episodes):
-            if e.prompt_token_ids != prompt:
-                why = e.error or ("episode-env_error: reset returned other first messages than the group's other "
-                                  "episodes (a group shares its prompt): make reset deterministic in the problem")
-                e = episodes[i] = Episode(prompt_token_ids=prompt, error=why)
-            e.close_empty(engine.version)
-        return episodes
+        return share_prompt(episodes, fallback_prompt, engine.version,
+                            "reset returned other first messages than the group's other episodes")
 
     def task_group(self, episodes: list[Episode], entry: dict) -> Group:
         """What the task's reward functions score (``EnvironmentConfig.task_reward``): each episode's last model
@@ -97,23 +108,43 @@ class EpisodeRunner:
         reward plus ``task_scores[i]`` (the task's reward functions). A broken episode (or one whose task score
         failed) keeps its tokens for inspection but carries the reason in ``reward_error`` and reward 0.0 (never
         trained on)."""
-        rows = []
-        for i, e in enumerate(episodes):
-            tid, gid = make_ids(prompt_index, i, attempt)
-            score = task_scores[i] if task_scores is not None else None
-            reward, error = episode_reward(e, score)
-            version = self.version if score is None else f"{self.version}+{score.version}"
-            rows.append(Trajectory(
-                trajectory_id=tid, group_id=gid, prompt_index=prompt_index, sample_index=i, attempt=attempt,
-                task=task, prompt_token_ids=e.prompt_token_ids, response_token_ids=e.token_ids,
-                behaviour_logprobs=e.logprobs, reward=reward, reward_error=error,
-                finish_reason=e.finish_reason, version_span_starts=e.version_span_starts,
-                version_span_versions=e.version_span_versions, reward_fn_version=version,
-                rollout_id=rollout_id, created_at=time.time(),
-                policy_timeline=label(e.version_span_versions[-1], timeline), loss_mask=e.loss_mask,
-                turn_starts=e.turn_starts, tool_calls=e.tool_calls, tool_errors=e.tool_errors,
-                episode_end="" if e.error else e.episode_end))
-        return rows
+        return episode_rows(episodes, self.version, prompt_index, attempt, task, rollout_id, timeline, task_scores)
+
+
+def share_prompt(episodes: list[Episode], fallback_prompt: list[int], version: int, why: str) -> list[Episode]:
+    """A GRPO group shares one prompt: the episodes whose prompt differs from the group's majority (``why`` says how
+    it came about) are replaced by broken ones with that prompt and no response; a group none of whose episodes
+    started uses ``fallback_prompt``. Every episode ends with at least one turn start and span (``version``)."""
+    started = Counter(tuple(e.prompt_token_ids) for e in episodes if e.prompt_token_ids)
+    prompt = list(started.most_common(1)[0][0]) if started else list(fallback_prompt)
+    for i, e in enumerate(episodes):
+        if e.prompt_token_ids != prompt:
+            error = e.error or f"episode-env_error: {why} (a group shares its prompt): make it deterministic"
+            e = episodes[i] = Episode(prompt_token_ids=prompt, error=error)
+        e.close_empty(version)
+    return episodes
+
+
+def episode_rows(episodes: list[Episode], reward_fn_version: str, prompt_index: int, attempt: int, task: str,
+                 rollout_id: str, timeline: int, task_scores: list[RewardResult] | None = None) -> list[Trajectory]:
+    """Trajectory rows of a group's episodes (``EpisodeRunner.rows``); ``reward_fn_version``: who scored them."""
+    rows = []
+    for i, e in enumerate(episodes):
+        tid, gid = make_ids(prompt_index, i, attempt)
+        score = task_scores[i] if task_scores is not None else None
+        reward, error = episode_reward(e, score)
+        version = reward_fn_version if score is None else f"{reward_fn_version}+{score.version}"
+        rows.append(Trajectory(
+            trajectory_id=tid, group_id=gid, prompt_index=prompt_index, sample_index=i, attempt=attempt,
+            task=task, prompt_token_ids=e.prompt_token_ids, response_token_ids=e.token_ids,
+            behaviour_logprobs=e.logprobs, reward=reward, reward_error=error,
+            finish_reason=e.finish_reason, version_span_starts=e.version_span_starts,
+            version_span_versions=e.version_span_versions, reward_fn_version=version,
+            rollout_id=rollout_id, created_at=time.time(),
+            policy_timeline=label(e.version_span_versions[-1], timeline), loss_mask=e.loss_mask,
+            turn_starts=e.turn_starts, tool_calls=e.tool_calls, tool_errors=e.tool_errors,
+            episode_end="" if e.error else e.episode_end))
+    return rows
 
 
 def episode_reward(episode: Episode, score: RewardResult | None) -> tuple[float, str]:

@@ -9,7 +9,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from proto.lockstep import LockstepConfig
-from rollout.environment import EnvironmentConfig
+from rollout.environment import EnvironmentConfig, VerifiersConfig
 from proto.model_source import localize_model_data, resolving_models
 from rollout.weights import GrpcTransportConfig, WeightTransportConfig
 
@@ -200,8 +200,19 @@ class RolloutConfig(BaseModel):
     """Multi-turn episodes (``rollout.environment``): each sample of a group is an episode of this environment,
     model turns interleaved with its observations (tool results), trained on the model's tokens only.
     ``None``: one prompt, one completion, scored by the task's reward functions."""
+    verifiers: VerifiersConfig | None = None
+    """Multi-turn episodes of a ``verifiers`` environment (prime-rl's; ``rollout.verifiers_env``) played against this
+    rollout's engine: each sample of a group is an episode of the taskset's task ``prompt_index % len(tasks)``,
+    scored by the verifiers task. Exclusive with ``environment``."""
     lockstep: LockstepConfig | None = None
     """Deterministic mode (set by the recipe's ``determinism: lockstep``, ``proto.lockstep``): prompt i is
     generated with exactly policy version ``max(0, i // P - lag)``, loaded from the version store, with a
     sampling seed that depends on the prompt index only. Weight versions streamed by the learner are then
     only noted (``rollout.versions.LockstepVersions``), never applied directly."""
+
+    @model_validator(mode="after")
+    def _one_episode_source(self) -> "RolloutConfig":
+        if self.environment is not None and self.verifiers is not None:
+            raise ValueError("rollout.environment and rollout.verifiers are both set; expected at most one (each "
+                             "decides what plays an episode)")
+        return self

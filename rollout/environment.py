@@ -111,3 +111,34 @@ class EnvironmentConfig(EpisodeConfig):
             raise ValueError(f"rollout.environment.factory {value!r}: {exc}; expected 'pkg.module:Name' or "
                              "'path/to/file.py:Name'") from exc
         return value
+
+
+class VerifiersConfig(BaseModel):
+    """The recipe's ``rollout.verifiers``: which ``verifiers`` environment plays each episode."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    taskset: str
+    """The verifiers taskset id: an importable module (or ``verifiers.v1.tasksets.<id>``) exporting one
+    ``vf.Taskset`` subclass, and optionally its ``vf.Env`` subclass, via ``__all__`` (verifiers' own rule)."""
+    env: dict[str, Any] = Field(default_factory=dict)
+    """The rest of the verifiers env config (its ``[env]`` TOML block as YAML): ``taskset`` fields beyond the id,
+    each role's ``harness``/``runtime``/``max_turns``, ``timeout``. A role's unset ``harness``/``runtime`` are
+    ``rollout.verifiers_env.LOCAL_AGENT``'s (verifiers' ``null`` chat loop in a local subprocess)."""
+    heldout: int = Field(default=0, ge=0)
+    """The taskset's last ``heldout`` tasks are held out: never trained on, played by held-out evaluation (one
+    greedy episode each, plus ``eval.n_samples`` sampled) as the set named by ``taskset``. Training plays task
+    ``prompt_index % (len(tasks) - heldout)``."""
+    renderer: dict[str, Any] | None = None
+    """The ``renderers`` config verifiers renders prompts with (``{"name": "qwen3"}``, ...; prime-rl's
+    ``renderer``). ``None``: ``rollout.verifiers_renderer.TemplateBridgeRenderer``, the model's own chat template
+    with a token-exact bridge between turns."""
+    time_budget_s: float = Field(default=600.0, gt=0)
+    """Wall-clock seconds one episode may take; past it the episode is broken (``"episode-time_budget: ..."``)."""
+
+    @field_validator("taskset")
+    @classmethod
+    def _taskset(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("rollout.verifiers.taskset is empty; expected a verifiers taskset id (a module name)")
+        return value

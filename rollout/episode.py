@@ -73,12 +73,27 @@ class TurnRenderer:
         text after it + ``observation`` rendered + the next assistant header.
 
         Raises ``ValueError`` when the template renders the probe differently once messages follow it."""
+        text, _ = self.observation_text(observation, turn_closed)
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def observation_text(self, observation: list[Message], turn_closed: bool) -> tuple[str, list[tuple[int, int]]]:
+        """The text ``observation_ids`` tokenises, and the ``[start, end)`` character span of each observation
+        message's rendering in it (the rest is scaffold: the turn's end, the next assistant header).
+
+        Raises ``ValueError`` as ``observation_ids``."""
+        head = ("" if turn_closed else self.end_text) + self.after_end
+        spans, start = [], len(head)
+        for i in range(len(observation)):
+            upto = self._render(_PROBE + list(observation[:i + 1]), add_generation_prompt=False)
+            if not upto.startswith(self._probe):
+                break  # reported below
+            spans.append((start, len(head) + len(upto) - len(self._probe)))
+            start = spans[-1][1]
         full = self._render(_PROBE + list(observation), add_generation_prompt=True)
-        if not full.startswith(self._probe):
+        if not full.startswith(self._probe) or len(spans) != len(observation):
             raise ValueError("the chat template renders earlier messages differently once an observation follows; "
                              "observations cannot be appended token-exactly")
-        text = ("" if turn_closed else self.end_text) + self.after_end + full[len(self._probe):]
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return head + full[len(self._probe):], spans
 
 
 @dataclass

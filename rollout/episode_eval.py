@@ -14,20 +14,24 @@ import asyncio
 import time
 import uuid
 import zlib
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from rollout.agent_group import EpisodeRunner, episode_reward
 from rollout.config import SamplingConfig
 from rollout.evaluation import EvalConfig, EvalResult, _jsonable, select_sets, summarize
 from rollout.rewards.scoring import score_groups
 
+if TYPE_CHECKING:
+    from rollout.verifiers_env import VerifiersRunner
 
-async def evaluate_episodes(task, engine, runner: EpisodeRunner, prompt_ids: Callable[[Any], list[int]],
+
+async def evaluate_episodes(task, engine, runner: EpisodeRunner | VerifiersRunner, prompt_ids: Callable[[Any], list[int]],
                             config: EvalConfig, default_max_new_tokens: int, max_model_len: int) -> EvalResult:
-    """``rollout.evaluation.evaluate`` with episodes of ``runner``'s environment (see the module docstring);
+    """``rollout.evaluation.evaluate`` with episodes of ``runner``'s environment on its held-out problems
+    (``runner.heldout(task)``: the task's, or a verifiers taskset's held-out tasks; see the module docstring);
     ``max_new_tokens`` is per model turn. Raises ``ValueError`` for an unknown set in ``config.sets``."""
     start, version = time.monotonic(), engine.version
-    chosen = select_sets(task.heldout(), config.sets)
+    chosen = select_sets(runner.heldout(task), config.sets)
     budget = config.max_new_tokens or default_max_new_tokens
     k, batch = config.n_samples, uuid.uuid4().hex[:12]
     greedy = SamplingConfig(temperature=0.0, max_new_tokens=budget)
@@ -35,7 +39,7 @@ async def evaluate_episodes(task, engine, runner: EpisodeRunner, prompt_ids: Cal
 
     def run(i: int, p, n: int, sampling: SamplingConfig, seed: int | None):
         return runner.run_group(engine, p, n, sampling, f"eval-{batch}-{i}-{'g' if seed is None else 's'}",
-                                max_model_len, seed, prompt_ids(p))
+                                max_model_len, seed, runner.fallback_prompt(p, prompt_ids))
 
     jobs = [run(i, p, 1, greedy, None) for i, (_, _, p) in enumerate(chosen)]
     jobs += [run(i, p, k, sampled, zlib.crc32(f"{config.seed}-{s}-{j}".encode()))
@@ -45,7 +49,7 @@ async def evaluate_episodes(task, engine, runner: EpisodeRunner, prompt_ids: Cal
     per_problem = [(where, 0, True, eps[0]) for where, eps in zip(chosen, greedy_eps)]
     per_problem += [(where, i, False, e) for where, eps in zip(chosen, sampled_eps) for i, e in enumerate(eps)]
     scores = [None] * len(per_problem)
-    if runner.config.task_reward:
+    if runner.task_reward:
         groups = [(task.reward_for(p.task), runner.task_group([e], p.entry)) for (_, _, p), _, _, e in per_problem]
         scores = [g.results[0] for g in await score_groups(groups)]
     records = []

@@ -41,6 +41,18 @@ class ReplaySink(Protocol):
     def info(self): ...
 
 
+def episode_runner(config: RolloutConfig, tokenizer):
+    """What plays a group's episodes: ``EpisodeRunner`` (``rollout.environment``), ``VerifiersRunner``
+    (``rollout.verifiers``; imported only then) or ``None`` (single completions)."""
+    if config.environment is not None:
+        return EpisodeRunner(config.environment, tokenizer)
+    if config.verifiers is not None:
+        from rollout.verifiers_env import VerifiersRunner
+
+        return VerifiersRunner(config.verifiers, config.engine.model, tokenizer)
+    return None
+
+
 class RolloutWorker:
     """Generates trajectories for one rollout service.
 
@@ -77,8 +89,9 @@ class RolloutWorker:
         self._puts: set[asyncio.Future] = set()
         self._gate = (-1, 0)  # (policy version, groups started with it) for max_groups_per_version
         self._new_version = asyncio.Event()
-        self.episodes = EpisodeRunner(config.environment, tokenizer) if config.environment else None
-        """Multi-turn episodes (``rollout.agent_group``) when the recipe sets ``rollout.environment``."""
+        self.episodes = episode_runner(config, tokenizer)
+        """Multi-turn episodes when the recipe sets ``rollout.environment`` (``rollout.agent_group``) or
+        ``rollout.verifiers`` (``rollout.verifiers_env``)."""
 
     # ---- weights ------------------------------------------------------------------------------
     async def apply_weights(self, version: int, named_tensors, timeline: int = SHARED) -> None:
@@ -190,6 +203,8 @@ class RolloutWorker:
             if flusher is not None:
                 flusher.cancel()
                 await asyncio.gather(flusher, return_exceptions=True)
+            if self.episodes is not None:  # a verifiers runner's servers start again with the next group
+                await self.episodes.close()
 
     def stop(self) -> None:
         self._stopping.set()
@@ -241,7 +256,8 @@ class RolloutWorker:
                 if self.episodes is not None:
                     samples = await self.episodes.run_group(
                         self.engine, problem, self.config.group_size, self.config.sampling,
-                        f"{group_id}@{self.rollout_id}", self.config.engine.max_model_len, seed, prompt_ids)
+                        f"{group_id}@{self.rollout_id}", self.config.engine.max_model_len, seed, prompt_ids,
+                        prompt_index=prompt_index)
                 else:
                     samples = await self.engine.generate(prompt_ids, self.config.group_size, self.config.sampling,
                                                          request_id=f"{group_id}@{self.rollout_id}", seed=seed)
@@ -287,7 +303,7 @@ class RolloutWorker:
         """Score a group of episodes (``rollout.environment.EnvironmentConfig.task_reward``: the task's reward
         functions on the final answers, added to the environments' rewards) and deliver their rows."""
         score = None
-        if self.config.environment.task_reward:
+        if self.episodes.task_reward:
             with self.stats.score:
                 score = (await score_groups([(reward_fn, self.episodes.task_group(episodes, problem.entry))]))[0]
         rows = self.episodes.rows(episodes, prompt_index, attempt, problem.task, self.rollout_id, timeline,

@@ -195,6 +195,15 @@ class Recipe(BaseModel):
         if self.determinism == "lockstep" and self.replay.max_staleness < self.lockstep_lag:
             raise ValueError(f"replay.max_staleness ({self.replay.max_staleness}) must be >= lockstep_lag "
                              f"({self.lockstep_lag}): lockstep trains every group at exactly that lag")
+        verifiers = self.rollout.verifiers
+        if verifiers is not None and verifiers.heldout == 0 and (self.eval.before or self.eval.after
+                                                                 or self.eval.every_steps):
+            raise ValueError("rollout.verifiers.heldout is 0, so there is no held-out task to evaluate: hold out the "
+                             "taskset's last N tasks (rollout.verifiers.heldout: N), or turn evaluation off "
+                             "(eval.before: false, eval.after: false, eval.every_steps: null)")
+        if verifiers is not None and self.eval.sets is not None:
+            raise ValueError(f"eval.sets ({self.eval.sets}) must be unset with rollout.verifiers: its one held-out "
+                             f"set is the taskset's last rollout.verifiers.heldout tasks")
         unknown_sets = sorted(set(self.eval.sets or []) - set(self.task.components()))
         if unknown_sets:
             raise ValueError(f"eval.sets {unknown_sets} are not held-out sets of the task; expected some of "
