@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -120,7 +121,9 @@ class VerifiersConfig(BaseModel):
 
     taskset: str
     """The verifiers taskset id: an importable module (or ``verifiers.v1.tasksets.<id>``) exporting one
-    ``vf.Taskset`` subclass, and optionally its ``vf.Env`` subclass, via ``__all__`` (verifiers' own rule)."""
+    ``vf.Taskset`` subclass, and optionally its ``vf.Env`` subclass, via ``__all__`` (verifiers' own rule); or a
+    ``path/to/taskset.py`` file (made absolute when the recipe loads; its folder goes on ``sys.path``, its stem is
+    the id)."""
     env: dict[str, Any] = Field(default_factory=dict)
     """The rest of the verifiers env config (its ``[env]`` TOML block as YAML): ``taskset`` fields beyond the id,
     each role's ``harness``/``runtime``/``max_turns``, ``timeout``. A role's unset ``harness``/``runtime`` are
@@ -134,11 +137,26 @@ class VerifiersConfig(BaseModel):
     ``renderer``). ``None``: ``rollout.verifiers_renderer.TemplateBridgeRenderer``, the model's own chat template
     with a token-exact bridge between turns."""
     time_budget_s: float = Field(default=600.0, gt=0)
-    """Wall-clock seconds one episode may take; past it the episode is broken (``"episode-time_budget: ..."``)."""
+    """Wall-clock seconds one episode may take once it started; past it the episode is broken
+    (``"episode-time_budget: ..."``)."""
+    max_concurrent: int = Field(default=8, ge=1)
+    """Most episodes one rollout plays at once (each runs a harness program: a process); the others wait their turn,
+    not counted in their time budget. Training asks for ``groups_in_flight × group_size``, evaluation for every
+    held-out task at once."""
 
     @field_validator("taskset")
     @classmethod
     def _taskset(cls, value: str) -> str:
         if not value.strip():
             raise ValueError("rollout.verifiers.taskset is empty; expected a verifiers taskset id (a module name)")
+        if value.endswith(".py"):
+            path = Path(value).expanduser().resolve()
+            if not path.is_file():
+                raise ValueError(f"rollout.verifiers.taskset {value!r}: no such file ({path})")
+            return str(path)
         return value
+
+    @property
+    def taskset_id(self) -> str:
+        """The id verifiers imports: ``taskset``, or a file's stem."""
+        return Path(self.taskset).stem if self.taskset.endswith(".py") else self.taskset

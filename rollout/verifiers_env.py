@@ -16,7 +16,8 @@ trajectory is built from those records only, never from the environment's transc
 
 The episode's reward is its verifiers trace's (the task's ``@vf.reward`` functions, weighted). A verifiers failure
 (harness error, timeout, a refused request) breaks the episode with the reason; the worker goes on. Episodes of one
-group all play the same verifiers task, ``tasks[prompt_index % len(tasks)]`` in the taskset's order.
+group all play the same verifiers task, ``tasks[prompt_index % (len(tasks) - heldout)]`` in the taskset's order; the
+last ``heldout`` tasks are only played by held-out evaluation.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import structlog
+
 from rollout.agent_group import EnvironmentLoadError, episode_rows, share_prompt
 from rollout.config import SamplingConfig
 from rollout.environment import VerifiersConfig
@@ -75,12 +77,15 @@ def env_config(config: VerifiersConfig):
     except ImportError as exc:
         raise VerifiersLoadError(f"rollout.verifiers needs the verifiers package ({exc}): pip install "
                                  "'gyre[verifiers]' (make setup installs it)") from exc
+    ident = config.taskset_id
+    if config.taskset.endswith(".py") and str(Path(config.taskset).parent) not in sys.path:
+        sys.path.insert(0, str(Path(config.taskset).parent))
     raw = copy.deepcopy(config.env)
     taskset = raw.setdefault("taskset", {})
-    if not isinstance(taskset, dict) or taskset.get("id", config.taskset) != config.taskset:
+    if not isinstance(taskset, dict) or taskset.get("id", ident) != ident:
         raise VerifiersLoadError(f"rollout.verifiers.env.taskset is {taskset!r:.120}; expected a mapping whose "
-                                 f"id (if any) is rollout.verifiers.taskset ({config.taskset!r})")
-    taskset["id"] = config.taskset
+                                 f"id (if any) is rollout.verifiers.taskset's ({ident!r})")
+    taskset["id"] = ident
     try:
         roles = agent_config_fields(resolve_env_config(raw))
         for name in roles:
@@ -89,7 +94,7 @@ def env_config(config: VerifiersConfig):
                 role.setdefault(key, copy.deepcopy(value))
         return resolve_env_config(raw)
     except Exception as exc:  # noqa: BLE001 - import errors, pydantic errors, the taskset's own code
-        raise VerifiersLoadError(f"rollout.verifiers (taskset {config.taskset!r}): {type(exc).__name__}: "
+        raise VerifiersLoadError(f"rollout.verifiers (taskset {ident!r}): {type(exc).__name__}: "
                                  f"{exc}"[:3000]) from exc
 
 
@@ -145,16 +150,18 @@ def score(episode: Episode, vf_episode, refused: list[str]) -> Episode:
     """Fill ``episode``'s reward, end, tool count and transcript from the verifiers episode; break it (``error``)
     when verifiers reports a failure, a request was refused, or it holds other than one trace."""
     traces = list(vf_episode.traces)
-    if not episode.error:
-        if refused:
-            episode.error = f"episode-verifiers_error: gyre refused a generate request: {refused[0]}"[:2000]
-        elif len(traces) != 1:
-            episode.error = (f"episode-verifiers_error: the episode holds {len(traces)} traces; gyre trains "
-                             "single-agent episodes (one trace)")
-        elif not vf_episode.ok:
-            last = vf_episode.last_error or (traces[0].errors[-1] if traces[0].errors else None)
-            why = f"{last.type}: {last.message}" if last is not None else f"stopped by {traces[0].stop_condition}"
-            episode.error = f"episode-verifiers_error: {why}"[:2000]
+    why = ""
+    if refused:
+        why = f"episode-verifiers_error: gyre refused a generate request: {refused[0]}"[:2000]
+    elif len(traces) != 1:
+        why = (f"episode-verifiers_error: the episode holds {len(traces)} traces; gyre trains single-agent episodes "
+               "(one trace)")
+    elif not vf_episode.ok:
+        last = vf_episode.last_error or (traces[0].errors[-1] if traces[0].errors else None)
+        why = f"{last.type}: {last.message}" if last is not None else f"stopped by {traces[0].stop_condition}"
+        why = f"episode-verifiers_error: {why}"[:2000]
+    if why and not episode.error.startswith("episode-verifiers_retokenized"):
+        episode.error = why  # verifiers' own reason beats "no model call"
     if traces:
         trace = traces[0]
         episode.reward = float(trace.reward)
@@ -200,19 +207,25 @@ class VerifiersRunner:
         tokenizer: the policy's tokenizer (its vocabulary bounds request token ids).
 
     Raises:
-        VerifiersLoadError: see ``env_config``; or the taskset has no task.
+        VerifiersLoadError: see ``env_config``; or the env or its taskset raises while loading, or the taskset has
+            no more tasks than ``heldout``.
     """
 
     task_reward = False
     """The verifiers task scores its episodes; the gyre task's reward functions do not."""
 
     def __init__(self, config: VerifiersConfig, model: str, tokenizer) -> None:
+        resolved = env_config(config)  # first: it names a missing verifiers package
         from verifiers.v1.utils.loaders import load_environment
 
         import verifiers
 
         self.config, self.model, self.vocab_size = config, model, len(tokenizer)
-        self.env = load_environment(env_config(config))
+        try:
+            self.env = load_environment(resolved)
+        except Exception as exc:  # noqa: BLE001 - the env class's own constructor
+            raise VerifiersLoadError(f"rollout.verifiers (taskset {config.taskset_id!r}): building the env raised "
+                                     f"{type(exc).__name__}: {exc}"[:3000]) from exc
         try:
             self.tasks = list(self.env.taskset)
         except Exception as exc:  # noqa: BLE001 - the taskset's own loading code
@@ -225,11 +238,12 @@ class VerifiersRunner:
         self.train_count = len(self.tasks) - config.heldout
         """Tasks ``[0, train_count)`` are trained on, the rest held out."""
         self.renderer = renderer_config(config)
-        self.version = f"verifiers:{config.taskset}@{getattr(verifiers, '__version__', '?')}"
+        self.version = f"verifiers:{config.taskset_id}@{getattr(verifiers, '__version__', '?')}"
         """Recorded as each row's ``reward_fn_version``."""
         self.endpoint: GenerateEndpoint | None = None
         self._serving: contextlib.AsyncExitStack | None = None
         self._start_lock = asyncio.Lock()
+        self._slots: asyncio.Semaphore | None = None
 
     def client_config(self, base_url: str):
         """verifiers' ``TrainClientConfig`` for an episode served at ``base_url`` (renderer: see ``renderer``)."""
@@ -247,17 +261,18 @@ class VerifiersRunner:
                 stack.push_async_callback(endpoint.close)
                 await stack.enter_async_context(self.env.serving())
                 self.endpoint, self._serving = endpoint, stack
+                self._slots = asyncio.Semaphore(self.config.max_concurrent)
             return self.endpoint
 
     async def close(self) -> None:
         """Stop verifiers' serving resources and the endpoint."""
         if self._serving is not None:
             await self._serving.aclose()
-            self._serving = self.endpoint = None
+            self._serving = self.endpoint = self._slots = None
 
     def heldout(self, task=None) -> list[VerifiersProblem]:
         """The held-out tasks as evaluation problems (``rollout.episode_eval``; ``task``, the gyre task, unused)."""
-        return [VerifiersProblem(self.config.taskset, t.data.prompt_text, {}, i)
+        return [VerifiersProblem(self.config.taskset_id, t.data.prompt_text, {}, i)
                 for i, t in enumerate(self.tasks) if i >= self.train_count]
 
     def fallback_prompt(self, problem, prompt_ids) -> list[int]:
@@ -278,6 +293,10 @@ class VerifiersRunner:
                 else self.tasks[prompt_index % self.train_count])
 
         async def one(i: int) -> Episode:
+            async with self._slots:
+                return await play(i)
+
+        async def play(i: int) -> Episode:
             key, url = endpoint.open(engine, sampling, max_model_len, None if seed is None else seed + 1000 * i)
             ctx = ModelContext(model=self.model, client=self.client_config(url))
             vf_episode, broke = None, ""
@@ -292,7 +311,7 @@ class VerifiersRunner:
             episode = assemble(calls, engine.version)
             if vf_episode is not None:
                 episode = score(episode, vf_episode, refused)
-            episode.error = episode.error or broke
+            episode.error = broke or episode.error
             if episode.error:
                 log.info("verifiers_episode_broken", request_id=f"{request_id}-e{i}", error=episode.error[:300])
             return episode

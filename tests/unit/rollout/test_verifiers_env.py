@@ -164,6 +164,8 @@ def test_score_takes_the_traces_reward_and_breaks_on_failures():
         "episode-verifiers_error: HarnessError: exited 1"
     refused = score(assemble([Call([1], sample([5]))], 0), ok, ["token_ids[0] is -1"])
     assert refused.error == "episode-verifiers_error: gyre refused a generate request: token_ids[0] is -1"
+    no_call = score(assemble([], 0), failed, [])  # the harness died before its first call: verifiers says why
+    assert no_call.error == "episode-verifiers_error: HarnessError: exited 1"
     two = SimpleNamespace(traces=[trace(), trace()], ok=True, last_error=None)
     assert "holds 2 traces" in score(assemble([Call([1], sample([5]))], 0), two, []).error
 
@@ -295,3 +297,57 @@ def test_verifiers_is_imported_only_by_recipes_that_use_it():
     out = subprocess.run([sys.executable, "-c", "import rollout.worker, sys; print('verifiers' in sys.modules)"],
                          capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_the_verifiers_example_recipe_loads_and_its_taskset_scores_retries(tok, tiny_llama):
+    from pathlib import Path
+
+    from services.control.recipe import load_recipe
+
+    repo = Path(__file__).resolve().parents[3]
+    recipe = load_recipe(repo / "examples/verifiers/recipe.yaml", dry_run=True)
+    vf = recipe.rollout.verifiers
+    assert vf.taskset == str(repo / "examples/verifiers/arith_retry.py") and vf.taskset_id == "arith_retry"
+    runner = VerifiersRunner(vf, str(tiny_llama), tok)
+    assert (len(runner.tasks), runner.train_count, len(runner.heldout())) == (576, 512, 64)
+    task = runner.tasks[0]
+    answer = task.data.answer
+
+    def replies(*texts):
+        return SimpleNamespace(assistant_messages=[SimpleNamespace(content=t) for t in texts])
+
+    scored = [asyncio.run(task.correct(replies(*r))) for r in (
+        [f"{answer}"], [f"It is {answer - 1}", f"Sorry, {answer}"], [f"{answer + 1}", "no idea"], [])]
+    assert scored == [1.0, 0.5, 0.0, 0.0]
+
+
+def test_at_most_max_concurrent_episodes_run_and_waiting_is_not_in_the_time_budget(taskset, tok, tiny_llama):
+    import contextlib
+
+    runner = VerifiersRunner(VerifiersConfig(taskset=taskset, max_concurrent=2, time_budget_s=0.5),
+                             str(tiny_llama), tok)
+    live, peak = [0], [0]
+
+    class Env:  # verifiers' Env as the runner uses it; plays 0.3 s and calls no model
+        @contextlib.asynccontextmanager
+        async def serving(self):
+            yield
+
+        async def run_episode(self, task, ctx):
+            live[0] += 1
+            peak[0] = max(peak[0], live[0])
+            await asyncio.sleep(0.3)
+            live[0] -= 1
+            return SimpleNamespace(traces=[trace()], ok=True, last_error=None)
+
+    runner.env = Env()
+
+    async def go():
+        try:
+            return await runner.run_group(ScriptEngine(), None, 6, SAMPLING, "g", 64, 0, [1], prompt_index=0)
+        finally:
+            await runner.close()
+
+    episodes = asyncio.run(go())
+    assert peak[0] == 2  # 6 episodes of 0.3 s, two at a time: 0.9 s in all, each within its 0.5 s budget
+    assert [e.error for e in episodes] == ["episode-verifiers_error: the environment made no model call"] * 6
