@@ -166,8 +166,8 @@ def score(episode: Episode, vf_episode, refused: list[str]) -> Episode:
         trace = traces[0]
         episode.reward = float(trace.reward)
         episode.tool_calls = sum(len(m.tool_calls or []) for m in trace.assistant_messages)
-        episode.messages = [{"role": str(m.role), "content": m.content if isinstance(m.content, str) else str(m.content)}
-                            for m in trace.messages]
+        episode.messages = [{"role": str(m.role), "content": m.content if isinstance(m.content, str)
+                             else str(m.content)} for m in trace.messages]
         episode.episode_end = episode_end(trace)
         if episode.episode_end != "done":
             episode.finish_reason = "length"
