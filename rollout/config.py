@@ -202,8 +202,8 @@ class RolloutConfig(BaseModel):
     ``None``: one prompt, one completion, scored by the task's reward functions."""
     verifiers: VerifiersConfig | None = None
     """Multi-turn episodes of a ``verifiers`` environment (prime-rl's; ``rollout.verifiers_env``) played against this
-    rollout's engine: each sample of a group is an episode of the taskset's task ``prompt_index % len(tasks)``,
-    scored by the verifiers task. Exclusive with ``environment``."""
+    rollout's engine: each sample of a group is an episode of the taskset's training task ``prompt_index %
+    (len(tasks) - heldout)``, scored by the verifiers task. Exclusive with ``environment``."""
     lockstep: LockstepConfig | None = None
     """Deterministic mode (set by the recipe's ``determinism: lockstep``, ``proto.lockstep``): prompt i is
     generated with exactly policy version ``max(0, i // P - lag)``, loaded from the version store, with a

@@ -73,27 +73,34 @@ class TurnRenderer:
         text after it + ``observation`` rendered + the next assistant header.
 
         Raises ``ValueError`` when the template renders the probe differently once messages follow it."""
-        text, _ = self.observation_text(observation, turn_closed)
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return list(self.tokenizer.encode(self.observation_text(observation, turn_closed), add_special_tokens=False))
 
-    def observation_text(self, observation: list[Message], turn_closed: bool) -> tuple[str, list[tuple[int, int]]]:
-        """The text ``observation_ids`` tokenises, and the ``[start, end)`` character span of each observation
-        message's rendering in it (the rest is scaffold: the turn's end, the next assistant header).
+    def observation_text(self, observation: list[Message], turn_closed: bool) -> str:
+        """The text ``observation_ids`` tokenises. Raises ``ValueError`` as ``observation_ids``."""
+        full = self._render(_PROBE + list(observation), add_generation_prompt=True)
+        if not full.startswith(self._probe):
+            raise ValueError("the chat template renders earlier messages differently once an observation follows; "
+                             "observations cannot be appended token-exactly")
+        return self._head(turn_closed) + full[len(self._probe):]
+
+    def message_spans(self, observation: list[Message], turn_closed: bool) -> list[tuple[int, int]]:
+        """The ``[start, end)`` character span of each observation message's rendering in ``observation_text`` (the
+        rest is scaffold: the turn's end, the next assistant header). Renders the template once per message.
 
         Raises ``ValueError`` as ``observation_ids``."""
-        head = ("" if turn_closed else self.end_text) + self.after_end
-        spans, start = [], len(head)
+        spans, start = [], len(self._head(turn_closed))
         for i in range(len(observation)):
             upto = self._render(_PROBE + list(observation[:i + 1]), add_generation_prompt=False)
             if not upto.startswith(self._probe):
-                break  # reported below
-            spans.append((start, len(head) + len(upto) - len(self._probe)))
+                raise ValueError("the chat template renders earlier messages differently once an observation "
+                                 "follows; observations cannot be appended token-exactly")
+            spans.append((start, len(self._head(turn_closed)) + len(upto) - len(self._probe)))
             start = spans[-1][1]
-        full = self._render(_PROBE + list(observation), add_generation_prompt=True)
-        if not full.startswith(self._probe) or len(spans) != len(observation):
-            raise ValueError("the chat template renders earlier messages differently once an observation follows; "
-                             "observations cannot be appended token-exactly")
-        return head + full[len(self._probe):], spans
+        return spans
+
+    def _head(self, turn_closed: bool) -> str:
+        """Template text between a model turn's last sampled token and the first observation message."""
+        return ("" if turn_closed else self.end_text) + self.after_end
 
 
 @dataclass

@@ -25,7 +25,8 @@ if TYPE_CHECKING:
     from rollout.verifiers_env import VerifiersRunner
 
 
-async def evaluate_episodes(task, engine, runner: EpisodeRunner | VerifiersRunner, prompt_ids: Callable[[Any], list[int]],
+async def evaluate_episodes(task, engine, runner: EpisodeRunner | VerifiersRunner,
+                            prompt_ids: Callable[[Any], list[int]],
                             config: EvalConfig, default_max_new_tokens: int, max_model_len: int) -> EvalResult:
     """``rollout.evaluation.evaluate`` with episodes of ``runner``'s environment on its held-out problems
     (``runner.heldout(task)``: the task's, or a verifiers taskset's held-out tasks; see the module docstring);

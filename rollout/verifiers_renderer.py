@@ -59,8 +59,7 @@ class TemplateBridgeRenderer(DefaultRenderer):
         messages = [dict(m) for m in new_messages]
         closed = bool(previous_completion_ids) and previous_completion_ids[-1] == self._turns.end_id
         try:
-            ext = self._turns.observation_ids(messages, closed)
-            owners = self._owners(messages, closed, len(ext))
+            ext, owners = self._extension(messages, closed)
         except ValueError:
             return None
         prior = list(previous_prompt_ids) + list(previous_completion_ids)
@@ -70,11 +69,11 @@ class TemplateBridgeRenderer(DefaultRenderer):
             message_roles=[m.get("role") or "" for m in messages],
             message_tool_names=extract_message_tool_names(messages))
 
-    def _owners(self, messages: list[dict], closed: bool, n: int) -> list[int]:
-        """Which of ``messages`` each of the ``n`` extension tokens comes from (``-1``: scaffold): the message whose
-        rendering holds the token's first character."""
-        text, spans = self._turns.observation_text(messages, closed)
+    def _extension(self, messages: list[dict], closed: bool) -> tuple[list[int], list[int]]:
+        """The extension's ids (``TurnRenderer.observation_ids``) and which of ``messages`` each comes from
+        (``-1``: scaffold): the message whose rendering holds the token's first character."""
+        text = self._turns.observation_text(messages, closed)
+        spans = self._turns.message_spans(messages, closed)
         enc = self._tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        if len(enc["input_ids"]) != n:
-            raise ValueError("the extension tokenises differently with offsets")
-        return [next((i for i, (a, b) in enumerate(spans) if a <= s < b), -1) for s, _ in enc["offset_mapping"]]
+        owners = [next((i for i, (a, b) in enumerate(spans) if a <= s < b), -1) for s, _ in enc["offset_mapping"]]
+        return list(enc["input_ids"]), owners

@@ -208,7 +208,8 @@ def test_bridge_renderer_appends_the_templates_rendering_of_new_messages(tok):
 
 def test_observation_text_spans_cover_each_message(tok):
     turns = TurnRenderer(tok)
-    text, spans = turns.observation_text([{"role": "tool", "content": "42"}, {"role": "user", "content": "ok"}], True)
+    obs = [{"role": "tool", "content": "42"}, {"role": "user", "content": "ok"}]
+    text, spans = turns.observation_text(obs, True), turns.message_spans(obs, True)
     assert tok.encode(text, add_special_tokens=False) == turns.observation_ids(
         [{"role": "tool", "content": "42"}, {"role": "user", "content": "ok"}], True)
     assert "42" in text[slice(*spans[0])] and "ok" in text[slice(*spans[1])] and spans[0][1] == spans[1][0]
