@@ -23,13 +23,10 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-import structlog
 from aiohttp import web
 
 from rollout.config import SamplingConfig
 from rollout.types import Sample
-
-log = structlog.get_logger("gyre.rollout.generate_endpoint")
 
 
 @dataclass(frozen=True)
