@@ -162,7 +162,8 @@ def _run_services(recipe: Recipe, console: Console, trackers: Trackers) -> dict:
         with console.status("checkpointing and exporting the final policy…"):
             summary.update(_supervised(sup, lambda: sup.learner.handle.finalize.remote(str(out))))
         summary["replay"] = _supervised(sup, lambda: sup.replay.handle.info.remote())
-        summary["restarts"] = {s.name: s.restarts for s in sup.services.values()}
+        summary["restarts"] = sup.restart_counts()
+        summary["deaths"] = [d.to_dict() for d in sup.deaths]  # each death handled, with the incarnation it ended
         sup.shutdown()
         ray.kill(state, no_restart=True)
     except Exception:  # a failed run releases its detached actors; a killed driver (or Ctrl-C) leaves them

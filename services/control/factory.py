@@ -50,8 +50,12 @@ class Service:
     address: str | None
     """gRPC address to health-check (replay's, the learner's WeightService); ``None`` for a rollout."""
     restarts: int = 0
+    """Replacements the supervisor created for this service (each handled death creates exactly one)."""
     failures: int = 0
     """Consecutive failed health checks."""
+    incarnation: int = 0
+    """0-based index of this actor among those the factory created for the name (``ServiceFactory.newest``); the
+    fault arming and the fire log use the same index."""
     info: ServiceInfo | None = None
     """Last ``describe()`` answer (``services.common.describe``: the record of its kind); ``None`` before."""
     followers: list = field(default_factory=list)
@@ -97,6 +101,11 @@ class ServiceFactory:
         """Whether this run has a service of ``role`` (every role but ``reward_model``, which runs when a task's
         reward names a model)."""
         return role != "reward_model" or bool(self.model_rewards)
+
+    def newest(self, service: str) -> int:
+        """Incarnation (0-based) of the newest actor this factory created for ``service``; ``0`` before any (a
+        re-attached actor of an earlier driver counts as incarnation 0)."""
+        return max(self.incarnations.get(service, 0) - 1, 0)
 
     def fault_env(self, service: str, incarnation: int) -> dict:
         """``env_vars`` of incarnation ``incarnation`` (0-based) of ``service``: ``self.env`` plus, when the
@@ -148,14 +157,15 @@ class ServiceFactory:
     def replay(self) -> Service:
         handle = self._create(ReplayActor, "replay", "replay", self.recipe.replay.model_dump(),
                               dir=self.replay_dir, security=self.security, run_id=self.recipe.name)
-        return Service(ServiceName("replay"), handle, ray.get(handle.address.remote()))
+        return Service(ServiceName("replay"), handle, ray.get(handle.address.remote()), incarnation=self.newest("replay"))
 
     def reward_model(self) -> Service:
         """The reward-model service (``services.reward_model``), with the recipe's model rewards loaded; blocks
         until it serves."""
         handle = self._create(RewardModelActor, "reward_model", "reward_model", self.recipe.reward_model.model_dump(),
                               self.model_rewards, security=self.security, run_id=self.recipe.name)
-        return Service(ServiceName("reward_model"), handle, ray.get(handle.address.remote()))
+        return Service(ServiceName("reward_model"), handle, ray.get(handle.address.remote()),
+                       incarnation=self.newest("reward_model"))
 
     def learner(self, replay_address: str, restarted: bool = False) -> Service:
         """The learner: one ``LearnerActor``, or with ``placement.learner.world_size > 1`` rank 0 plus
@@ -169,7 +179,8 @@ class ServiceFactory:
         world = self.recipe.placement.learner.world_size
         if world == 1:
             handle = self._create(LearnerActor, "learner", "learner", cfg, replay_address, **kwargs)
-            return Service(ServiceName("learner"), handle, ray.get(handle.weights_address.remote()))
+            return Service(ServiceName("learner"), handle, ray.get(handle.weights_address.remote()),
+                           incarnation=self.newest("learner"))
         group = learner_group.LearnerGroup(self.recipe)
         master_addr, master_port = group.rendezvous()
         followers = [self._create(LearnerRankActor, "learner", str(ServiceName("learner", r)), cfg,
@@ -186,7 +197,7 @@ class ServiceFactory:
             for h in [handle, *followers]:  # the group starts whole or not at all; the supervisor retries
                 ray.kill(h, no_restart=True)
             raise
-        return Service(ServiceName("learner"), handle, address, followers=followers)
+        return Service(ServiceName("learner"), handle, address, followers=followers, incarnation=self.newest("learner"))
 
     def attach_followers(self) -> list | None:
         """The live ranks >= 1 of a re-attached multi-rank learner, or ``None`` if any is missing."""
@@ -212,4 +223,5 @@ class ServiceFactory:
         """Rollouts ``rollout-{i}`` for each index, set up concurrently (blocks until all are)."""
         started = [self.begin_rollout(i, replay_address, weights_address, reward_model_address) for i in indices]
         ray.get([ref for _, ref in started])
-        return [Service(ServiceName.rollout(i), h, None) for i, (h, _) in zip(indices, started)]
+        return [Service(ServiceName.rollout(i), h, None, incarnation=self.newest(str(ServiceName.rollout(i))))
+                for i, (h, _) in zip(indices, started)]

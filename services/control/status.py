@@ -26,7 +26,7 @@ def run_status(sup) -> dict:
         "rollout_tokens_per_s": sum(r.tokens_per_s for r in rollouts),
         **_learner_columns(sup.learner.info),
         "replay_groups": replay.replay_groups if replay is not None else None,
-        "restarts": {s.name: s.restarts for s in sup.services.values()},
+        "restarts": sup.restart_counts(),
         "logs": str(sup.factory.log_dir),
         "reward_swaps": sup.factory.swaps.count,
         "reward_models": _reward_models(sup.services.get("reward_model")),

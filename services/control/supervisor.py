@@ -37,6 +37,23 @@ from services.learner import group as learner_group
 
 log = structlog.get_logger("supervisor")
 
+@dataclass(frozen=True)
+class Death:
+    """One death the supervisor handled: the incarnation it ended and why. Every death handled creates exactly
+    one replacement, so a service's ``restarts`` is the number of its deaths, and a crash test compares the list
+    with the fault points' fire log (``faults.read_fire_log``: service, incarnation, point)."""
+
+    service: str
+    """Service name (``replay``, ``learner``, ``rollout-{i}``, ``reward_model``)."""
+    incarnation: int
+    """0-based incarnation that ended (``ServiceFactory.newest`` when it was created)."""
+    reason: str
+    """Why: ``dead``, ``N failed health checks``, ``requested``, ``died while starting``, ..."""
+
+    def to_dict(self) -> dict:
+        return {"service": self.service, "incarnation": self.incarnation, "reason": self.reason}
+
+
 @dataclass
 class Starting:
     """A rollout added by ``scale`` (or replacing a failed one) that is not generating yet."""
@@ -51,6 +68,8 @@ class Starting:
     """Restarts of this rollout once it joins (a restart's replacement: the old count + 1)."""
     swaps: int = 0
     """Reward swaps in force when it was created (``RewardSwaps.count``): it joins with the newer ones applied."""
+    incarnation: int = 0
+    """Its incarnation (``ServiceFactory.newest`` right after it was created)."""
 
 
 class Supervisor:
@@ -74,6 +93,8 @@ class Supervisor:
         supervisor keeps ticking); a restarted rollout's old entry stays in ``services`` until then."""
         self.learner_generation = 0
         """Bumped on every learner restart: the training loop then re-issues ``run(remaining steps)``."""
+        self.deaths: list[Death] = []
+        """Every death handled, in order: one per replacement created (``restart_counts`` counts them)."""
         self.generating = False
 
     # ---- topology -----------------------------------------------------------------------------
@@ -254,34 +275,58 @@ class Supervisor:
             log.error("restart_failed_retrying", service=svc.name, error=str(exc)[:300])
 
     def restart(self, svc: Service, reason: str) -> Service:
-        """Kill and recreate ``svc`` with the same config; push its new address to the services dialling it."""
+        """Kill and recreate ``svc`` with the same config; push its new address to the services dialling it.
+
+        Accounting: the death of the incarnation being replaced is recorded (``deaths``) and ``restarts`` counts
+        the replacement as soon as it is created. A replacement that dies while starting raises here (its
+        ``RayActorError``); the entry then stands for that dead incarnation, so the next tick records its death and
+        creates the next one — two deaths, two restarts, never folded into one."""
         log.warning("restarting_service", service=svc.name, reason=reason, restarts=svc.restarts + 1)
         for handle in [svc.handle, *svc.followers]:  # every learner rank: DeepSpeed groups restart whole
             ray.kill(handle, no_restart=True)
-        if svc.role == "replay":
-            new = self.factory.replay()
-        elif svc.role == "reward_model":
-            new = self.factory.reward_model()
-        elif svc.role == "learner":
-            new = self.factory.learner(self.replay.address, restarted=True)
+        if svc.role == "rollout":
+            return self._restart_rollout(svc, reason)
+        self.deaths.append(Death(svc.name, svc.incarnation, reason))
+        make = {"replay": self.factory.replay, "reward_model": self.factory.reward_model,
+                "learner": lambda: self.factory.learner(self.replay.address, restarted=True)}[svc.role]
+        try:
+            new = make()
+        except (RayActorError, GetTimeoutError):
+            newest = self.factory.newest(svc.name)
+            if newest != svc.incarnation:  # a replacement was created and died starting: the entry stands for it
+                svc.incarnation, svc.restarts, svc.failures = newest, svc.restarts + 1, self.fail_threshold
+            raise
+        if svc.role == "learner":
             self.learner_generation += 1
-        else:  # starts in the background (the tick goes on checking the others meanwhile); the dead entry
-            # stays until the new one joins in ``_adopt_started`` (a start that fails is retried next tick)
-            pending = self.starting.pop(svc.name, None)  # restarted again while its replacement starts
-            if pending is not None:
-                ray.kill(pending.handle, no_restart=True)
-            handle, ref = self.factory.begin_rollout(svc.id.index, self.replay.address, self.learner.address,
-                                                     self._address("reward_model"))
-            self.starting[svc.name] = Starting(svc.id, handle, ref, restarts=svc.restarts + 1,
-                                               swaps=self.factory.swaps.count)
-            return svc
-        self._announce(new, [s for s in self.services.values() if s.name not in self.starting])
-        new.restarts = svc.restarts  # counted once it answers: a start that dies is retried, not counted
+        new.restarts = svc.restarts + 1
         self.services[svc.name] = new
+        self._announce(new, [s for s in self.services.values() if s.name not in self.starting])
         new.info = ray.get(new.handle.describe.remote())
-        new.restarts += 1
         log.info("service_restarted", service=svc.name, address=new.address, pid=new.info.pid)
         return new
+
+    def _restart_rollout(self, svc: Service, reason: str) -> Service:
+        """A rollout's replacement starts in the background (the tick goes on checking the others meanwhile); the
+        dead entry stays until the new one joins in ``_adopt_started``. Restarted again while a replacement starts:
+        that replacement is the incarnation that ends."""
+        pending = self.starting.pop(svc.name, None)
+        if pending is not None:
+            ray.kill(pending.handle, no_restart=True)
+            self.deaths.append(Death(svc.name, pending.incarnation, reason))
+            restarts = pending.restarts + 1
+        else:
+            self.deaths.append(Death(svc.name, svc.incarnation, reason))
+            restarts = svc.restarts + 1
+        handle, ref = self.factory.begin_rollout(svc.id.index, self.replay.address, self.learner.address,
+                                                 self._address("reward_model"))
+        self.starting[svc.name] = Starting(svc.id, handle, ref, restarts=restarts, swaps=self.factory.swaps.count,
+                                           incarnation=self.factory.newest(svc.name))
+        return svc
+
+    def restart_counts(self) -> dict[str, int]:
+        """Service name → replacements created (a rollout whose replacement is still starting counts it)."""
+        counts = {s.name: s.restarts for s in self.services.values()}
+        return {**counts, **{name: st.restarts for name, st in self.starting.items()}}
 
     def scale(self, desired: int | None) -> None:
         """Begin adding rollouts (they join in ``_adopt_started``), or drop starting ones and drain and
@@ -296,7 +341,8 @@ class Supervisor:
             sid = ServiceName.rollout(next(free))
             handle, ref = self.factory.begin_rollout(sid.index, self.replay.address, self.learner.address,
                                                      self._address("reward_model"))
-            self.starting[str(sid)] = Starting(sid, handle, ref, swaps=self.factory.swaps.count)
+            self.starting[str(sid)] = Starting(sid, handle, ref, swaps=self.factory.swaps.count,
+                                               incarnation=self.factory.newest(str(sid)))
         excess = len(running) + len(self.starting) - desired
         for st in sorted(self.starting.values(), key=lambda st: st.id, reverse=True)[:max(excess, 0)]:
             ray.kill(self.starting.pop(str(st.id)).handle, no_restart=True)
@@ -307,30 +353,44 @@ class Supervisor:
 
     def _adopt_started(self) -> None:
         """Starting rollouts whose setup returned and that hold ``target_version`` join the fleet and generate;
-        one whose setup failed is killed (the next ``scale`` check starts another)."""
+        one that failed its setup or died since is killed (``_start_failed``)."""
         for name, st in list(self.starting.items()):
-            if st.setup is not None:
-                if not ray.wait([st.setup], timeout=0)[0]:
-                    continue
-                try:
+            try:
+                if st.setup is not None:
+                    if not ray.wait([st.setup], timeout=0)[0]:
+                        continue
                     ray.get(st.setup)
                     self._catch_up_rewards(st.handle, st.swaps)  # swaps accepted while it started
-                except ray.exceptions.RayError as exc:
-                    log.error("rollout_start_failed", service=name, error=str(exc)[:500])
-                    ray.kill(self.starting.pop(name).handle, no_restart=True)
-                    continue
-                st.setup, st.target_version = None, self._learner_version()
-                # replay or the learner may have been restarted (new address) while this one started
-                ray.get(self._tell_addresses(st.handle, "rollout"))
-            info = ray.get(st.handle.describe.remote(), timeout=self.check_timeout_s)
+                    st.setup, st.target_version = None, self._learner_version()
+                    # replay or the learner may have been restarted (new address) while this one started
+                    ray.get(self._tell_addresses(st.handle, "rollout"))
+                info = ray.get(st.handle.describe.remote(), timeout=self.check_timeout_s)
+            except GetTimeoutError:
+                continue  # busy fetching weights: asked again next tick
+            except ray.exceptions.RayError as exc:
+                self._start_failed(st, exc)
+                continue
             if info.version < st.target_version:
                 continue  # still fetching the newest weights
             del self.starting[name]
-            self.services[name] = Service(st.id, st.handle, None, restarts=st.restarts, info=info)
+            self.services[name] = Service(st.id, st.handle, None, restarts=st.restarts, info=info,
+                                          incarnation=st.incarnation)
             if self.generating:
                 ray.get(st.handle.start.remote())
             log.info("service_restarted" if st.restarts else "rollout_added", service=name, version=info.version,
                      pid=info.pid, restarts=st.restarts)
+
+    def _start_failed(self, st: Starting, exc: Exception) -> None:
+        """A starting rollout failed (its setup raised, or it died): kill it. A restart's replacement leaves the old
+        entry standing for this incarnation, so the next tick's check records its death and starts the next one;
+        one added by ``scale`` is a death recorded here, and the next ``scale`` starts another."""
+        log.error("rollout_start_failed", service=str(st.id), error=str(exc)[:500])
+        ray.kill(self.starting.pop(str(st.id)).handle, no_restart=True)
+        old = self.services.get(str(st.id))
+        if old is None:
+            self.deaths.append(Death(str(st.id), st.incarnation, "died while starting"))
+            return
+        old.handle, old.incarnation, old.restarts = st.handle, st.incarnation, st.restarts
 
     def remove_rollout(self, svc: Service, drain_s: float = 120.0) -> None:
         """Drain (no new prompt leases; the groups it holds leases for are finished and delivered, for up to

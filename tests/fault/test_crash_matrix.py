@@ -7,7 +7,8 @@ the last incarnation runs clean. After the run: every step was trained, with gra
 not the initial model; the fire log (``faults.read_fire_log``: each point appends a line and fsyncs it before it
 kills) lists exactly the armed (service, incarnation, point) triples — a restart for any other reason (a hung
 service the health check gave up on) leaves no line —, each service was restarted exactly that many times; and
-the invariant checker (``services.cli.invariants.check_run``) finds no violation, no lost group, no group trained
+the supervisor's death list (``summary["deaths"]``: service, incarnation ended) equals the fire log's (service,
+incarnation) pairs; and the invariant checker (``services.cli.invariants.check_run``) finds no violation, no lost group, no group trained
 twice, and ``steps × groups_per_step`` groups trained.
 
 Knobs that make every point reachable in a short run: replay WAL segments of 4 KiB (``after_roll``) and a
@@ -133,8 +134,10 @@ def check_matrix_run(name: str, tiny_llama, tmp_path) -> None:
     assert summary["final_version"] == run["steps"]
     rows = assert_trained(out, tiny_llama)
     assert rows[-1]["step"] == run["steps"]
-    # every armed incarnation died at its own point (the fire log proves it), and nothing else restarted
+    # every armed incarnation died at its own point (the fire log proves it); the supervisor handled exactly
+    # those deaths, each with the incarnation it ended (nothing else restarted); one restart per death
     assert fired == armed_fires(run["faults"])
+    assert sorted((d["service"], d["incarnation"]) for d in summary["deaths"]) == [(s, i) for s, i, _ in fired]
     restarts = {svc: sum(1 for s in specs if s) for svc, specs in run["faults"].items()}
     assert summary["restarts"] == {"replay": 0, "learner": 0, "rollout-0": 0, **restarts}
     assert info["acked_groups_total"] == run["steps"] * recipe.learner.groups_per_step

@@ -73,13 +73,22 @@ def _get(x, timeout=None):
 class FakeFactory:
     def __init__(self):
         self.made = {"replay": 0, "learner": 0, "rollout": 0, "reward_model": 0}
+        self.incarnations: dict[str, int] = {}
         self.recipe = SimpleNamespace(security=None)
         self.log_dir = Path("/runs/r/logs")
         self.swaps = RewardSwaps(TaskConfig(), Path(tempfile.mkdtemp(prefix="gyre-test-")) / SWAP_JOURNAL)
 
+    def _created(self, name: str) -> int:
+        self.incarnations[name] = self.incarnations.get(name, 0) + 1
+        return self.incarnations[name] - 1
+
+    def newest(self, name: str) -> int:
+        return max(self.incarnations.get(name, 0) - 1, 0)
+
     def replay(self):
         self.made["replay"] += 1
-        return Service(ServiceName("replay"), FakeHandle("replay"), f"replay:{self.made['replay']}")
+        return Service(ServiceName("replay"), FakeHandle("replay"), f"replay:{self.made['replay']}",
+                       incarnation=self._created("replay"))
 
     with_reward_model = False
     """A run whose reward names a model: every role of the topology."""
@@ -92,24 +101,26 @@ class FakeFactory:
         info = lambda: RewardModelInfo(pid=3, node="n", address="rm:1", models={"/m/rm": "rm:classifier:rm@abc"},
                                        counts={"batches": 2})
         return Service(ServiceName("reward_model"), FakeHandle("reward_model", describe=info),
-                       f"rm:{self.made['reward_model']}")
+                       f"rm:{self.made['reward_model']}", incarnation=self._created("reward_model"))
 
     def learner(self, replay_address, restarted=False):
         self.made["learner"] += 1
         handle = FakeHandle("learner", describe=learner_info)
-        return Service(ServiceName("learner"), handle, f"weights:{self.made['learner']}")
+        return Service(ServiceName("learner"), handle, f"weights:{self.made['learner']}",
+                       incarnation=self._created("learner"))
 
     def attach_followers(self):
         return []
 
     def begin_rollout(self, index, replay_address, weights_address, reward_model_address=None):
         self.made["rollout"] += 1
+        self._created(f"rollout-{index}")
         handle = FakeHandle(f"rollout-{index}", describe=lambda: rollout_info(10 + index))
         return handle, handle.setup.remote()
 
     def rollouts(self, indices, replay_address, weights_address, reward_model_address=None):
-        return [Service(ServiceName.rollout(i), self.begin_rollout(i, replay_address, weights_address)[0], None)
-                for i in indices]
+        return [Service(ServiceName.rollout(i), self.begin_rollout(i, replay_address, weights_address)[0], None,
+                        incarnation=self.newest(f"rollout-{i}")) for i in indices]
 
 
 def unstarted(monkeypatch, attach=None, reward_model=False) -> Supervisor:
@@ -221,10 +232,39 @@ def test_a_restart_whose_new_incarnation_dies_while_starting_is_retried_next_tic
         return handle, handle.setup.remote()
 
     sup.factory.begin_rollout = dies_in_setup
-    sup.tick()  # the failed restart is logged, not raised; the dead entry stays
-    assert [s.name for s in sup.rollouts()] == ["rollout-0"] and sup.rollouts()[0].restarts == 0
+    sup.tick()  # the failed start is logged, not raised; the entry stands for the dead replacement
+    assert [s.name for s in sup.rollouts()] == ["rollout-0"] and sup.rollouts()[0].restarts == 1
     sup.tick()
-    assert len(attempts) == 2 and sup.rollouts()[0].handle is attempts[1] and sup.rollouts()[0].restarts == 1
+    sup.tick()
+    # two deaths (the original and the replacement that died starting), two restarts: never folded into one
+    assert len(attempts) == 2 and sup.rollouts()[0].handle is attempts[1] and sup.rollouts()[0].restarts == 2
+    assert [(d.service, d.incarnation) for d in sup.deaths] == [("rollout-0", 0), ("rollout-0", 1)]
+    assert sup.restart_counts()["rollout-0"] == 2
+
+
+@pytest.mark.parametrize("when", ["in_constructor", "before_describe"])
+def test_a_learner_replacement_that_dies_while_starting_is_a_death_and_a_restart_of_its_own(sup, when):
+    """The crash matrix's 8-for-9 count: a restarted learner died again while its restart was in progress (in its
+    constructor, or once serving, before the supervisor's ``describe`` answered, e.g. at ``publish.mid_stream``
+    when the rollouts re-subscribed); it used to be folded into the previous death's restart."""
+    make = sup.factory.learner
+
+    def dies_once(replay_address, restarted=False):
+        new = make(replay_address, restarted)
+        if sup.factory.made["learner"] == 2:  # the first replacement (incarnation 1) dies
+            new.handle.killed = True
+            if when == "in_constructor":
+                raise RayActorError()
+        return new
+
+    sup.factory.learner = dies_once
+    sup.learner.handle.killed = True
+    sup.tick()
+    sup.tick()
+    assert sup.factory.made["learner"] == 3 and sup.learner.incarnation == 2
+    assert [(d.service, d.incarnation) for d in sup.deaths] == [("learner", 0), ("learner", 1)]
+    assert sup.learner.restarts == 2 and sup.restart_counts()["learner"] == 2
+    assert sup.state_body.status()["restarts"]["learner"] == 2
 
 
 def test_a_rollout_restart_does_not_hold_up_the_tick(sup, monkeypatch):
