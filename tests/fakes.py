@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from rollout.types import Sample
 from proto.trajectory import Trajectory, make_ids, to_table
 
@@ -168,3 +170,31 @@ class FakeRpcError(Exception):
         from types import SimpleNamespace
 
         return SimpleNamespace(name=self._code_name)
+
+
+class _Remote:
+    """``handle.method.remote(...)`` calling ``fn`` at once (with ``ray.get`` patched to return its argument)."""
+
+    def __init__(self, fn) -> None:
+        self.remote = fn
+
+
+class FakeLearnerHandle:
+    """A ``LearnerActor`` handle as ``services.control.controller`` polls it: ``describe``, ``progress``,
+    ``version``, ``run`` (each ``.remote``). It holds the metrics rows of the steps it trained so far (the
+    actor keeps them all, driver or not); ``run(n)`` is recorded in ``runs``, ``finish(step)`` trains one step."""
+
+    def __init__(self, steps: list[int], running: bool = False) -> None:
+        self.rows = [{"step": s, "loss": 0.1 * s} for s in steps]
+        self.running, self.runs = running, []
+        self.describe = _Remote(lambda: SimpleNamespace(version=self._version(), running=self.running))
+        self.progress = _Remote(lambda cursor: ([dict(r) for r in self.rows[cursor:]], not self.running, None))
+        self.version = _Remote(self._version)
+        self.run = _Remote(self.runs.append)
+
+    def _version(self) -> int:
+        return max((r["step"] for r in self.rows), default=0)
+
+    def finish(self, step: int, last: bool = False) -> None:
+        self.rows.append({"step": step, "loss": 0.1 * step})
+        self.running = not last

@@ -5,7 +5,7 @@ Layout of ``runs/<name>/`` (``recipe.out_dir``) that matters here::
     recipe.json                 the recipe (its ``replay`` section gives the replay config)
     replay/                     replay's WAL + snapshots (or ``replay.dir`` from the recipe)
     learner_journal.jsonl       the learner's journal (``learner.run_journal``)
-    rollouts/rollout-{i}.jsonl  each rollout's journal (``services.replay.links.acked_event``, weights)
+    rollouts/rollout-{i}.jsonl  each rollout's journal (``services.common.replay_links.acked_event``, weights)
 
 Replay's durable state is restored offline into memory with ``replay.offline.inspect_dir`` (read-only:
 it reads the snapshot and WAL and writes nothing — no quarantine moves, no WAL truncation).

@@ -7,7 +7,7 @@ for the supervisor and ``gyre status``. Addresses change when a service is resta
 port, maybe on another node); the supervisor pushes the new one to the services that dial it, by the methods
 ``services.control.topology`` names (``set_replay_address`` to the learner and every rollout,
 ``set_weights_address`` to every rollout). Clients look the address up on every call, so a call that failed
-against the dead server is retried against the new one (``services.replay.links``).
+against the dead server is retried against the new one (``services.common.replay_links``).
 
 The actors: ``services.replay.actor.ReplayActor``, ``services.learner.actor.LearnerActor`` and
 ``LearnerRankActor``, ``services.rollout.actor.RolloutActor``.

@@ -317,7 +317,8 @@ class RolloutMetrics:
 
 class ReplayStateCollector:
     """``runtime_state_age_seconds{service="replay"}`` from ``buffer.info()["last_snapshot_age_s"]``
-    (absent while it is negative: no snapshot yet). Register it next to ``ReplayCollector``."""
+    (absent while it is negative: no snapshot yet). Registered next to ``ReplayCollector`` by
+    ``services.replay.metrics.replay_registry``."""
 
     def __init__(self, buffer, run_id: str, service: str = "replay") -> None:
         _check_labels(run_id, service)
@@ -331,15 +332,6 @@ class ReplayStateCollector:
                                        labels=LABELS)
             family.add_metric(self.labels, age)
             yield family
-
-
-def replay_registry(buffer, run_id: str, service: str = "replay") -> CollectorRegistry:
-    """``services.replay.metrics.registry_for(buffer)`` plus ``ReplayStateCollector``."""
-    from services.replay.metrics import registry_for
-
-    registry = registry_for(buffer)
-    registry.register(ReplayStateCollector(buffer, run_id, service))
-    return registry
 
 
 _SERVERS: dict[int, object] = {}

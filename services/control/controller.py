@@ -298,8 +298,12 @@ def _supervise_training(recipe: Recipe, sup: Supervisor, metrics: MetricsWriter,
     learner restart (it resumed from its newest checkpoint) re-issue ``run(remaining steps)``. Rows of the
     first learner generation up to step ``written`` are not written again (re-attached learner). ``evals``
     is polled each round with the newest learner step (periodic evaluations). Returns the final policy
-    version. Raises ``RuntimeError`` with the learner's traceback if training failed."""
-    steps, generation, cursor, newest = recipe.learner.num_steps, None, 0, -1
+    version. Raises ``RuntimeError`` with the learner's traceback if training failed.
+
+    A learner that already holds ``num_steps`` versions (it finished its steps while no driver watched: the
+    learner actor is detached and outlives a killed driver) is not trained on, but the rows it holds past
+    ``written`` are still fetched and written before returning."""
+    steps, generation, cursor, newest, finished = recipe.learner.num_steps, None, 0, -1, False
     rollout_time = RolloutTimeDeltas()  # time/rollout/*: the fleet's phase seconds since the previous written row
     while True:
         sup.tick()
@@ -311,8 +315,7 @@ def _supervise_training(recipe: Recipe, sup: Supervisor, metrics: MetricsWriter,
                 remaining = steps - info.version
                 if not info.running and remaining > 0:
                     learner.run.remote(remaining)
-                elif remaining <= 0:
-                    return info.version
+                finished = remaining <= 0
             rows, done, error = ray.get(learner.progress.remote(cursor), timeout=30)
         except (RayActorError, GetTimeoutError) as exc:  # the next tick restarts it
             log.warning("learner_unreachable", error=str(exc)[:200])
@@ -334,6 +337,6 @@ def _supervise_training(recipe: Recipe, sup: Supervisor, metrics: MetricsWriter,
             evals.poll(sup, newest)
         if error is not None:
             raise RuntimeError(f"the learner failed:\n{error}")
-        if done:
+        if done or finished:
             return ray.get(learner.version.remote())
         time.sleep(poll_s)

@@ -21,7 +21,7 @@ from services.common.actor_env import advertised_host, node_ip, security_config
 from services.common.describe import LearnerInfo, LearnerRankInfo
 from services.common.logs import bind_policy_version
 from services.common.names import ServiceName
-from services.replay.links import ReroutableReplay
+from services.common.replay_links import ReroutableReplay
 
 log = structlog.get_logger("actors")
 

@@ -31,8 +31,9 @@ class ReplayActor:
         from replay.config import ReplayConfig
         from services.common.cpus import pin_from_env
         from services.common.logs import configure_logging
-        from services.common.observability import replay_registry, serve
+        from services.common.observability import serve
         from services.replay import server as replay_server
+        from services.replay.metrics import replay_registry
 
         configure_logging(run_id, "replay")
         pin_from_env("replay")  # placement.<role>.cpus, before any compute thread starts

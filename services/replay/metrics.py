@@ -11,6 +11,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from services.common.observability import ReplayStateCollector
+
 _GAUGES = {
     "size_groups": "Groups in the pool (sampleable)",
     "size_trajectories": "Trajectories in the pool (sampleable)",
@@ -70,6 +72,14 @@ def registry_for(buffer) -> CollectorRegistry:
     """A fresh registry holding only the replay collector."""
     registry = CollectorRegistry()
     registry.register(ReplayCollector(buffer))
+    return registry
+
+
+def replay_registry(buffer, run_id: str, service: str = "replay") -> CollectorRegistry:
+    """``registry_for(buffer)`` plus ``services.common.observability.ReplayStateCollector``
+    (``runtime_state_age_seconds`` labelled ``service`` and ``run_id``): what ``ReplayActor`` serves."""
+    registry = registry_for(buffer)
+    registry.register(ReplayStateCollector(buffer, run_id, service))
     return registry
 
 

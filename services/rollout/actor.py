@@ -14,7 +14,7 @@ import ray
 from services.common.actor_env import node_ip, security_config
 from services.common.describe import RolloutInfo
 from services.common.logs import bind_policy_version
-from services.replay.links import TrackedReplay, replay_connector
+from services.common.replay_links import TrackedReplay, replay_connector
 
 
 @ray.remote

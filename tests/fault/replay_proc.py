@@ -21,7 +21,7 @@ from replay.config import ReplayConfig
 from replay.offline import inspect_dir
 from services.common import grpc_common
 from services.replay import server as replay_server
-from services.replay.client import ReplayClient
+from services.common.replay_client import ReplayClient
 from tests.fakes import group_table
 
 REPO = Path(__file__).resolve().parents[2]

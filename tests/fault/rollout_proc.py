@@ -121,7 +121,7 @@ def make_worker(args, engine, tokenizer, sampling, log: EventLog):
     from rollout.config import RolloutConfig
     from rollout.tasks import TaskConfig, TaskSource
     from rollout.worker import RolloutWorker
-    from services.replay.client import ReplayClient
+    from services.common.replay_client import ReplayClient
 
     config = RolloutConfig.model_construct(
         engine=None, sampling=sampling, group_size=GROUP_SIZE, groups_in_flight=3,

@@ -24,7 +24,7 @@ from replay.config import ReplayConfig
 from replay.wal import WalError
 from services.common import grpc_common
 from services.replay import server as replay_server
-from services.replay.client import ReplayClient, ReplayUnavailableError
+from services.common.replay_client import ReplayClient, ReplayUnavailableError
 from services.replay.metrics import registry_for
 from tests.fakes import group_table
 

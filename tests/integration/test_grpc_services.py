@@ -18,7 +18,7 @@ from replay.config import ReplayConfig
 from services.common import grpc_common
 from services.learner import weight_server
 from services.replay import server as replay_server
-from services.replay.client import ReplayClient
+from services.common.replay_client import ReplayClient
 from services.replay.metrics import serve_metrics
 from services.rollout.transport.subscriber import WeightSubscriber
 from tests.fakes import group_table

@@ -39,7 +39,7 @@ import yaml
 
 from services.common import grpc_common
 from services.replay import server as replay_server
-from services.replay.client import ReplayClient
+from services.common.replay_client import ReplayClient
 from tests.fault.replay_proc import REPO, free_port
 from tests.fault.rollout_proc import GROUP_SIZE, MAX_NEW_TOKENS, Events, WorkerProcess
 

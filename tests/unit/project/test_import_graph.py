@@ -9,6 +9,10 @@ The cores' rule (docs/concepts/architecture.md): ``replay/``, ``rollout/`` and `
 or Ray — the services wrap them — so importing a core module must not import ``grpc`` or ``ray``, neither
 itself at module level nor through a gyre module it imports at module level (package ``__init__`` files
 included). Imports inside functions are allowed (a core may offer an optional Ray/gRPC path).
+
+The services' layering (same page): under ``services/``, ``common/`` imports no service package, a service
+(``replay/``, ``learner/``, ``rollout/``, ``reward_model/``) imports no other service's package, control imports
+the services and the CLI imports control, never the other way round (``SERVICE_LAYERS``; every import counts).
 """
 
 from __future__ import annotations
@@ -184,3 +188,53 @@ def test_core_modules_import_no_grpc_or_ray_at_import_time():
     assert not bad, ("core modules (replay/, rollout/, learner/) that import grpc or ray when imported (import it "
                      "inside the function that needs it, or move that code to services/):\n"
                      + "\n".join(f"  {m}: {chain}" for m, chain in bad.items()))
+
+
+SERVICE_LAYERS: dict[str, set[str]] = {
+    "common": {"common"},
+    **{s: {s, "common"} for s in ("replay", "learner", "rollout", "reward_model")},
+    "control": {"control", "common", "replay", "learner", "rollout", "reward_model"},
+    "cli": {"cli", "control", "common", "replay", "learner", "rollout", "reward_model"},
+}
+"""``services/`` package -> the ``services`` packages it may import (docs/concepts/architecture.md): ``common`` is
+shared plumbing and imports no service; a service (replay, learner, rollout, reward_model) imports only itself and
+``common``, never another service's package; control imports the services, the CLI imports control."""
+
+
+def layering_violations(imports: dict[str, list[tuple[str, bool]]], modules) -> list[str]:
+    """``"a imports b"`` for every import (any level, deferred ones included) from one ``services/`` package into
+    another that ``SERVICE_LAYERS`` does not allow; a ``services/`` package missing from the table is reported too."""
+    bad = []
+    for module in sorted(imports):
+        parts = module.split(".")
+        if parts[0] != "services" or len(parts) < 2:
+            continue
+        allowed = SERVICE_LAYERS.get(parts[1])
+        if allowed is None:
+            bad.append(f"{module}: services.{parts[1]} has no row in SERVICE_LAYERS")
+            continue
+        for name, _top in imports[module]:
+            target = _resolve(name, modules)
+            if target is None or not target.startswith("services."):
+                continue
+            if target.split(".")[1] not in allowed:
+                bad.append(f"{module} imports {target}")
+    return sorted(set(bad))
+
+
+def test_layering_finds_a_planted_cross_service_import():
+    modules = dict.fromkeys(["services", "services.common.x", "services.learner.a", "services.replay.b",
+                             "services.control.c"])
+    imports = {"services.common.x": [("services.replay.b", False)],
+               "services.learner.a": [("services.replay.b.Thing", True), ("services.common.x", True)],
+               "services.replay.b": [("services.common.x", True)],
+               "services.control.c": [("services.learner.a", True), ("services.replay.b", True)]}
+    assert layering_violations(imports, modules) == ["services.common.x imports services.replay.b",
+                                                     "services.learner.a imports services.replay.b"]
+
+
+def test_no_service_imports_another_services_package():
+    bad = layering_violations(all_imports(), module_files())
+    assert not bad, ("imports across services/ packages that the layering forbids (SERVICE_LAYERS): move what two "
+                     "services share into services/common/ (or a core package if it is pure logic):\n"
+                     + "\n".join(f"  {b}" for b in bad))

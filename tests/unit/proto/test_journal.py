@@ -66,7 +66,7 @@ def test_lines_are_plain_json(tmp_path):
 def test_a_rollouts_replay_link_journals_each_acknowledged_insert(tmp_path):
     from replay.buffer import TrajectoryBuffer
     from replay.config import ReplayConfig
-    from services.replay.links import TrackedReplay
+    from services.common.replay_links import TrackedReplay
     from tests.fakes import FakeReplay, group_table
 
     buf = TrajectoryBuffer(ReplayConfig(max_staleness=0))

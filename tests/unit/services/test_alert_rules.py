@@ -12,7 +12,8 @@ from replay.buffer import TrajectoryBuffer
 from replay.config import ReplayConfig
 from rollout.spool import Spool
 from rollout.stats import RolloutStats
-from services.common.observability import LearnerMetrics, RolloutMetrics, replay_registry
+from services.common.observability import LearnerMetrics, RolloutMetrics
+from services.replay.metrics import replay_registry
 from tests.fakes import group_table
 from tests.unit.services.test_observability import learner_row
 

@@ -12,7 +12,7 @@ from proto.journal import Journal
 from replay.buffer import TrajectoryBuffer
 from replay.config import ReplayConfig
 from services.cli.invariants import KINDS, RunDirError, check_run
-from services.replay.links import acked_event
+from services.common.replay_links import acked_event
 from tests.fakes import group_table
 
 

@@ -11,8 +11,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from rollout.spool import Spool
 from rollout.stats import RolloutStats
 from services.common.observability import (
-    STALENESS_BUCKETS, LearnerMetrics, ReplayStateCollector, RolloutMetrics, replay_registry, serve, stop,
+    STALENESS_BUCKETS, LearnerMetrics, ReplayStateCollector, RolloutMetrics, serve, stop,
 )
+from services.replay.metrics import replay_registry
 from tests.fakes import FakeClock, group_table
 
 RUN = "run-7"

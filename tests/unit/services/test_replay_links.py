@@ -1,4 +1,4 @@
-"""``services.replay.links``: the one way a replay connection is re-pointed after a replay restart
+"""``services.common.replay_links``: the one way a replay connection is re-pointed after a replay restart
 (``ReplayLink.reroute``: the rollout's ``set_replay_address`` goes through it like the learner's, keeping what the
 link tracks), and ``ReroutableReplay``'s ``ack`` and ``rejoin`` waiting out a replay outage, then giving up."""
 
@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import pytest
 from structlog.testing import capture_logs
 
-from services.replay import links
-from services.replay.links import ReroutableReplay, TrackedReplay
+from services.common import replay_links as links
+from services.common.replay_links import ReroutableReplay, TrackedReplay
 from services.rollout.actor import RolloutActor
 
 
