@@ -13,17 +13,26 @@ import subprocess
 import sys
 from pathlib import Path
 
+from filelock import FileLock
+
 REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
 """The venv running the tests; its ``ray`` and ``gyre`` scripts drive the clusters."""
+
+
+APT_LOCK = Path("/tmp/gyre-tests-apt.lock")
+"""Serialises the deploy tests' ``apt-get`` calls: two xdist workers installing at once (sshd for ``ray up``,
+Slurm) made the second fail on dpkg's frontend lock and skip its test."""
 
 
 def ensure_debian_packages(needed: dict[str, str], timeout_s: float = 600) -> str | None:
     """Install the Debian packages whose binary is missing, e.g. ``{"/usr/sbin/sshd": "openssh-server"}``.
 
     Idempotent: a package whose binary exists is not touched. Tries ``apt-get install`` first and, if that
-    fails (stale lists), ``apt-get update`` and once more. Returns ``None`` when every binary exists
-    afterwards, else a reason naming the missing binaries and apt's last output lines.
+    fails (stale lists), ``apt-get update`` and once more. Calls from this suite's processes run one at a time
+    (``APT_LOCK``), and each waits up to ``timeout_s`` for dpkg's own lock (``DPkg::Lock::Timeout``) that any other
+    apt on the machine holds. Returns ``None`` when every binary exists afterwards, else a reason naming the
+    missing binaries and apt's last output lines.
     """
     missing = {binary: pkg for binary, pkg in needed.items() if not _has_binary(binary)}
     if not missing:
@@ -31,16 +40,20 @@ def ensure_debian_packages(needed: dict[str, str], timeout_s: float = 600) -> st
     if os.geteuid() != 0 or shutil.which("apt-get") is None:
         return f"{sorted(missing.values())} not installed and apt-get is not usable here (need root on Debian)"
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    install = ["apt-get", "install", "-y", "--no-install-recommends", *sorted(set(missing.values()))]
+    wait = f"DPkg::Lock::Timeout={int(timeout_s)}"
+    install = ["apt-get", "-o", wait, "install", "-y", "--no-install-recommends", *sorted(set(missing.values()))]
     out = ""
-    for attempt in (install, ["apt-get", "update"], install):
-        try:
-            proc = subprocess.run(attempt, env=env, capture_output=True, text=True, timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            return f"`{' '.join(attempt)}` did not finish in {timeout_s:.0f} s"
-        out = proc.stdout + proc.stderr
-        if attempt is install and proc.returncode == 0:
-            break
+    with FileLock(APT_LOCK):
+        for attempt in (install, ["apt-get", "-o", wait, "update"], install):
+            if attempt is install and not [b for b in missing if not _has_binary(b)]:
+                break  # another test installed them while this one waited for the lock
+            try:
+                proc = subprocess.run(attempt, env=env, capture_output=True, text=True, timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                return f"`{' '.join(attempt)}` did not finish in {timeout_s:.0f} s"
+            out = proc.stdout + proc.stderr
+            if attempt is install and proc.returncode == 0:
+                break
     still = [b for b in missing if not _has_binary(b)]
     if still:
         return f"could not install {sorted(missing.values())} (still missing {still}): {tail_text(out, 5)}"
