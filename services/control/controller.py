@@ -29,7 +29,7 @@ from services.control.progress import RunProgress
 from services.control.ray_connection import CONNECTION_FILE, record_connection
 from services.control.recipe import Recipe
 from services.control.recorded import rollouts_to_start, use_recording
-from services.control.report import MetricsWriter, plot_run, read_metrics
+from services.control.report import MetricsWriter, plot_run, read_metrics, recover_rows
 from services.control.rollout_time import RolloutTimeDeltas, spread
 from services.control.run_lock import hold_run_dir
 from services.control.supervisor import ServiceFactory, Supervisor
@@ -156,8 +156,11 @@ def _run_services(recipe: Recipe, console: Console, trackers: Trackers) -> dict:
         with console.status("starting replay, learner (DeepSpeed) and rollouts (vLLM)…"):
             attached = sup.start(rollouts_to_start(recipe))
         _print_restored(sup, attached, console)
-        # a re-attached learner still holds the rows an earlier driver already wrote
+        # a re-attached learner still holds the rows an earlier driver already wrote; a new one resumed from a
+        # checkpoint whose steps' rows a killed driver may never have written (the learner's own copy has them)
         written = _last_step(out / "metrics.jsonl") if "learner" in attached else -1
+        if "learner" not in attached:
+            recover_rows(out, metrics, ray.get(sup.learner.handle.version.remote()))
         summary = _train(recipe, sup, metrics, console, written)
         with console.status("checkpointing and exporting the final policy…"):
             summary.update(_supervised(sup, lambda: sup.learner.handle.finalize.remote(str(out))))

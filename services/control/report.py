@@ -9,6 +9,8 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from services.common.run_files import LEARNER_ROWS
+
 if TYPE_CHECKING:
     from services.control.tracking import Trackers
 
@@ -49,6 +51,35 @@ def read_metrics(path: Path) -> list[dict]:
             except json.JSONDecodeError as exc:
                 raise ValueError(f"{path}:{i} is not JSON: {exc}") from exc
     return rows
+
+
+def recover_rows(run_dir: Path, metrics: MetricsWriter, learner_version: int) -> list[int]:
+    """Write to ``metrics`` the learner's rows (``{run_dir}/learner_rows.jsonl``, ``LEARNER_ROWS``) of the steps after
+    the last one ``metrics.jsonl`` holds, up to ``learner_version``: steps an earlier learner finished after its
+    driver was killed, and that no driver wrote. Each such row is written as the learner produced it, with
+    ``"recovered": true`` (the driver's rollout columns are missing). For a step trained more than once (a learner
+    that resumed from an earlier checkpoint) the later row wins; a torn last line (a learner killed mid-write) is
+    skipped. Call it before training resumes (the resumed learner writes the steps after ``learner_version``).
+    Returns the steps written."""
+    source = Path(run_dir) / LEARNER_ROWS
+    if not source.is_file():
+        return []
+    last = max((r["step"] for r in read_metrics(metrics.path) if "loss" in r), default=-1) \
+        if metrics.path.is_file() else -1
+    rows: dict[int, dict] = {}
+    lines = source.read_text().splitlines()
+    for i, line in enumerate(lines):
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            if i == len(lines) - 1:
+                continue  # torn by a kill while writing
+            raise ValueError(f"{source}:{i + 1} is not JSON") from None
+        if last < row["step"] <= learner_version:
+            rows[row["step"]] = row
+    for step in sorted(rows):
+        metrics.write({**rows[step], "recovered": True})
+    return sorted(rows)
 
 
 def plot_run(metrics_path: Path, out_png: Path) -> Path:

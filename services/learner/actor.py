@@ -5,6 +5,7 @@ helpers. Actor conventions (``describe()``, pushed addresses): ``services.common
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -21,6 +22,7 @@ from services.common.actor_env import advertised_host, node_ip, security_config
 from services.common.describe import LearnerInfo, LearnerRankInfo
 from services.common.logs import bind_policy_version
 from services.common.names import ServiceName
+from services.common.run_files import LEARNER_ROWS
 from services.common.replay_links import ReroutableReplay
 
 log = structlog.get_logger("actors")
@@ -88,6 +90,8 @@ class LearnerActor:
         bind_policy_version(self.engine.version)
         self.metrics_port = serve(self.metrics.registry, host, metrics_port) if metrics_port is not None else None
         self._rows: list[dict] = []
+        self._rows_file = Path(checkpoint_dir).parent / LEARNER_ROWS if checkpoint_dir is not None else None
+        """Each row is appended here too (``services.common.run_files.LEARNER_ROWS``)."""
         self._error: str | None = None
         self._running = False
         self._done = threading.Event()
@@ -139,6 +143,7 @@ class LearnerActor:
                     self._exit_via_ray()
                     return self.engine.version
                 self._rows.append(row)
+                self._keep_row(row)
                 self.metrics.observe_step(row)
                 bind_policy_version(row["version"])
         except Exception:
@@ -148,6 +153,13 @@ class LearnerActor:
             self._running = False
             self._done.set()
         return self.engine.version
+
+    def _keep_row(self, row: dict) -> None:
+        """Append ``row`` to the run directory's ``LEARNER_ROWS`` (flushed: it survives this process's kill)."""
+        if self._rows_file is None:
+            return
+        with self._rows_file.open("a", encoding="utf-8") as f:
+            f.write(json.dumps(row, sort_keys=True, default=float) + "\n")
 
     def progress(self, cursor: int) -> tuple[list[dict], bool, str | None]:
         """Metrics rows after ``cursor``, whether ``run`` ended, and its traceback if it failed."""
