@@ -94,6 +94,7 @@ class RolloutWorker:
         self.episodes = episode_runner(config, tokenizer)
         """Multi-turn episodes when the recipe sets ``rollout.environment`` (``rollout.agent_group``) or
         ``rollout.verifiers`` (``rollout.verifiers_env``)."""
+        self.stats.env_threads = getattr(self.episodes, "threads", None)  # rollout.environment's blocking calls
 
     # ---- weights ------------------------------------------------------------------------------
     async def apply_weights(self, version: int, named_tensors, timeline: int = SHARED) -> None:
