@@ -17,6 +17,7 @@ from proto.callable_spec import CallableSpecError, load_callable
 from proto.timeline import label
 from proto.trajectory import Trajectory, make_ids
 from rollout.config import SamplingConfig
+from rollout.env_threads import EnvCallsStuckError, EnvThreads
 from rollout.environment import Environment, EnvironmentConfig
 from rollout.episode import Episode, TurnRenderer, run_episode
 from rollout.rewards.base import Group, RewardResult
@@ -45,6 +46,8 @@ class EpisodeRunner:
             raise EnvironmentLoadError(f"rollout.environment.factory {config.factory!r}: {exc}") from exc
         self.config = config
         self.renderer = TurnRenderer(tokenizer)
+        self.threads = EnvThreads(config.max_stuck_calls)
+        """Where the environments' blocking methods run; bounds the calls left running past a time budget."""
         self.version = f"env:{config.factory}@{hashlib.sha256(source).hexdigest()[:12]}"
         """Recorded as each row's ``reward_fn_version``: the environment scores the episodes."""
 
@@ -83,6 +86,10 @@ class EpisodeRunner:
         turns = self.config.max_turns
 
         async def one(i: int) -> Episode:
+            try:  # no environment is made while too many blocking calls are stuck (rollout.env_threads)
+                self.threads.admit("a new episode")
+            except EnvCallsStuckError as exc:
+                return Episode(prompt_token_ids=[], error=f"episode-env_stuck: {exc}")
             try:
                 env = self._make()
             except Exception as exc:  # noqa: BLE001 - user code
@@ -90,7 +97,7 @@ class EpisodeRunner:
                                                            f"{type(exc).__name__}: {exc}"[:2000])
             return await run_episode(engine, self.renderer, env, problem, sampling, self.config,
                                      f"{request_id}-e{i}", max_model_len,
-                                     None if seed is None else seed + i * turns)
+                                     None if seed is None else seed + i * turns, threads=self.threads)
 
         episodes = list(await asyncio.gather(*(one(i) for i in range(n))))
         return share_prompt(episodes, fallback_prompt, engine.version,

@@ -12,7 +12,9 @@ An episode (``rollout.episode.run_episode``) alternates model turns and environm
 The shape is gym's (``reset`` / ``step``) as verl's agent loop, AReaL's and ``verifiers``' multi-turn
 environments use it. One ``Environment`` object serves one episode: the rollout makes a fresh one per episode
 from the recipe's factory, so per-episode state lives on ``self``. ``reset``, ``step`` and ``close`` may be plain
-or ``async def``; plain ones run in a worker thread (a blocking tool call does not stall generation).
+or ``async def``; plain ones run in a worker thread (a blocking tool call does not stall generation), abandoned
+when the episode's time budget runs out during the call, and bounded (``EpisodeConfig.max_stuck_calls``,
+``rollout.env_threads``).
 
 The episode's reward is the sum of its steps' rewards. An environment that raises, or an episode over its time
 budget, ends the episode as *broken*: its reason is recorded (``reward_error`` ``"episode-env_error: ..."`` /
@@ -78,7 +80,12 @@ class EpisodeConfig(BaseModel):
     ``finish_reason "length"`` (a model that never stops calling tools is cut here)."""
     time_budget_s: float = Field(default=300.0, gt=0)
     """Wall-clock seconds one episode may take, generation and environment together; past it the episode is
-    broken (``"episode-time_budget: ..."``, not trained on)."""
+    broken (``"episode-time_budget: ..."``, not trained on). A plain (blocking) ``reset``/``step``/``close`` still
+    running then is abandoned: its thread runs on until the call returns (Python cannot stop a thread)."""
+    max_stuck_calls: int = Field(default=8, ge=1)
+    """Most abandoned blocking calls still running, per rollout (``rollout.env_threads``); while that many run, every
+    new ``reset``/``step``/``close`` is refused and its episode broken (``"episode-env_stuck: ..."``), until one
+    returns. A rollout stuck at this bound needs a restart (that ends the calls)."""
     max_observation_chars: int = Field(default=4096, ge=16)
     """Longest content of one observation message, in characters; longer content (a tool printing megabytes)
     is cut to this with a ``[... N chars cut]`` marker before it is tokenised."""

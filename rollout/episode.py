@@ -30,6 +30,7 @@ from typing import Any
 import structlog
 
 from rollout.config import SamplingConfig
+from rollout.env_threads import EnvCallsStuckError, EnvThreads
 from rollout.environment import Environment, EnvStep, EpisodeConfig, Message
 from rollout.types import Sample
 
@@ -178,11 +179,12 @@ def cap_content(observation: list[Message], max_chars: int) -> list[Message]:
     return out
 
 
-async def call(fn, *args) -> Any:
-    """Call a user method that may be sync (run in a worker thread) or ``async def``."""
+async def call(threads: EnvThreads, fn, *args, refusable: bool = True) -> Any:
+    """Call a user method that may be ``async def`` or blocking (run by ``threads``: ``EnvThreads.call``, which
+    raises ``EnvCallsStuckError`` while too many calls it abandoned still run, if ``refusable``)."""
     if inspect.iscoroutinefunction(fn):
         return await fn(*args)
-    result = await asyncio.to_thread(fn, *args)
+    result = await threads.call(fn, *args, refusable=refusable)
     return await result if inspect.isawaitable(result) else result
 
 
@@ -195,29 +197,36 @@ def check_messages(value: Any, what: str) -> list[Message]:
 
 async def run_episode(engine, renderer: TurnRenderer, env: Environment, problem: Any, sampling: SamplingConfig,
                       config: EpisodeConfig, request_id: str, max_model_len: int, seed: int | None = None,
-                      prompt_token_ids: list[int] | None = None) -> Episode:
+                      prompt_token_ids: list[int] | None = None, threads: EnvThreads | None = None) -> Episode:
     """Run ``env`` on ``problem`` to its end with ``engine`` (``RolloutEngine``: one sample per turn).
 
     Each turn samples at most ``sampling.max_new_tokens`` tokens (fewer when the context would pass
     ``max_model_len``); turn ``k`` uses seed ``seed + k``. ``prompt_token_ids``: the group's prompt (every
-    episode of a group must start from it; a different first rendering breaks the episode).
+    episode of a group must start from it; a different first rendering breaks the episode). ``threads``: where the
+    environment's blocking methods run, and the bound on the calls left running past a budget (``rollout.env_threads``;
+    one per rollout, shared by its episodes); ``None``: this episode's own, bounded by ``config.max_stuck_calls``.
 
-    Never raises for the environment's faults: an exception from ``reset``/``step``, a malformed answer, or the
-    time budget running out returns the episode so far with ``error`` set. Raises what the engine raises
-    (``EngineFailedError``) and ``asyncio.CancelledError``.
+    Never raises for the environment's faults: an exception from ``reset``/``step``, a malformed answer, the time
+    budget running out (a blocking call then running is abandoned, not waited for), or a call refused because too
+    many abandoned calls still run (``"episode-env_stuck: ..."``) returns the episode so far with ``error`` set.
+    Raises what the engine raises (``EngineFailedError``) and ``asyncio.CancelledError``.
     """
     episode = Episode(prompt_token_ids=list(prompt_token_ids or []))
+    threads = threads if threads is not None else EnvThreads(config.max_stuck_calls)
     started = time.monotonic()
     try:
         async with asyncio.timeout(config.time_budget_s):
-            await _play(engine, renderer, env, problem, sampling, config, request_id, max_model_len, seed, episode)
+            await _play(engine, renderer, env, problem, sampling, config, request_id, max_model_len, seed, episode,
+                        threads)
     except TimeoutError:
         episode.error = f"episode-time_budget: over {config.time_budget_s:g} s after {len(episode.turn_starts)} turns"
+    except EnvCallsStuckError as exc:
+        episode.error = f"episode-env_stuck: {exc}"
     except _EnvFault as exc:
         episode.error = f"episode-env_error: {exc}"
     finally:
         try:
-            await asyncio.wait_for(call(env.close), 10.0)
+            await asyncio.wait_for(call(threads, env.close, refusable=False), 10.0)
         except Exception as exc:  # noqa: BLE001 - user code; a close failure loses nothing generated
             log.warning("environment_close_failed", request_id=request_id, error=repr(exc)[:300])
     episode.close_empty(engine.version)
@@ -231,16 +240,19 @@ class _EnvFault(Exception):
     """The environment raised or answered badly; the message says which method and what."""
 
 
-async def _env(what: str, fn, *args):
+async def _env(threads: EnvThreads, what: str, fn, *args):
     try:
-        return await call(fn, *args)
+        return await call(threads, fn, *args)
+    except EnvCallsStuckError:
+        raise  # not the environment's answer: ``run_episode`` names it
     except Exception as exc:  # noqa: BLE001 - user code: the episode records it and breaks
         raise _EnvFault(f"{what} raised {type(exc).__name__}: {exc}"[:2000]) from exc
 
 
 async def _play(engine, renderer: TurnRenderer, env: Environment, problem, sampling: SamplingConfig,
-                config: EpisodeConfig, request_id: str, max_model_len: int, seed: int | None, episode: Episode) -> None:
-    first = await _env("reset", env.reset, problem)
+                config: EpisodeConfig, request_id: str, max_model_len: int, seed: int | None, episode: Episode,
+                threads: EnvThreads) -> None:
+    first = await _env(threads, "reset", env.reset, problem)
     try:
         first = check_messages(first, "reset")
         ids = renderer.prompt_ids(first)
@@ -259,7 +271,7 @@ async def _play(engine, renderer: TurnRenderer, env: Environment, problem, sampl
         (sample,) = await engine.generate(episode.context, 1, turn_sampling, request_id=f"{request_id}-t{turn}",
                                           seed=None if seed is None else seed + turn)
         episode.add_turn(sample)
-        step = await _env("step", env.step, sample.text)
+        step = await _env(threads, "step", env.step, sample.text)
         if not isinstance(step, EnvStep):
             raise _EnvFault(f"step returned {step!r:.200}; expected rollout.environment.EnvStep")
         _count(episode, step)

@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from rollout.env_threads import EnvThreads
 from rollout.spool import Spool
 
 
@@ -67,6 +68,9 @@ class RolloutStats:
     (``rollout.dataset_source.PromptBudget``); they get no prompt index."""
     spool: Spool | None = None
     """The worker's spool, if configured; its gauges (``SpoolStats.as_dict``) join ``as_dict``."""
+    env_threads: EnvThreads | None = None
+    """Where a multi-turn environment's blocking methods run (``rollout.env_threads``), if the rollout has one; its
+    counters (``env_calls_stuck``, ``env_calls_abandoned``, ``env_calls_refused``) join ``as_dict``."""
     reward_errors: int = 0
     """Trajectories whose reward reached no verdict (``reward_error`` set; their stored reward is 0.0)."""
     reward_parts: dict[str, list[float]] = field(default_factory=dict)
@@ -131,6 +135,7 @@ class RolloutStats:
                 "insert_s": self.insert.seconds(),
                 "weight_apply_s": self.weight_apply_s + (self.other_weight_loads() if self.other_weight_loads else 0.0),
                 **(self.spool.stats().as_dict() if self.spool else {}),
+                **(self.env_threads.as_dict() if self.env_threads else {}),
                 **({"episodes": dict(self.episodes)} if self.episodes else {})}
 
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from typing import Protocol
+from collections.abc import Coroutine
+from typing import Any, Protocol
 
 import pyarrow as pa
 import structlog
@@ -72,7 +73,8 @@ class RolloutWorker:
         self.rollout_id, self.config, self.task = rollout_id, config, task
         self.engine, self.replay, self.tokenizer, self.seed = engine, replay, tokenizer, seed
         self.stats = RolloutStats(prompts_too_long=task.too_long())
-        self._stopping = asyncio.Event()
+        self._stopping = asyncio.Event()  # the newest run()'s stop signal (each run() makes its own)
+        self._running = False  # a run() is generating (its loop started and has not finished)
         self.spool = (Spool(config.spool_dir, config.spool_max_bytes, config.spool_max_groups)
                       if config.spool_dir else None)
         self.stats.spool = self.spool
@@ -92,6 +94,7 @@ class RolloutWorker:
         self.episodes = episode_runner(config, tokenizer)
         """Multi-turn episodes when the recipe sets ``rollout.environment`` (``rollout.agent_group``) or
         ``rollout.verifiers`` (``rollout.verifiers_env``)."""
+        self.stats.env_threads = getattr(self.episodes, "threads", None)  # rollout.environment's blocking calls
 
     # ---- weights ------------------------------------------------------------------------------
     async def apply_weights(self, version: int, named_tensors, timeline: int = SHARED) -> None:
@@ -149,20 +152,43 @@ class RolloutWorker:
         self.stats.groups_dropped_on_switch += len(doomed)
 
     # ---- generation loop ----------------------------------------------------------------------
-    async def run(self) -> None:
-        """Generate until ``stop()``; at most ``groups_in_flight`` prompts at once, and with
-        ``max_groups_per_version`` at most that many groups started per policy version (then it waits for
-        ``apply_weights`` of a newer one).
+    def run(self) -> Coroutine[Any, Any, None]:
+        """The generation loop, as a coroutine to await or wrap in a task: generate until ``stop()``; at most
+        ``groups_in_flight`` prompts at once, and with ``max_groups_per_version`` at most that many groups started
+        per policy version (then it waits for ``apply_weights`` of a newer one).
+
+        Each call gets its own stop signal, made here, when ``run()`` is called (not when the coroutine first
+        runs): a ``stop()`` before this call does not end it, a ``stop()`` after it does, even one that comes
+        before the coroutine starts. So a stopped worker generates again with another ``run()`` (the actor's
+        ``start`` after ``pause``), and ``create_task(worker.run())`` followed at once by ``stop()`` stops it.
 
         With a spool: first ``recover()`` it and start the flusher (which delivers what a previous
         incarnation left, oldest first); on stop, groups still in the spool stay there for the next start
-        (or ``self.flusher.drain``). Raises whatever the flusher raised (not a retryable replay error).
+        (or ``self.flusher.drain``). Raises whatever the flusher raised (not a retryable replay error), and
+        ``RuntimeError`` when the previous ``run()`` has not finished (await it after ``stop()`` first).
         """
+        if self._running:
+            raise RuntimeError(f"rollout {self.rollout_id}: run() called while the previous run() is still "
+                               "generating; stop() it and await it first")
+        self._stopping = asyncio.Event()
+        return self._generate(self._stopping)
+
+    async def _generate(self, stopping: asyncio.Event) -> None:
+        """``run()``'s loop, until ``stopping`` is set."""
+        if self._running:  # two run() coroutines made before either started: the second one refuses
+            raise RuntimeError(f"rollout {self.rollout_id}: another run() is generating")
+        self._running = True
+        try:
+            await self._loop(stopping)
+        finally:
+            self._running = False
+
+    async def _loop(self, stopping: asyncio.Event) -> None:
         loop = asyncio.get_running_loop()
         tasks = self._tasks
         flusher = await self._start_spool(loop)
         try:
-            while not self._stopping.is_set():
+            while not stopping.is_set():
                 if flusher is not None and flusher.done():
                     flusher.result()  # it only ends by raising
                 gate_open = self._gate_open()
@@ -207,6 +233,8 @@ class RolloutWorker:
                 await self.episodes.close()
 
     def stop(self) -> None:
+        """End the newest ``run()`` (called, even if not started yet): it leases no more prompts, cancels the
+        groups in generation (their prompt leases expire and are re-issued) and returns. No-op without one."""
         self._stopping.set()
 
     def _gate_open(self) -> bool:

@@ -217,6 +217,8 @@ _ROLLOUT_GAUGES = {
     "groups_in_flight": ("gyre_rollout_groups_in_flight", "Groups being generated now"),
     "spool_pending_groups": ("gyre_rollout_spool_pending_groups", "Spooled groups replay has not acked"),
     "spool_pending_bytes": ("gyre_rollout_spool_pending_bytes", "Bytes of the spooled groups not acked"),
+    "env_calls_stuck": ("gyre_rollout_env_calls_stuck",
+                        "Blocking environment calls abandoned at an episode's time budget and still running"),
 }
 _ROLLOUT_COUNTERS = {
     "groups": ("gyre_rollout_groups", "Groups generated"),
@@ -229,6 +231,10 @@ _ROLLOUT_COUNTERS = {
     "timeline_switches": ("gyre_rollout_timeline_switches", "Weight loads from another learner timeline (a rewind)"),
     "groups_dropped_on_switch": ("gyre_rollout_groups_dropped_on_switch",
                                  "Groups in generation cancelled because their weights' timeline died"),
+    "env_calls_abandoned": ("gyre_rollout_env_calls_abandoned",
+                            "Blocking environment calls abandoned at an episode's time budget"),
+    "env_calls_refused": ("gyre_rollout_env_calls_refused",
+                          "Environment calls refused while max_stuck_calls abandoned ones still ran"),
 }
 
 

@@ -75,7 +75,7 @@ class RolloutActor:
         self.metrics_port = serve(self.metrics.registry, host, metrics_port) if metrics_port is not None else None
         await self.set_weights_address(weights_address)
         self._journal_weights()
-        self.task = None
+        self.task, self.stopped = None, False
         self.staged_reward: dict | None = None
         """Rewards built by ``prepare_reward``, put in force by ``commit_reward`` (``TaskSource.prepare_swap``)."""
         return os.getpid()
@@ -174,8 +174,16 @@ class RolloutActor:
         self.staged_reward = None
 
     async def start(self) -> None:
-        """Start generating (no-op when already generating, e.g. a re-attached rollout)."""
+        """Start generating (no-op when already generating, e.g. a re-attached rollout); again after ``pause``
+        or ``drain`` (leasing prompts again).
+
+        Raises:
+            RuntimeError: after ``stop`` (the engine is shut down; a new actor generates instead).
+        """
+        if self.stopped:
+            raise RuntimeError(f"rollout {self.rollout_id} was stopped (its engine is shut down); start another")
         if self.task is None or self.task.done():
+            self.replay.draining = False
             self.task = asyncio.create_task(self.worker.run())
 
     async def drain(self, timeout_s: float) -> int:
@@ -241,6 +249,8 @@ class RolloutActor:
                            reward_versions=self.worker.task.reward_versions())
 
     async def stop(self) -> None:
+        """Stop generating and shut the engine and weight subscription down; ``start`` then raises."""
+        self.stopped = True
         await self.pause()
         await asyncio.to_thread(self.subscriber.stop)
         await self.engine.shutdown()

@@ -4,6 +4,7 @@ every way an environment can misbehave (the episode ends with a reason, nothing 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -115,7 +116,90 @@ def test_a_hanging_step_ends_the_episode_at_its_time_budget(tok, env):
 
     ep, seconds = asyncio.run(timed())
     assert ep.error.startswith("episode-time_budget: over 0.5 s after 1 turns")
-    assert seconds < 2.9  # the blocking step's thread is left behind, not waited for
+    assert seconds < 2.9  # the blocking step's thread is abandoned, not waited for
+
+
+GATE = threading.Event()
+"""Closed: every ``Stuck`` step blocks until it opens (set it in a ``finally``: the threads must end)."""
+
+
+class Stuck(Chatty):
+    """A blocking step that hangs while ``GATE`` is closed (a tool backend that stopped answering)."""
+
+    made = 0
+
+    def __init__(self):
+        super().__init__()
+        Stuck.made += 1
+
+    def step(self, completion):
+        GATE.wait(60)
+        return super().step(completion)
+
+
+def test_blocking_steps_abandoned_at_their_budget_leave_the_default_executor_free(tok):
+    """Replay and spool I/O run in the event loop's default executor: steps abandoned at their time budget must not
+    hold its threads (they held them until they returned: 4 hanging tool calls stalled a 4-thread executor)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    async def four_stuck_then_io():
+        asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(max_workers=4))
+        try:
+            eps = await asyncio.gather(*(
+                run_episode(ScriptEngine(), TurnRenderer(tok), Stuck(), "2+3", SAMPLING,
+                            EpisodeConfig(max_turns=3, time_budget_s=0.3), f"req-{i}", 1024) for i in range(4)))
+            io = await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(None, lambda: "io"), 5.0)
+            return eps, io
+        finally:
+            GATE.set()
+
+    GATE.clear()
+    try:
+        eps, io = asyncio.run(four_stuck_then_io())
+    except TimeoutError:
+        raise AssertionError("the default executor stayed blocked by the abandoned steps") from None
+    assert io == "io" and all(e.error.startswith("episode-time_budget: over 0.3 s") for e in eps)
+
+
+def test_past_max_stuck_calls_new_calls_are_refused_until_a_stuck_one_returns(tok):
+    """A rollout bounds the blocking calls it abandoned: at ``max_stuck_calls`` still running, new episodes break at
+    once (``episode-env_stuck``) without an environment being made; counted in the rollout's stats and metrics."""
+    from rollout.stats import RolloutStats
+    from services.common.observability import RolloutMetrics
+
+    run = EpisodeRunner(EnvironmentConfig(factory="tests.unit.rollout.test_episodes:Stuck", max_turns=2,
+                                          time_budget_s=0.3, max_stuck_calls=2), tok)
+    group = lambda: asyncio.run(run.run_group(ScriptEngine(), "2+2", 2, SAMPLING, "g", 1024, 3,  # noqa: E731
+                                              fallback_prompt=[1]))
+    GATE.clear()
+    try:
+        stuck = group()
+        assert [e.error[:31] for e in stuck] == ["episode-time_budget: over 0.3 s"] * 2
+        assert (run.threads.stuck, run.threads.abandoned) == (2, 2)
+        made, start = Stuck.made, time.monotonic()
+        refused = group()
+        assert time.monotonic() - start < 0.3 and Stuck.made == made  # refused before the factory ran
+        assert all(e.error.startswith("episode-env_stuck: 2 environment calls are still running past their "
+                                      "episode's time budget (limit 2, rollout.environment.max_stuck_calls); "
+                                      "refusing a new episode until one returns") for e in refused), refused[0].error
+        env = Chatty()  # an episode already made when the bound was reached: its calls are refused, close is not
+        ep = asyncio.run(run_episode(ScriptEngine(), TurnRenderer(tok), env, "2+3", SAMPLING, run.config, "req", 1024,
+                                     threads=run.threads))
+        assert "refusing Chatty.reset until one returns" in ep.error and env.closed and env.turns == 0
+        assert run.threads.refused == 3
+    finally:
+        GATE.set()
+    deadline = time.monotonic() + 10
+    while run.threads.stuck and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert run.threads.stuck == 0  # the stuck steps returned: calls are taken again
+    assert [e.error for e in group()] == ["", ""]
+    stats = RolloutStats(env_threads=run.threads).as_dict(0)
+    assert (stats["env_calls_stuck"], stats["env_calls_abandoned"], stats["env_calls_refused"]) == (0, 2, 3)
+    samples = {s.name: s.value for f in RolloutMetrics("run", "r0", source=lambda: stats).registry.collect()
+               for s in f.samples}
+    assert (samples["gyre_rollout_env_calls_stuck"], samples["gyre_rollout_env_calls_abandoned_total"],
+            samples["gyre_rollout_env_calls_refused_total"]) == (0, 2, 3)
 
 
 def test_megabytes_of_tool_output_are_cut_before_tokenising(tok):

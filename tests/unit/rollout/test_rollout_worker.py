@@ -241,3 +241,69 @@ def test_stopping_the_worker_ends_an_insert_retry_at_once(phase):
             released.set()  # the blocked insert thread ends (asyncio.run waits for its executor)
     asyncio.run(stop_during_the_insert())
     assert replay.calls == 1 and worker.stats.insert_retries == (phase == "backoff")
+
+
+def test_a_stopped_worker_generates_again_with_another_run():
+    """``stop()`` ends the run it was meant for only: the next ``run()`` leases and generates again, and a ``stop()``
+    right after ``create_task(worker.run())`` (before the loop first ran) still stops that run."""
+    buf = TrajectoryBuffer(ReplayConfig())
+    worker = make_worker(FakeReplay(buf), max_ready_groups=1000)
+
+    async def lifecycle():
+        await run_until(worker, lambda: worker.stats.groups >= 2, "two groups in the first run")
+        first = worker.stats.groups
+        await run_until(worker, lambda: worker.stats.groups >= first + 2, "two more groups after a restart")
+        assert worker.stats.groups >= first + 2, "the second run() ended at once: the first one's stop() stuck"
+        task = asyncio.create_task(worker.run())
+        worker.stop()  # before the task's first step
+        await asyncio.wait_for(task, 10)
+        with pytest.raises(RuntimeError, match="still generating"):
+            task = asyncio.create_task(worker.run())
+            await asyncio.sleep(0)
+            worker.run()
+        worker.stop()
+        await task
+
+    asyncio.run(lifecycle())
+
+
+def test_the_rollout_actor_starts_again_after_pause_and_drain():
+    """The actor's ``start`` after ``pause`` or ``drain`` generates again (drain's no-more-leases is lifted), and
+    ``start`` after ``stop`` raises instead of generating on a shut-down engine."""
+    import threading
+
+    from services.replay.links import TrackedReplay
+    from services.rollout.actor import RolloutActor
+
+    buf = TrajectoryBuffer(ReplayConfig())
+    replay = TrackedReplay(FakeReplay(buf), connect=lambda address: None)
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    cls = RolloutActor.__ray_actor_class__  # the class under @ray.remote, without a Ray cluster
+    actor = cls.__new__(cls)
+    actor.rollout_id, actor.loop, actor.replay, actor.task, actor.stopped = "r0", loop, replay, None, False
+    actor.worker = make_worker(replay, max_ready_groups=1000)
+    run = lambda coro: asyncio.run_coroutine_threadsafe(coro, loop).result(timeout=60)  # noqa: E731
+
+    def generates(what: str) -> None:
+        before = actor.worker.stats.groups
+        run(actor.start())
+        run(until(lambda: actor.worker.stats.groups >= before + 2, what))
+
+    try:
+        generates("groups after the first start")
+        run(actor.pause())
+        generates("groups after a start that followed pause")
+        # (a group the pause cancelled keeps its lease counted as undelivered: drain waits out its 1 s for it)
+        run(actor.drain(1.0))
+        assert replay.draining and actor.task is None
+        generates("groups after a start that followed drain")
+        run(actor.pause())
+        actor.stopped = True  # what stop() sets before shutting the engine down
+        with pytest.raises(RuntimeError, match="r0 was stopped"):
+            run(actor.start())
+        assert actor.task is None
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=10)
