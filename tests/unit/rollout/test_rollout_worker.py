@@ -272,7 +272,7 @@ def test_the_rollout_actor_starts_again_after_pause_and_drain():
     ``start`` after ``stop`` raises instead of generating on a shut-down engine."""
     import threading
 
-    from services.replay.links import TrackedReplay
+    from services.common.replay_links import TrackedReplay
     from services.rollout.actor import RolloutActor
 
     buf = TrajectoryBuffer(ReplayConfig())
