@@ -115,6 +115,7 @@ def run_trials(tmp_path, cfg: dict, trials: int, seed: int, fault_share: float =
     return results
 
 
+@pytest.mark.slow  # 50 replay processes killed (~1 min): `make test`, not `make test-fast`
 def test_acknowledged_trajectories_survive_kill_9(tmp_path):
     results = run_trials(tmp_path, config("fsync"), trials=50, seed=3, fault_share=0.4)
     bad = [r for r in results if r["lost_n"] or r["duplicated"] or r["never_sent"]]

@@ -23,6 +23,8 @@ from safetensors.torch import load_file
 
 from learner import checkpoint as ckpt
 
+pytestmark = pytest.mark.slow  # learner processes killed and resumed (~3 min): `make test`, not `make test-fast`
+
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 4
 
