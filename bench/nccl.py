@@ -91,11 +91,21 @@ def _nccl_env(name: str) -> None:
     os.environ.update({"NCCL_HOSTID": f"gyre-bench-{name}", "NCCL_SOCKET_IFNAME": "lo", "NCCL_IB_DISABLE": "1"})
 
 
-def _group(store_port: int, rank: int, world: int, is_master: bool):
+def _store(port: int, world: int):
+    """The bench's TCPStore: with ``port`` 0 the learner's, on a port the OS picks (``store.port``: the
+    receivers are started after it is bound, so no other process can take it first); else a receiver's client
+    of the store on ``port``."""
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", port, world, port == 0, timeout=datetime.timedelta(seconds=300),
+                         wait_for_workers=False)
+
+
+def _group(store, rank: int, world: int):
+    """Join the bench's process group (gloo in ``CPU_DRY_RUN``, else NCCL) over ``store``; returns ``store``."""
     import torch.distributed as dist
 
     timeout = datetime.timedelta(seconds=300)
-    store = dist.TCPStore("127.0.0.1", store_port, world, is_master, timeout=timeout, wait_for_workers=False)
     if CPU_DRY_RUN:
         dist.init_process_group("gloo", store=dist.PrefixStore("pg", store), rank=rank, world_size=world,
                                 timeout=timeout)
@@ -115,7 +125,7 @@ def receiver_main(rank: int, world: int, store_port: int, weights_address: str, 
     from rollout.weights import NcclTransportConfig
     from services.rollout.transport.nccl import NcclTransport
 
-    store = _group(store_port, rank, world, is_master=False)
+    store = _group(_store(store_port, world), rank, world)
     shapes = model_shapes(MODELS[model])
     bcast = torch_distributed_broadcast()
 
@@ -159,8 +169,6 @@ def _wait_keys(store, keys: list[str]) -> list[str]:
 def learner_main(receivers: int, rounds: int, model: str) -> dict:
     """Learner process: publisher + weight server + NCCL sender; spawns ``receivers`` receiver processes."""
     _nccl_env("learner")
-    import socket
-
     import torch.distributed as dist
 
     from learner.publisher import WeightPublisher
@@ -168,15 +176,13 @@ def learner_main(receivers: int, rounds: int, model: str) -> dict:
     from proto.broadcast import torch_distributed_broadcast
     from services.learner.weight_broadcast import NcclWeightSender
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        store_port = s.getsockname()[1]
     pub = WeightPublisher()
     server, port = weight_server.serve(pub)
     world = receivers + 1
-    procs = [subprocess.Popen([sys.executable, "-m", "bench.nccl", "--receiver", str(r), str(world), str(store_port),
+    store = _store(0, world)
+    procs = [subprocess.Popen([sys.executable, "-m", "bench.nccl", "--receiver", str(r), str(world), str(store.port),
                                f"127.0.0.1:{port}", model], cwd=REPO) for r in range(1, world)]
-    store = _group(store_port, 0, world, is_master=True)
+    _group(store, 0, world)
     shapes = model_shapes(MODELS[model])
     nbytes = sum(2 * _numel(s) for _, s in shapes)
     clean = torch_distributed_broadcast()

@@ -40,7 +40,7 @@ from typing import NamedTuple
 import numpy as np
 
 from bench.replay_baselines import KINDS, RAW_METHOD, serve
-from bench.replay_parts import (GROUP_SIZE, Server, free_port, fsync_ms, p99_ms, requests, sequential_write_mb_s,
+from bench.replay_parts import (GROUP_SIZE, Server, fsync_ms, p99_ms, requests, sequential_write_mb_s,
                                 snapshot_bytes, stream, trajectory_batch)
 from services.common.replay_client import ReplayClient
 
@@ -60,7 +60,7 @@ def ingest_mb_s(kind: str, root: Path, batches: int, seed: int) -> tuple[float, 
     reqs = list(requests(seed * 10_000_000, batches, GROUPS, seed))
     directory = root / f"ingest-{kind}-{seed}"
     baseline = kind in KINDS
-    server = Server(kind if baseline else "replay", free_port(), directory, None if baseline else replay_config(kind))
+    server = Server(kind if baseline else "replay", directory, None if baseline else replay_config(kind))
     halves = [reqs[0::2], reqs[1::2]]
     sent = [0, 0]
     method = RAW_METHOD if baseline else "/gyre.replay.v1.ReplayService/Insert"
@@ -236,7 +236,7 @@ def restore_phase(server: Server, client: ReplayClient, directory: Path, next_pr
     client.close()
     server.stop(signal.SIGKILL)
     t0 = time.perf_counter()
-    server = Server("replay", free_port(), directory, replay_config("fsync"))
+    server = Server("replay", directory, replay_config("fsync"))
     serving = time.perf_counter() - t0
     info = ReplayClient(server.address).info()
     server.stop()
@@ -256,10 +256,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--quick", action="store_true", help="100k trajectories instead of 1M; fewer messages")
     parser.add_argument("--dir", help="where the WAL/snapshots go (default: a temp dir)")
     parser.add_argument("--baseline", choices=KINDS, help=argparse.SUPPRESS)
-    parser.add_argument("--baseline-port", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--baseline-port-file", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.baseline is not None:  # a baseline server process of ingest_mb_s
-        serve(args.baseline, args.baseline_port, Path(args.dir) if args.dir else None)
+        serve(args.baseline, args.baseline_port_file, Path(args.dir) if args.dir else None)
         return {}
     sizes = (10_000, 100_000) if args.quick else (100_000, 1_000_000)
     root = Path(args.dir or tempfile.mkdtemp(prefix="gyre-bench-replay-")).resolve()  # the servers' cwd is REPO
@@ -267,7 +267,7 @@ def main(argv: list[str] | None = None) -> dict:
     out: dict = {"bench": "replay", "quick": args.quick, "trajectories_per_message": GROUPS * GROUP_SIZE}
     out["disk_fsync_p50_ms"], out["disk_fsync_p99_ms"] = (round(x, 2) for x in fsync_ms(root))
     out.update(ingest_phase(root, 120 if args.quick else 600, rounds=3))
-    server = Server("replay", free_port(), root / "main", replay_config("fsync"))
+    server = Server("replay", root / "main", replay_config("fsync"))
     client = ReplayClient(server.address, timeout_s=600)
     sampled, stored = sample_phase(server, client, sizes)
     snapped, next_prompt = snapshot_phase(server, client, root, stored // GROUP_SIZE)

@@ -30,7 +30,7 @@ import grpc
 
 from proto import replay_pb2
 from replay.memory import tune_malloc
-from services.common import grpc_common
+from services.common import grpc_common, port_file
 
 KINDS = ("raw", "keep", "append", "durable")
 LOGGING = ("append", "durable")
@@ -118,9 +118,11 @@ def baseline_server(kind: str, port: int = 0, directory: Path | None = None) -> 
     return server, port, kept
 
 
-def serve(kind: str, port: int, directory: Path | None = None) -> None:
-    """Run a baseline server until SIGTERM/SIGINT (the process ``bench.replay_parts.Server`` starts)."""
+def serve(kind: str, port_file_path: str, directory: Path | None = None) -> None:
+    """Run a baseline server on a port the OS picks, written to ``port_file_path`` once serving, until
+    SIGTERM/SIGINT (the process ``bench.replay_parts.Server`` starts)."""
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
-    server, _, _ = baseline_server(kind, port, directory)
+    server, port, _ = baseline_server(kind, 0, directory)
+    port_file.write(port_file_path, port)
     signal.sigwait({signal.SIGTERM, signal.SIGINT})
     server.stop(grace=None)

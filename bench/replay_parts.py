@@ -4,10 +4,11 @@ or a baseline of ``bench.replay_baselines``), and the streaming/timing helpers."
 from __future__ import annotations
 
 import os
+import shutil
 import signal
-import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -19,7 +20,7 @@ import yaml
 from bench.replay_baselines import KINDS
 from proto import replay_pb2
 from proto.trajectory import SCHEMA_VERSION, TRAJECTORY_SCHEMA, to_ipc
-from services.common import grpc_common
+from services.common import grpc_common, port_file
 
 REPO = Path(__file__).resolve().parents[1]
 GROUP_SIZE, PROMPT_LEN, RESPONSE_LEN = 8, 64, 192
@@ -93,11 +94,17 @@ def stream(address: str, reqs, method: str = "/gyre.replay.v1.ReplayService/Inse
 
 class Server:
     """A server subprocess: a baseline (``bench.replay_baselines.KINDS``; ``append`` and ``durable``
-    log to ``directory``) or ``replay``, the replay service on ``directory`` with ``config``."""
+    log to ``directory``) or ``replay``, the replay service on ``directory`` with ``config``. It binds a port
+    the OS picks and reports it through a port file (``services.common.port_file``); serving on return.
 
-    def __init__(self, kind: str, port: int, directory: Path | None = None, config: dict | None = None) -> None:
+    Raises:
+        RuntimeError: the process exited, or did not serve within 120 s.
+    """
+
+    def __init__(self, kind: str, directory: Path | None = None, config: dict | None = None) -> None:
+        bound = Path(tempfile.mkdtemp(prefix="gyre-bench-port-")) / "port"
         if kind in KINDS:
-            cmd = [sys.executable, "-m", "bench.replay", "--baseline", kind, "--baseline-port", str(port)]
+            cmd = [sys.executable, "-m", "bench.replay", "--baseline", kind, "--baseline-port-file", str(bound)]
             if directory is not None:
                 directory.mkdir(parents=True, exist_ok=True)
                 cmd += ["--dir", str(directory)]
@@ -105,10 +112,15 @@ class Server:
             cfg = directory.with_suffix(".yaml")
             cfg.write_text(yaml.safe_dump(config))
             cmd = [sys.executable, "-m", "services.replay.main", "--config", str(cfg), "--dir", str(directory),
-                   "--port", str(port)]
-        self.address = f"127.0.0.1:{port}"
+                   "--port", "0", "--port-file", str(bound)]
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 120
+        try:
+            self.address = f"127.0.0.1:{port_file.wait(bound, self.proc, 120)}"
+        except (RuntimeError, TimeoutError) as exc:
+            raise RuntimeError(f"{' '.join(cmd)} did not start: {exc}") from None
+        finally:
+            shutil.rmtree(bound.parent, ignore_errors=True)
         while not grpc_common.check_health(self.address, timeout_s=0.5):
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"{' '.join(cmd)} did not start (exit {self.proc.poll()})")
@@ -121,12 +133,6 @@ class Server:
     def stop(self, sig: int = signal.SIGTERM) -> None:
         self.proc.send_signal(sig)
         self.proc.wait(timeout=120)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def sequential_write_mb_s(directory: Path, nbytes: int) -> float:

@@ -32,7 +32,6 @@ from pathlib import Path
 
 from bench.rollout_parts import (WeightFeed, WeightServerProc, bare_vllm_tokens, fetch_main, gyre_tokens,
                                  process_fetch_s, serve_weights)
-from bench.replay_parts import free_port
 
 SMOLLM2 = Path(__file__).resolve().parents[1] / ".cache/models/SmolLM2-135M-Instruct"
 
@@ -44,7 +43,7 @@ def weight_sync(total_bytes: int, rounds: int) -> dict:
     gyre_s, raw_s, nbytes = [], [], 0
 
     def gyre() -> None:
-        server = WeightServerProc("gyre", free_port(), total_bytes)
+        server = WeightServerProc("gyre", total_bytes)
         try:
             gyre_s.append(process_fetch_s("gyre", server.address, 2)[0])
         finally:
@@ -52,7 +51,7 @@ def weight_sync(total_bytes: int, rounds: int) -> dict:
 
     def raw() -> None:
         nonlocal nbytes
-        server = WeightServerProc("raw", free_port(), total_bytes)
+        server = WeightServerProc("raw", total_bytes)
         try:
             seconds, nbytes = process_fetch_s("raw", server.address, 2)
             raw_s.append(seconds)
@@ -142,15 +141,15 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--weight-sync-only", action="store_true",
                         help="measure only weight_sync_ratio (no vLLM engine)")
-    parser.add_argument("--weights-server", nargs=3, metavar=("KIND", "PORT", "BYTES"), help=argparse.SUPPRESS)
+    parser.add_argument("--weights-server", nargs=3, metavar=("KIND", "PORT_FILE", "BYTES"), help=argparse.SUPPRESS)
     parser.add_argument("--fetch", nargs=2, metavar=("KIND", "ADDRESS"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.fetch:
         fetch_main(*args.fetch)
         return
     if args.weights_server:
-        kind, port, nbytes = args.weights_server
-        serve_weights(kind, int(port), int(nbytes))
+        kind, bound, nbytes = args.weights_server
+        serve_weights(kind, bound, int(nbytes))
         return
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     result = {"quick": args.quick}

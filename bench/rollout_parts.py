@@ -4,9 +4,11 @@ stream baseline), subscriber clients, and the generation loops compared by ``rol
 from __future__ import annotations
 
 import asyncio
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -17,7 +19,7 @@ import torch
 
 from learner.publisher import WeightPublisher
 from proto.tensor_chunks import encode_tensors
-from services.common import grpc_common
+from services.common import grpc_common, port_file
 from services.learner import weight_server
 from services.rollout.transport.subscriber import WeightSubscriber
 
@@ -34,9 +36,10 @@ def bench_tensors(total_bytes: int, seed: int = 0) -> list[tuple[str, torch.Tens
     return out
 
 
-def serve_weights(kind: str, port: int, total_bytes: int) -> None:
+def serve_weights(kind: str, port_file_path: str, total_bytes: int) -> None:
     """Subprocess body: serve one version of ``bench_tensors`` as gyre chunks or as raw bytes messages
-    of the same size (``CHUNK_BYTES``) on the same server options, until SIGTERM."""
+    of the same size (``CHUNK_BYTES``) on the same server options, on a port the OS picks (written to
+    ``port_file_path`` once serving), until SIGTERM."""
     named = bench_tensors(total_bytes)
     server, health = grpc_common.make_server()
     if kind == "gyre":
@@ -56,18 +59,28 @@ def serve_weights(kind: str, port: int, total_bytes: int) -> None:
                                                        response_serializer=lambda b: b)
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(RAW_SERVICE, {"Subscribe": handler}),))
         name = RAW_SERVICE
-    grpc_common.start(server, health, name, "127.0.0.1", port)
+    port_file.write(port_file_path, grpc_common.start(server, health, name, "127.0.0.1", 0))
     signal.sigwait({signal.SIGTERM, signal.SIGINT})
 
 
 class WeightServerProc:
-    """A ``serve_weights`` subprocess; waits until it is healthy."""
+    """A ``serve_weights`` subprocess; waits until it reported its port and is healthy.
 
-    def __init__(self, kind: str, port: int, total_bytes: int) -> None:
-        self.address = f"127.0.0.1:{port}"
-        self.proc = subprocess.Popen([sys.executable, "-m", "bench.rollout", "--weights-server", kind, str(port),
+    Raises:
+        RuntimeError: the process exited, or did not serve within 120 s.
+    """
+
+    def __init__(self, kind: str, total_bytes: int) -> None:
+        bound = Path(tempfile.mkdtemp(prefix="gyre-bench-port-")) / "port"
+        self.proc = subprocess.Popen([sys.executable, "-m", "bench.rollout", "--weights-server", kind, str(bound),
                                       str(total_bytes)], cwd=REPO)
         deadline = time.monotonic() + 120
+        try:
+            self.address = f"127.0.0.1:{port_file.wait(bound, self.proc, 120)}"
+        except (RuntimeError, TimeoutError) as exc:
+            raise RuntimeError(f"weight server {kind} did not start: {exc}") from None
+        finally:
+            shutil.rmtree(bound.parent, ignore_errors=True)
         while not grpc_common.check_health(self.address, timeout_s=0.5):
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"weight server {kind} did not start (exit {self.proc.poll()})")

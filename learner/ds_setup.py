@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 from typing import Any
 
 import torch
@@ -56,16 +55,28 @@ def build_ds_config(config: LearnerConfig) -> dict[str, Any]:
 
 
 def ensure_distributed() -> None:
-    """Initialise torch.distributed from ``RANK``/``WORLD_SIZE``/``MASTER_*`` env, defaulting to a
-    world of one on a free localhost port. No-op when already initialised."""
+    """Initialise torch.distributed (NCCL with CUDA, else gloo). No-op when already initialised.
+
+    With ``MASTER_PORT`` in the env (a multi-rank learner's launcher sets it, with ``RANK``/``WORLD_SIZE``):
+    torch's ``env://`` rendezvous there (``MASTER_ADDR`` defaults to 127.0.0.1). Without it: a world of one,
+    on a TCPStore this process binds on a port the OS picks (port 0, read back by the store), so no port is
+    chosen ahead, released and bound later, when another process may have taken it (EADDRINUSE). ``RANK`` and
+    ``LOCAL_RANK`` default to 0, ``WORLD_SIZE`` to 1.
+
+    Raises:
+        ValueError: ``WORLD_SIZE`` > 1 without ``MASTER_PORT`` (the other ranks could never find rank 0).
+    """
     if dist.is_initialized():
         return
-    if "MASTER_PORT" not in os.environ:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     for key, default in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
         os.environ.setdefault(key, default)
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    if "MASTER_PORT" in os.environ:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        dist.init_process_group(backend, rank=rank, world_size=world_size)
+        return
+    if world_size != 1:
+        raise ValueError(f"WORLD_SIZE ({world_size}) > 1 needs MASTER_ADDR and MASTER_PORT: the rendezvous of rank 0")
+    store = dist.TCPStore("127.0.0.1", 0, world_size=1, is_master=True)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=1)

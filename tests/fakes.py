@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 from types import SimpleNamespace
 
 from rollout.types import Sample
@@ -198,3 +199,51 @@ class FakeLearnerHandle:
     def finish(self, step: int, last: bool = False) -> None:
         self.rows.append({"step": step, "loss": 0.1 * step})
         self.running = not last
+
+
+class PortThief:
+    """Plays another process that takes a port the moment its finder lets it go: once ``install``ed, every TCP
+    socket of this process that was bound to port 0 has, when closed, its port bound and listened on at once by
+    a socket the thief holds (``taken`` lists those ports; ``release`` closes them). Code that picks a "free"
+    port that way and binds it later fails with EADDRINUSE; code that binds port 0 and keeps the socket, or
+    binds outside Python's ``socket`` module (gRPC, torch's TCPStore), never meets the thief."""
+
+    def __init__(self) -> None:
+        self.taken: list[int] = []
+        self._held: list[socket.socket] = []
+        self._real = socket.socket
+
+    def install(self, monkeypatch=None) -> "PortThief":
+        """Replace ``socket.socket`` (through ``monkeypatch`` if given, else for the rest of the process)."""
+        thief, real = self, self._real
+
+        class Socket(real):
+            def bind(self, address):
+                super().bind(address)
+                self._port0 = (self.family in (socket.AF_INET, socket.AF_INET6) and self.type == socket.SOCK_STREAM
+                               and address[1] == 0)
+
+            def close(self):
+                port = self.getsockname()[1] if getattr(self, "_port0", False) and self.fileno() != -1 else None
+                super().close()
+                if port:
+                    thief.take(port)
+
+        if monkeypatch is not None:
+            monkeypatch.setattr(socket, "socket", Socket)
+        else:
+            socket.socket = Socket
+        return self
+
+    def take(self, port: int) -> None:
+        """Bind and listen on ``port`` (all interfaces) and hold it."""
+        sock = self._real()
+        sock.bind(("", port))
+        sock.listen()
+        self._held.append(sock)
+        self.taken.append(port)
+
+    def release(self) -> None:
+        for sock in self._held:
+            sock.close()
+        self._held.clear()

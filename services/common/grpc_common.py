@@ -26,6 +26,13 @@ CHANNEL_OPTIONS = [
     ("grpc.keepalive_permit_without_calls", 1),
 ]
 
+SERVER_OPTIONS = [
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    ("grpc.so_reuseport", 0),
+]
+"""Server-only options. SO_REUSEPORT off: gRPC sets it on Linux by default, so a server binding a port another
+gRPC server holds would succeed and the kernel would split connections between the two; off, ``start`` fails."""
+
 
 def make_server(max_workers: int = 16,
                 security: SecurityConfig | None = None) -> tuple[grpc.Server, health.HealthServicer]:
@@ -40,7 +47,7 @@ def make_server(max_workers: int = 16,
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers),
         interceptors=interceptors,
-        options=CHANNEL_OPTIONS + [("grpc.http2.min_ping_interval_without_data_ms", 5_000)],
+        options=CHANNEL_OPTIONS + SERVER_OPTIONS,
     )
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -56,11 +63,14 @@ def bind_host(host: str | None, security: SecurityConfig | None) -> str:
 
 def start(server: grpc.Server, health_servicer: health.HealthServicer, service_name: str,
           host: str | None = None, port: int = 0, security: SecurityConfig | None = None) -> int:
-    """Bind ``host:port`` (0 = any free port; ``host`` per ``bind_host``), start, mark ``service_name``
-    SERVING; returns the port. With ``security.tls`` the port is TLS (``add_secure_port``).
+    """Bind ``host:port`` (``host`` per ``bind_host``), start, mark ``service_name`` SERVING; returns the bound
+    port. ``port`` 0 lets the OS pick a free one, bound here at once: a caller that needs a fresh port passes 0
+    and reads it back, never a port found free earlier (another process may have taken it since). With
+    ``security.tls`` the port is TLS (``add_secure_port``).
 
     Raises:
-        RuntimeError: the address could not be bound.
+        RuntimeError: the address could not be bound (e.g. the port is taken, by another gRPC server too:
+            ``SERVER_OPTIONS`` turns SO_REUSEPORT off).
         ValueError: ``security`` is given and ``host`` is not loopback without TLS and a token
             (unless ``allow_insecure_remote``).
     """

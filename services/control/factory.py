@@ -182,7 +182,14 @@ class ServiceFactory:
             return Service(ServiceName("learner"), handle, ray.get(handle.weights_address.remote()),
                            incarnation=self.newest("learner"))
         group = learner_group.LearnerGroup(self.recipe)
-        master_addr, master_port = group.rendezvous()
+        return learner_group.start_on_rendezvous(  # again on a new port if rank 0 finds this one taken
+            group.rendezvous, lambda addr, port: self._learner_group(group, cfg, replay_address, kwargs, addr, port))
+
+    def _learner_group(self, group: learner_group.LearnerGroup, cfg: dict, replay_address: str, kwargs: dict,
+                       master_addr: str, master_port: int) -> Service:
+        """Start every rank of a multi-rank learner on the rendezvous ``master_addr:master_port``; blocks until
+        rank 0 serves weights. Kills every rank and re-raises if any fails to start."""
+        world = group.world_size
         followers = [self._create(LearnerRankActor, "learner", str(ServiceName("learner", r)), cfg,
                                   rank_env(r, world, master_addr, master_port), run_id=self.recipe.name,
                                   scheduling_strategy=group.bundle(r)) for r in range(1, world)]

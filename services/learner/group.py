@@ -4,12 +4,14 @@ One bundle per DeepSpeed rank (``services.control.placement.LearnerPlacement.bun
 SPREAD, STRICT_*), detached and named ``gyre:{run}:learner-pg`` so it outlives the driver and a restarted
 learner lands in the same reservation. Rank ``r`` runs in bundle ``r``; rank 0 is the ``learner`` service
 (``LearnerActor``), ranks >= 1 are ``learner-rank-{r}`` (``LearnerRankActor``; names: ``services.common.names``).
-The torch.distributed rendezvous is a free port on bundle 0's node, found by a zero-CPU task placed there.
+The torch.distributed rendezvous is a free port on bundle 0's node, found by a zero-CPU task placed there; a
+group start whose rank 0 finds that port taken is retried on a new one (``start_on_rendezvous`` says why).
 """
 
 from __future__ import annotations
 
 import socket
+from typing import Callable, TypeVar
 
 import ray
 import structlog
@@ -20,6 +22,11 @@ log = structlog.get_logger("supervisor")
 
 READY_TIMEOUT_S = 300.0
 """How long the reservation may take (a cluster autoscaler may have to add learner nodes)."""
+
+RENDEZVOUS_ATTEMPTS = 3
+"""Rendezvous ports a multi-rank learner start tries, in all, while rank 0 finds each one taken."""
+
+T = TypeVar("T")
 
 
 @ray.remote(num_cpus=0)
@@ -74,6 +81,45 @@ class LearnerGroup:
     def rendezvous(self) -> tuple[str, int]:
         """``(MASTER_ADDR, MASTER_PORT)``: a free port on the node of bundle 0 (where rank 0 runs)."""
         return tuple(ray.get(_free_port.options(scheduling_strategy=self.bundle(0)).remote(), timeout=60))
+
+
+def port_taken(exc: BaseException) -> bool:
+    """Whether ``exc`` (a rank's own error, or Ray's error wrapping it, which quotes it) says that a port could
+    not be bound because it is in use: rank 0's torch ``DistNetworkError ... EADDRINUSE``."""
+    text = str(exc)
+    return "EADDRINUSE" in text or "address already in use" in text.lower()
+
+
+def start_on_rendezvous(rendezvous: Callable[[], tuple[str, int]], start: Callable[[str, int], T],
+                        attempts: int = RENDEZVOUS_ATTEMPTS) -> T:
+    """``start(master_addr, master_port)`` on a fresh ``rendezvous()``; when it fails because the port was taken
+    (``port_taken``), again on a new one, ``attempts`` times in all. ``start`` must leave nothing behind when it
+    fails (``ServiceFactory.learner`` kills every rank it created).
+
+    Why a retry rather than rank 0 binding port 0 and publishing the port: every rank needs ``MASTER_PORT``
+    when it starts, before rank 0's actor has finished starting — its DeepSpeed init is a collective with the
+    other ranks, so its ``__init__`` returns only once they joined, and a Ray actor can report nothing before
+    ``__init__`` returns. Hosting the store in a separate actor on port 0 would add a process whose death breaks
+    the group (the store is used after init: new groups, barriers). So the port is found free on bundle 0's node
+    moments before rank 0 binds it; a process that takes it in between makes rank 0 fail at once with
+    EADDRINUSE, and the whole group starts again on another port, without spending a supervisor restart.
+
+    Raises:
+        ValueError: ``attempts`` < 1.
+        Exception: what ``start`` raised — at once unless the port was taken, else on the last attempt.
+    """
+    if attempts < 1:
+        raise ValueError(f"attempts ({attempts}) must be at least 1")
+    attempt = 1
+    while True:
+        master_addr, master_port = rendezvous()
+        try:
+            return start(master_addr, master_port)
+        except Exception as exc:
+            if attempt >= attempts or not port_taken(exc):
+                raise
+            log.warning("learner_rendezvous_port_taken", port=master_port, attempt=attempt, attempts=attempts)
+        attempt += 1
 
 
 def remove(recipe) -> None:

@@ -57,8 +57,8 @@ class HeadPorts:
 
 def pick_head_ports() -> HeadPorts:
     """Free ports right now and a fresh ``/tmp/gyre-ray-XXXX`` temp dir."""
-    gcs, dashboard, client, agent = free_ports(4)
-    return HeadPorts(gcs, dashboard, client, agent, free_port_range(WORKER_PORTS),
+    gcs, dashboard, client, agent = ports = free_ports(4)
+    return HeadPorts(gcs, dashboard, client, agent, free_port_range(WORKER_PORTS, exclude=ports),
                      Path(tempfile.mkdtemp(prefix="gyre-ray-", dir="/tmp")))
 
 

@@ -49,11 +49,14 @@ class LoopbackNode:
         """The ``ProxyCommand`` (``auth.ssh_proxy_command``) that reaches this sshd."""
         return f"nc 127.0.0.1 {self.port}"
 
-    def start(self, timeout_s: float = 30) -> None:
-        """Generate keys and config, start sshd and wait until ``ssh root@127.0.0.1 true`` succeeds.
+    def start(self, timeout_s: float = 30, attempts: int = 3) -> None:
+        """Generate keys and config, start sshd and wait until ``ssh root@127.0.0.1 true`` succeeds. ``port`` was
+        free when picked, not necessarily when sshd binds it: an sshd that exits because the port is in use is
+        started again on a new port (``attempts`` starts in all).
 
         Raises:
-            RuntimeError: sshd exited or no login worked within ``timeout_s`` seconds (sshd's log attached).
+            RuntimeError: sshd exited (its port taken on every attempt, or another reason) or no login worked
+                within ``timeout_s`` seconds (sshd's log attached).
         """
         self.home.mkdir(parents=True, mode=0o700)
         (self.home / ".bashrc").touch()  # a fresh node's (empty) shell profile
@@ -62,8 +65,18 @@ class LoopbackNode:
                             "-f", str(self.root / name)], check=True, capture_output=True)
         (self.root / "authorized_keys").write_text((self.root / "client_key.pub").read_text())
         (self.root / "passwd").write_text(_passwd_with_root_home(self.home))
-        (self.root / "sshd_config").write_text(self._sshd_config())
         Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)  # sshd's privilege-separation dir
+        for attempt in range(1, attempts + 1):
+            if self._start_sshd(timeout_s):
+                return
+            if attempt < attempts:
+                self.port = free_ports(1, exclude=[self.port])[0]
+        raise RuntimeError(f"sshd found its port taken {attempts} times: {tail_file(self.log)}")
+
+    def _start_sshd(self, timeout_s: float) -> bool:
+        """Start sshd on ``port`` and wait for a login: True once one works, False if sshd exited because the
+        port is in use. Raises ``RuntimeError`` as ``start`` does otherwise."""
+        (self.root / "sshd_config").write_text(self._sshd_config())
         script = (f"mount --bind {self.root / 'passwd'} /etc/passwd && "
                   f"exec {SSHD} -D -e -f {self.root / 'sshd_config'}")
         with open(self.log, "wb") as log:
@@ -72,9 +85,11 @@ class LoopbackNode:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
+                if "Address already in use" in self.log.read_text(errors="replace"):
+                    return False
                 raise RuntimeError(f"sshd exited with {self._proc.returncode}: {tail_file(self.log)}")
             if self.ssh("true", timeout_s=10).returncode == 0:
-                return
+                return True
             time.sleep(0.5)
         raise RuntimeError(f"no ssh login to 127.0.0.1:{self.port} within {timeout_s} s: {tail_file(self.log)}")
 

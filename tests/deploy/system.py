@@ -7,10 +7,12 @@ no namespaces), so a test can ``pytest.skip(reason)`` with the precise cause.
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import socket
 import subprocess
 import sys
+from collections.abc import Collection
 from pathlib import Path
 
 from filelock import FileLock
@@ -64,32 +66,57 @@ def _has_binary(binary: str) -> bool:
     return Path(binary).is_file() if binary.startswith("/") else shutil.which(binary) is not None
 
 
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct TCP ports that are free on 127.0.0.1 right now (held open together while picked)."""
-    socks = []
+PORT_POOL_LOW = 20000
+"""Lowest port a deploy test's daemon is given (``port_pool``)."""
+
+
+def port_pool() -> tuple[int, int]:
+    """``[low, high)``: the ports ``free_ports`` and ``free_port_range`` pick from, ``PORT_POOL_LOW`` up to the
+    kernel's ephemeral range (``net.ipv4.ip_local_port_range``: 32768 where unreadable). A daemon's port goes on
+    its command line or in its config, so it is picked before the daemon binds it; the ephemeral range is where
+    every outgoing connection and every bind to port 0 on the machine gets its port, so below it only another
+    explicit picker can take a port in between. A daemon that can also retry its start on a collision does
+    (``sshnode.LoopbackNode``)."""
     try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+        ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral = 32768
+    return PORT_POOL_LOW, max(ephemeral, PORT_POOL_LOW + 2048)
 
 
-def free_port_range(width: int, low: int = 30000, high: int = 60000) -> int:
-    """First port ``p`` in [low, high) such that ``p .. p+width-1`` all bind on 127.0.0.1 now.
+def free_ports(n: int, exclude: Collection[int] = ()) -> list[int]:
+    """``n`` distinct TCP ports, drawn at random from ``port_pool`` (not ``exclude``), that bind on 127.0.0.1
+    right now (they are released: the caller's daemon binds them later).
+
+    Raises:
+        RuntimeError: fewer than ``n`` such ports among 1000 tried.
+    """
+    low, high = port_pool()
+    ports: list[int] = []
+    for port in random.sample(range(low, high), min(1000, high - low)):
+        if port not in exclude and _bindable(port):
+            ports.append(port)
+            if len(ports) == n:
+                return ports
+    raise RuntimeError(f"no {n} free ports in [{low}, {high}) on 127.0.0.1")
+
+
+def free_port_range(width: int, exclude: Collection[int] = ()) -> int:
+    """A port ``p`` in ``port_pool`` such that ``p .. p+width-1`` all bind on 127.0.0.1 now and none is in
+    ``exclude``; the search starts at a random port (two runs at once rarely pick the same range) and wraps.
 
     Raises:
         RuntimeError: no such range.
     """
-    p = low
-    while p + width <= high:
-        bad = next((q for q in range(p, p + width) if not _bindable(q)), None)
-        if bad is None:
-            return p
-        p = bad + 1
+    low, high = port_pool()
+    start = random.randrange(low, high - width + 1)
+    for first in (start, low):
+        p = first
+        while p + width <= (high if first == start else start + width):
+            bad = next((q for q in range(p, p + width) if q in exclude or not _bindable(q)), None)
+            if bad is None:
+                return p
+            p = bad + 1
     raise RuntimeError(f"no {width} consecutive free ports in [{low}, {high}) on 127.0.0.1")
 
 

@@ -48,9 +48,9 @@ def _ray_processes(temp_dir: Path) -> list[str]:
 
 def test_sbatch_runs_a_recipe_and_stops_its_ray(slurm, tiny_llama, tmp_path):
     temp_dir = Path(tempfile.mkdtemp(prefix="gyre-ray-", dir="/tmp"))
-    gcs, agent, client = free_ports(3)
+    gcs, agent, client = ports = free_ports(3)
     env = {**slurm.env, "GYRE_HOME": str(REPO), "GYRE_RAY_PORT": str(gcs), "GYRE_RAY_AGENT_PORT": str(agent),
-           "GYRE_RAY_CLIENT_PORT": str(client), "GYRE_RAY_MIN_WORKER_PORT": str(free_port_range(200)),
+           "GYRE_RAY_CLIENT_PORT": str(client), "GYRE_RAY_MIN_WORKER_PORT": str(free_port_range(200, exclude=ports)),
            "GYRE_RAY_TEMP_DIR": str(temp_dir), "RAY_AUTH_MODE": "disabled", "GYRE_ALLOW_CPU": "1", "PATH": f"{VENV_BIN}:/usr/bin:/bin"}
     job_log, run_dir = tmp_path / "job.out", tmp_path / "runs"
     try:

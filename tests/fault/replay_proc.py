@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -19,7 +18,7 @@ import yaml
 
 from replay.config import ReplayConfig
 from replay.offline import inspect_dir
-from services.common import grpc_common
+from services.common import grpc_common, port_file
 from services.replay import server as replay_server
 from services.common.replay_client import ReplayClient
 from tests.fakes import group_table
@@ -27,28 +26,42 @@ from tests.fakes import group_table
 REPO = Path(__file__).resolve().parents[2]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class ReplayProcess:
-    """``python -m services.replay.main`` on ``dir`` (spawned, never forked), optionally with a fault point."""
+    """``python -m services.replay.main`` on ``dir`` (spawned, never forked), optionally with a fault point. It
+    binds a port the OS picks (``--port 0``) and writes it to a file (``--port-file``): ``port`` and
+    ``address`` are known once ``wait_serving`` returned."""
 
     def __init__(self, config: dict, directory: Path, fault_point: str | None = None) -> None:
-        self.config, self.dir, self.port = config, directory, free_port()
+        self.config, self.dir, self.port = config, directory, None
         cfg_file = directory.parent / f"{directory.name}.yaml"
         cfg_file.write_text(yaml.safe_dump(config))
+        self.port_file = directory.parent / f"{directory.name}.port"
+        self.port_file.unlink(missing_ok=True)  # the previous lifetime's
         env = {**os.environ, "GYRE_FAULT_POINT": fault_point or ""}
         self.log = open(directory.parent / f"{directory.name}.log", "ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "services.replay.main", "--config", str(cfg_file), "--dir", str(directory),
-             "--port", str(self.port)], cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT)
-        self.address = f"127.0.0.1:{self.port}"
+             "--port", "0", "--port-file", str(self.port_file)], cwd=REPO, env=env, stdout=self.log,
+            stderr=subprocess.STDOUT)
+
+    @property
+    def address(self) -> str:
+        if self.port is None:
+            raise RuntimeError("the replay process has not reported its port yet (call wait_serving)")
+        return f"127.0.0.1:{self.port}"
 
     def wait_serving(self, timeout_s: float = 60.0) -> None:
+        """Wait for the port file, then for SERVING.
+
+        Raises:
+            RuntimeError: the process exited first.
+            TimeoutError: not serving within ``timeout_s`` seconds.
+        """
         deadline = time.monotonic() + timeout_s
+        try:
+            self.port = port_file.wait(self.port_file, self.proc, timeout_s)
+        except RuntimeError:
+            raise RuntimeError(f"replay exited with {self.proc.returncode}; see {self.log.name}") from None
         while not grpc_common.check_health(self.address, replay_server.SERVICE_NAME, timeout_s=0.5):
             if self.proc.poll() is not None:
                 raise RuntimeError(f"replay exited with {self.proc.returncode}; see {self.log.name}")

@@ -1,9 +1,11 @@
 """One rank of ``test_learner_reshard``: train the tiny model on fixed batches, optionally resuming from a
 checkpoint written by a different data-parallel world size, and optionally checkpointing at one step.
 
-    RANK=r WORLD_SIZE=w LOCAL_RANK=r MASTER_ADDR=127.0.0.1 MASTER_PORT=p \\
+    RANK=r WORLD_SIZE=w LOCAL_RANK=r MASTER_ADDR=127.0.0.1 MASTER_PORT=p [TORCHELASTIC_USE_AGENT_STORE=True] \\
     python -m tests.integration.reshard_proc MODEL ROOT OUT STEPS [--save-at K] [--resume CKPT]
         [--zero-stage 2] [--dtype fp32] [--sabotage-optimizer] [--batch-split replicate|shard]
+
+(The test starts the ranks against a rendezvous store it holds itself: ``tests.rendezvous``.)
 
 Every rank is fed the whole batch of step ``s`` (``_table(seed=s)``, 6 rows); with ``--batch-split replicate``
 (the default here) each rank trains on all of it, with ``shard`` on its own rows (``LearnerConfig.batch_split``).

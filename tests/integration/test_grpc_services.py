@@ -1,5 +1,5 @@
 """Real gRPC servers on port 0: replay round trip, bad input, rate limiting, restart on a directory,
-metrics; weight streaming and resubscription."""
+metrics; weight streaming and resubscription; a port another server holds is refused."""
 
 import threading
 import time
@@ -183,6 +183,16 @@ def test_weights_stream_versions_forward_and_resume_after_server_restart():
     assert sub.errors >= 1
     sub.stop()
     server2.stop(0)
+
+
+def test_a_port_another_server_holds_is_refused_not_shared():
+    # gRPC's default SO_REUSEPORT would let both bind and split the connections between them
+    server, port = weight_server.serve(WeightPublisher())
+    try:
+        with pytest.raises(RuntimeError, match="bind"):
+            weight_server.serve(WeightPublisher(), port=port)
+    finally:
+        server.stop(0)
 
 
 def _serve_on(pub, port):

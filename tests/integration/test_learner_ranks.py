@@ -9,7 +9,6 @@ import datetime
 import json
 import multiprocessing as mp
 import os
-import socket
 import time
 from pathlib import Path
 
@@ -20,6 +19,8 @@ import torch.distributed as dist
 from learner import ranks
 from learner.batch import TrainBatch
 from learner.ckpt_request import CheckpointRequest
+from tests.fakes import PortThief
+from tests.rendezvous import rank_store
 
 
 class RecordingEngine:
@@ -75,8 +76,8 @@ def both_started(folder: Path, rank: int, timeout_s: float = 120.0) -> None:
         time.sleep(0.05)
 
 
-def rank_main(rank: int, port: int, out: str, mode: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def rank_main(rank: int, env: dict, out: str, mode: str) -> None:
+    os.environ.update(env)  # the test process holds the rendezvous store (tests.rendezvous)
     idle = mode.startswith("idle")  # collectives time out after 3 s; rank 0 idles 7 s between two steps
     both_started(Path(out).parent, rank)
     dist.init_process_group("gloo", rank=rank, world_size=2,
@@ -119,17 +120,16 @@ def rank_main(rank: int, port: int, out: str, mode: str) -> None:
 
 
 def run_pair(tmp_path: Path, mode: str) -> list[dict]:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    store, env = rank_store(2)
     ctx = mp.get_context("spawn")
     outs = [tmp_path / f"rank{r}.json" for r in range(2)]
-    procs = [ctx.Process(target=rank_main, args=(r, port, str(outs[r]), mode)) for r in range(2)]
+    procs = [ctx.Process(target=rank_main, args=(r, env, str(outs[r]), mode)) for r in range(2)]
     for p in procs:
         p.start()
     for p in procs:
         p.join(timeout=120)
         assert p.exitcode == 0, f"rank exited {p.exitcode}"
+    del store  # held until both ranks are done
     return [json.loads(o.read_text()) for o in outs]
 
 
@@ -144,6 +144,17 @@ def test_follower_runs_the_leaders_collective_calls_in_order(tmp_path):
     assert follower["calls"][1:] == [["named_weights", "torch.float32"], ["save_checkpoint", "/ckpt", "fp", 2],
                                      ["load_checkpoint", "/ckpt/global_step_0", "fp", True],
                                      ["export_hf", "/export", "/tok"]]
+
+
+def test_the_ranks_meet_though_every_released_port_is_taken(tmp_path, monkeypatch):
+    # another process taking a port between "found free" and "bound by rank 0" (PortThief) would fail rank 0
+    # with EADDRINUSE; the test process's store on port 0 leaves no such gap
+    thief = PortThief().install(monkeypatch)
+    try:
+        _, follower = run_pair(tmp_path, "ok")
+    finally:
+        thief.release()
+    assert follower["commands"] == 5
 
 
 def test_an_unknown_command_is_refused_by_name(tmp_path):

@@ -15,9 +15,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -26,6 +26,7 @@ from safetensors.torch import load_file
 
 from learner import checkpoint as ckpt
 from learner import reshard
+from tests.rendezvous import rank_store
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS, SAVE_AT = 3, 2
@@ -43,24 +44,31 @@ each_stage = pytest.mark.parametrize("runs", [ZERO2, ZERO3], ids=_stage_id, indi
 zero2_only = pytest.mark.parametrize("runs", [ZERO2], ids=_stage_id, indirect=True)
 
 
-def launch(world_size: int, model: Path, root: Path, out: Path, *args: str) -> list[subprocess.Popen]:
-    """Start ``world_size`` ranks of ``reshard_proc`` (gloo on a free localhost port)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+@dataclass
+class Ranks:
+    """The rank processes of one ``launch`` and the rendezvous store they meet on (held until they are done)."""
+
+    procs: list[subprocess.Popen]
+    store: object
+
+
+def launch(world_size: int, model: Path, root: Path, out: Path, *args: str) -> Ranks:
+    """Start ``world_size`` ranks of ``reshard_proc`` (gloo; rendezvous on a store this process holds on a port
+    the OS picked: ``tests.rendezvous``)."""
+    store, rendezvous = rank_store(world_size)
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "MASTER_ADDR", "RANK", "LOCAL_RANK",
                                                               "WORLD_SIZE")}
-    env |= {"PYTHONPATH": str(REPO), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-            "WORLD_SIZE": str(world_size)}
+    env |= {"PYTHONPATH": str(REPO), "WORLD_SIZE": str(world_size), **rendezvous}
     cmd = [sys.executable, "-m", "tests.integration.reshard_proc", str(model), str(root), str(out), str(STEPS),
            *args]
-    return [subprocess.Popen(cmd, env=env | {"RANK": str(r), "LOCAL_RANK": str(r)}, cwd=REPO,
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(world_size)]
+    return Ranks([subprocess.Popen(cmd, env=env | {"RANK": str(r), "LOCAL_RANK": str(r)}, cwd=REPO,
+                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(world_size)],
+                 store)
 
 
-def wait(*groups: list[subprocess.Popen]) -> None:
-    for procs in groups:
-        for proc in procs:
+def wait(*groups: Ranks) -> None:
+    for group in groups:
+        for proc in group.procs:
             out, _ = proc.communicate(timeout=300)
             assert proc.returncode == 0, f"rank exited {proc.returncode}:\n{out.decode()[-3000:]}"
 

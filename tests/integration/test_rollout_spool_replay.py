@@ -2,13 +2,13 @@
 
 A rollout worker with a spool, in a process of its own (``tests.fault.rollout_proc``), against a real replay
 server process. Outage 1: SIGKILL replay while groups are in flight; the worker finishes them into its spool;
-restart replay on the same directory and port; the same worker reconnects, delivers its spool and keeps
-generating. Outage 2: SIGKILL replay again with groups in flight; once the worker has finished them into its
-spool and its flusher is retrying them, SIGKILL the worker's process too (no ``finally``, no shutdown path: what
-it counted as delivered must already be on disk); restart replay; a new worker process on the same spool
-recovers it, delivers what the first one left, generates 6 more groups, stops cleanly and drains (in the real-vLLM
-test the successor runs on the fake engine: recovering a spool needs no engine). Every
-generated group must be stored in replay exactly once, nothing else may be, and the spool must end empty.
+restart replay on the same directory and port (the port the OS picked for the first start); the same worker
+reconnects, delivers its spool and keeps generating. Outage 2: SIGKILL replay again with groups in flight; once
+the worker has finished them into its spool and its flusher is retrying them, SIGKILL the worker's process too (no
+``finally``, no shutdown path: what it counted as delivered must already be on disk); restart replay; a new worker
+process on the same spool recovers it, delivers what the first one left, generates 6 more groups, stops cleanly
+and drains (in the real-vLLM test the successor runs on the fake engine: recovering a spool needs no engine).
+Every generated group must be stored in replay exactly once, nothing else may be, and the spool must end empty.
 
 ``test_replay_outage_with_real_vllm_loses_and_duplicates_nothing`` is the issue's test: the worker generates
 with the real vLLM engine (``rollout.engine.RolloutEngine`` on CPU, the tiny random Llama of
@@ -37,10 +37,10 @@ from pathlib import Path
 
 import yaml
 
-from services.common import grpc_common
+from services.common import grpc_common, port_file
 from services.replay import server as replay_server
 from services.common.replay_client import ReplayClient
-from tests.fault.replay_proc import REPO, free_port
+from tests.fault.replay_proc import REPO
 from tests.fault.rollout_proc import GROUP_SIZE, MAX_NEW_TOKENS, Events, WorkerProcess
 
 REPLAY = {"wal": {"durability": "fsync"}, "snapshot": {"interval_s": None, "wal_bytes": None},
@@ -49,19 +49,23 @@ START_S = 180.0
 """Deadline for a worker process to reach its first milestone (a vLLM start on two loaded cores included)."""
 
 
-def start_replay(tmp_path: Path, port: int, log, procs: list) -> subprocess.Popen:
-    cfg = tmp_path / "replay.yaml"
+def start_replay(tmp_path: Path, port: int, log, procs: list) -> tuple[subprocess.Popen, int]:
+    """Replay on ``port`` (0: one the OS picks and keeps, read back from its port file; a restart passes the port
+    the first start got: the worker's address stays); returns the process and its port once it serves."""
+    cfg, bound = tmp_path / "replay.yaml", tmp_path / "replay.port"
     cfg.write_text(yaml.safe_dump(REPLAY))
+    bound.unlink(missing_ok=True)
     procs.append(subprocess.Popen([sys.executable, "-m", "services.replay.main", "--config", str(cfg),
-                                   "--dir", str(tmp_path / "replay"), "--port", str(port)],
+                                   "--dir", str(tmp_path / "replay"), "--port", str(port), "--port-file", str(bound)],
                                   cwd=REPO, stdout=log, stderr=subprocess.STDOUT))
+    port = port_file.wait(bound, procs[-1], 60.0)
     address = f"127.0.0.1:{port}"
     deadline = time.monotonic() + 60.0
     while not grpc_common.check_health(address, replay_server.SERVICE_NAME, timeout_s=0.5):
         assert procs[-1].poll() is None, f"replay exited with {procs[-1].returncode}"
         assert time.monotonic() < deadline, f"replay at {address} not serving after 60 s"
         time.sleep(0.05)
-    return procs[-1]
+    return procs[-1], port
 
 
 def spooled(spool: Path) -> int:
@@ -84,17 +88,17 @@ def kill_replay_while_generating(replay: subprocess.Popen, worker: WorkerProcess
     return {"in_flight_at_kill": len(before.in_flight), "spooled": spooled(spool)}
 
 
-def outage_scenario(tmp_path: Path, port: int, engine: str, model: str | None, log, procs: list,
+def outage_scenario(tmp_path: Path, engine: str, model: str | None, log, procs: list,
                     recover_engine: str | None = None) -> dict:
-    """Two outages (see the module docstring); returns what happened, for ``check_exactly_once``. The recovering
-    worker runs on ``recover_engine`` (default: ``engine``)."""
+    """Two outages (see the module docstring); returns what happened (``address``: replay's), for
+    ``check_exactly_once``. The recovering worker runs on ``recover_engine`` (default: ``engine``)."""
+    replay, port = start_replay(tmp_path, 0, log, procs)
     address, spool = f"127.0.0.1:{port}", tmp_path / "spool"
-    replay = start_replay(tmp_path, port, log, procs)
     first = WorkerProcess(tmp_path, "first", address, engine, model)
     procs.append(first)
     first.wait_for(lambda ev: len(ev.acked) >= 6, "6 groups delivered", START_S)
     out = {"first": kill_replay_while_generating(replay, first, spool)}
-    replay, generated = start_replay(tmp_path, port, log, procs), len(first.events().generated)
+    (replay, _), generated = start_replay(tmp_path, port, log, procs), len(first.events().generated)
     first.wait_for(lambda ev: len(ev.acked) >= generated and len(ev.generated) >= generated + 3,
                    "the live worker delivered its spool after replay returned and kept generating")
     out["second"] = kill_replay_while_generating(replay, first, spool)
@@ -104,7 +108,7 @@ def outage_scenario(tmp_path: Path, port: int, engine: str, model: str | None, l
     second = WorkerProcess(tmp_path, "second", address, recover_engine, model if recover_engine == engine else None,
                            stop_after=6)
     procs.append(second)
-    out.update(second_exit=second.wait(START_S), second_events=second.events())
+    out.update(second_exit=second.wait(START_S), second_events=second.events(), address=address)
     return out
 
 
@@ -145,15 +149,15 @@ def check_exactly_once(out: dict, client: ReplayClient, spool: Path):
 def run_outage(tmp_path: Path, engine: str, model: str | None = None, recover_engine: str | None = None):
     """The whole outage scenario with worker processes on ``engine`` (the recovering one on ``recover_engine``);
     returns the stored trajectories and what happened."""
-    port = free_port()
-    client = ReplayClient(f"127.0.0.1:{port}", timeout_s=10.0)
-    log, procs = open(tmp_path / "replay.log", "ab"), []
+    log, procs, client = open(tmp_path / "replay.log", "ab"), [], None
     try:
-        out = outage_scenario(tmp_path, port, engine, model, log, procs, recover_engine)
+        out = outage_scenario(tmp_path, engine, model, log, procs, recover_engine)
         print({k: v for k, v in out.items() if not k.endswith("_events")})
+        client = ReplayClient(out["address"], timeout_s=10.0)
         return check_exactly_once(out, client, tmp_path / "spool"), out
     finally:
-        client.close()
+        if client is not None:
+            client.close()
         for proc in procs:
             if isinstance(proc, WorkerProcess):
                 proc.kill()

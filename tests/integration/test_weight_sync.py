@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -18,6 +19,7 @@ from safetensors.torch import load_file, save_file
 from learner.publisher import WeightPublisher
 from rollout.config import EngineConfig, SamplingConfig
 from rollout.engine import RolloutEngine
+from services.common import port_file
 from services.learner import weight_server
 from services.rollout.transport import make_transport
 from proto.exports import write_export_version
@@ -26,12 +28,14 @@ from services.rollout.transport.bootstrap import bootstrap
 REPO = Path(__file__).resolve().parents[2]
 PROMPT = [1, 2, 3, 4, 5]
 
-# A learner process: publishes one perturbed version of the tiny model in 4 KiB chunks; with STALL set
-# it writes the marker file after half the chunks and then hangs (the test SIGKILLs it there).
+# A learner process: publishes one perturbed version of the tiny model in 4 KiB chunks on `port` (0: one the OS
+# picks), written to the port file `{marker}.up` once serving; with STALL set it writes the marker file after half
+# the chunks and then hangs (the test SIGKILLs it there).
 LEARNER = r"""
 import os, sys, time, torch
 from safetensors.torch import load_file
 from learner.publisher import WeightPublisher
+from services.common import port_file
 from services.learner import weight_server
 model, version, port, marker = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 gen = torch.Generator().manual_seed(version)
@@ -47,8 +51,8 @@ class Stalling(weight_server.WeightServicer):
             yield msg
 server, health = weight_server.grpc_common.make_server()
 weight_server.add_servicer(Stalling(pub, chunk_bytes=4096), server)
-weight_server.grpc_common.start(server, health, weight_server.SERVICE_NAME, "127.0.0.1", port)
-open(marker + ".up", "w").write("up")
+port = weight_server.grpc_common.start(server, health, weight_server.SERVICE_NAME, "127.0.0.1", port)
+port_file.write(marker + ".up", port)
 time.sleep(3600)
 """
 
@@ -59,22 +63,13 @@ def _perturbed(model: Path, version: int) -> list[tuple[str, torch.Tensor]]:
             for n, t in sorted(load_file(model / "model.safetensors").items())]
 
 
-def _start_learner(model: Path, version: int, port: int, marker: Path, stall: bool) -> subprocess.Popen:
+def _start_learner(model: Path, version: int, port: int, marker: Path, stall: bool) -> tuple[subprocess.Popen, int]:
+    """A ``LEARNER`` process on ``port`` (0: one the OS picks; a restart passes the first one's: the rollout's
+    address stays) and the port it serves on."""
     env = {**os.environ, "STALL": "1" if stall else ""}
     proc = subprocess.Popen([sys.executable, "-c", LEARNER, str(model), str(version), str(port), str(marker)],
                             cwd=REPO, env=env)
-    deadline = time.monotonic() + 60
-    while not Path(str(marker) + ".up").exists():
-        assert proc.poll() is None and time.monotonic() < deadline, "learner process did not start"
-        time.sleep(0.1)
-    return proc
-
-
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return proc, port_file.wait(f"{marker}.up", proc, timeout_s=60.0)
 
 
 @pytest.fixture(scope="module")
@@ -105,13 +100,13 @@ async def _sample_versions(engine) -> list[int]:
 
 def test_learner_killed_mid_transfer_rollout_keeps_serving_then_catches_up(engine_loop, tiny_llama, tmp_path):
     engine, loop, config = engine_loop
-    port, v = _free_port(), engine.version
+    v = engine.version
+    first, port = _start_learner(tiny_llama, v + 1, 0, tmp_path / "a", stall=True)
     transport = make_transport(config.weight_transport.model_copy(update={"chunk_timeout_s": 2.0,
                                "backoff_s": 0.2, "max_backoff_s": 1.0}), f"127.0.0.1:{port}",
                                _applier(engine, loop), have_version=v, name="r0")
 
     async def scenario():
-        first = _start_learner(tiny_llama, v + 1, port, tmp_path / "a", stall=True)
         transport.start()
         await _until(lambda: (tmp_path / "a").exists(), 60)  # half the chunks of v+1 are staged
         first.send_signal(signal.SIGKILL)
@@ -121,7 +116,7 @@ def test_learner_killed_mid_transfer_rollout_keeps_serving_then_catches_up(engin
             await asyncio.sleep(0.5)
         assert engine.version == v and transport.errors >= 1
         greedy_before = (await engine.generate_greedy([PROMPT], 12))[0].token_ids
-        second = _start_learner(tiny_llama, v + 1, port, tmp_path / "b", stall=False)
+        second, _ = _start_learner(tiny_llama, v + 1, port, tmp_path / "b", stall=False)
         try:
             await _until(lambda: engine.version == v + 1, 30)
         finally:
@@ -133,6 +128,9 @@ def test_learner_killed_mid_transfer_rollout_keeps_serving_then_catches_up(engin
         loop.run_until_complete(scenario())
     finally:
         transport.stop()
+        if first.poll() is None:
+            first.kill()
+            first.wait()
 
 
 def test_bad_versions_are_refused_and_the_engine_keeps_serving(engine_loop, tiny_llama):
@@ -173,12 +171,15 @@ def test_bootstrap_from_disk_when_the_learner_is_unreachable_then_from_the_learn
     save_file(dict(_perturbed(tiny_llama, disk_version)), str(export / "model.safetensors"))
     write_export_version(export, disk_version)
     cfg = config.model_copy(update={"bootstrap_wait_s": 1.0, "bootstrap_dir": str(tmp_path / "exports")})
-    dead = make_transport(cfg.weight_transport, f"127.0.0.1:{_free_port()}", _applier(engine, loop),
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))  # bound, not listening: refused, and no other process can listen there meanwhile
+    dead = make_transport(cfg.weight_transport, f"127.0.0.1:{closed.getsockname()[1]}", _applier(engine, loop),
                           have_version=engine.version, name="r2")
     try:
         result = loop.run_until_complete(bootstrap(engine, dead, cfg))
     finally:
         dead.stop()
+        closed.close()
     assert (result.version, result.source, result.learner_latest, result.path) == (
         disk_version, "disk", None, str(export))
     assert engine.version == disk_version

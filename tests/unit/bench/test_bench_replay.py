@@ -4,12 +4,12 @@ real replay service in its own process, as the bench runs it)."""
 import pytest
 
 from bench.replay import GROUPS, SnapshotRound, replay_config, snapshot_rates, snapshot_rounds
-from bench.replay_parts import Server, free_port, requests, snapshot_bytes, stream
+from bench.replay_parts import Server, requests, snapshot_bytes, stream
 from services.common.replay_client import ReplayClient
 
 
 def test_snapshot_rounds_measure_the_bytes_each_snapshot_wrote(tmp_path):
-    server = Server("replay", free_port(), tmp_path / "main", replay_config("fsync"))
+    server = Server("replay", tmp_path / "main", replay_config("fsync"))
     client = ReplayClient(server.address)
     try:
         stream(server.address, requests(0, 2, GROUPS, seed=1))
