@@ -114,17 +114,7 @@ class Server:
             cmd = [sys.executable, "-m", "services.replay.main", "--config", str(cfg), "--dir", str(directory),
                    "--port", "0", "--port-file", str(bound)]
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 120
-        try:
-            self.address = f"127.0.0.1:{port_file.wait(bound, self.proc, 120)}"
-        except (RuntimeError, TimeoutError) as exc:
-            raise RuntimeError(f"{' '.join(cmd)} did not start: {exc}") from None
-        finally:
-            shutil.rmtree(bound.parent, ignore_errors=True)
-        while not grpc_common.check_health(self.address, timeout_s=0.5):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"{' '.join(cmd)} did not start (exit {self.proc.poll()})")
-            time.sleep(0.05)
+        self.address = serving_address(bound, self.proc, " ".join(cmd))
 
     def cpu_seconds(self) -> float:
         """CPU seconds (user + system, all threads) the server process has used so far."""
@@ -179,3 +169,24 @@ def fsync_ms(directory: Path, n: int = 200) -> tuple[float, float]:
 
 def p99_ms(seconds: list[float]) -> float:
     return float(np.percentile(np.asarray(seconds) * 1000.0, 99))
+
+
+def serving_address(bound: Path, proc: subprocess.Popen, what: str, timeout_s: float = 120.0) -> str:
+    """``127.0.0.1:PORT`` of a server process ``proc`` that writes its bound port to ``bound``
+    (``services.common.port_file``), once it answers SERVING on gRPC health; ``bound``'s folder is removed.
+
+    Raises:
+        RuntimeError: naming ``what``, when the process exited or did not serve within ``timeout_s`` seconds.
+    """
+    deadline = time.monotonic() + timeout_s
+    try:
+        address = f"127.0.0.1:{port_file.wait(bound, proc, timeout_s)}"
+    except (RuntimeError, TimeoutError) as exc:
+        raise RuntimeError(f"{what} did not start: {exc}") from None
+    finally:
+        shutil.rmtree(bound.parent, ignore_errors=True)
+    while not grpc_common.check_health(address, timeout_s=0.5):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"{what} did not start (exit {proc.poll()})")
+        time.sleep(0.05)
+    return address

@@ -4,7 +4,6 @@ stream baseline), subscriber clients, and the generation loops compared by ``rol
 from __future__ import annotations
 
 import asyncio
-import shutil
 import signal
 import subprocess
 import sys
@@ -17,6 +16,7 @@ from pathlib import Path
 import grpc
 import torch
 
+from bench.replay_parts import serving_address
 from learner.publisher import WeightPublisher
 from proto.tensor_chunks import encode_tensors
 from services.common import grpc_common, port_file
@@ -74,17 +74,7 @@ class WeightServerProc:
         bound = Path(tempfile.mkdtemp(prefix="gyre-bench-port-")) / "port"
         self.proc = subprocess.Popen([sys.executable, "-m", "bench.rollout", "--weights-server", kind, str(bound),
                                       str(total_bytes)], cwd=REPO)
-        deadline = time.monotonic() + 120
-        try:
-            self.address = f"127.0.0.1:{port_file.wait(bound, self.proc, 120)}"
-        except (RuntimeError, TimeoutError) as exc:
-            raise RuntimeError(f"weight server {kind} did not start: {exc}") from None
-        finally:
-            shutil.rmtree(bound.parent, ignore_errors=True)
-        while not grpc_common.check_health(self.address, timeout_s=0.5):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"weight server {kind} did not start (exit {self.proc.poll()})")
-            time.sleep(0.05)
+        self.address = serving_address(bound, self.proc, f"weight server {kind}")
 
     def stop(self) -> None:
         self.proc.terminate()
