@@ -22,8 +22,6 @@ Services are created by ``services.control.factory.ServiceFactory`` (fault armin
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import ray
 import structlog
 from ray.exceptions import GetTimeoutError, RayActorError
@@ -33,43 +31,10 @@ from services.common.names import ServiceName
 from services.control import reward_swaps, topology
 from services.control.status import run_status
 from services.control.factory import Service, ServiceFactory
+from services.control.incarnations import Death, Starting
 from services.learner import group as learner_group
 
 log = structlog.get_logger("supervisor")
-
-@dataclass(frozen=True)
-class Death:
-    """One death the supervisor handled: the incarnation it ended and why. Every death handled creates exactly
-    one replacement, so a service's ``restarts`` is the number of its deaths, and a crash test compares the list
-    with the fault points' fire log (``faults.read_fire_log``: service, incarnation, point)."""
-
-    service: str
-    """Service name (``replay``, ``learner``, ``rollout-{i}``, ``reward_model``)."""
-    incarnation: int
-    """0-based incarnation that ended (``ServiceFactory.newest`` when it was created)."""
-    reason: str
-    """Why: ``dead``, ``N failed health checks``, ``requested``, ``died while starting``, ..."""
-
-    def to_dict(self) -> dict:
-        return {"service": self.service, "incarnation": self.incarnation, "reason": self.reason}
-
-
-@dataclass
-class Starting:
-    """A rollout added by ``scale`` (or replacing a failed one) that is not generating yet."""
-
-    id: ServiceName
-    handle: ray.actor.ActorHandle
-    setup: ray.ObjectRef | None
-    """Its ``setup`` call; ``None`` once it returned."""
-    target_version: int = 0
-    """Policy version it must hold before it generates (the learner's when setup returned)."""
-    restarts: int = 0
-    """Restarts of this rollout once it joins (a restart's replacement: the old count + 1)."""
-    swaps: int = 0
-    """Reward swaps in force when it was created (``RewardSwaps.count``): it joins with the newer ones applied."""
-    incarnation: int = 0
-    """Its incarnation (``ServiceFactory.newest`` right after it was created)."""
 
 
 class Supervisor:
@@ -294,7 +259,7 @@ class Supervisor:
         except (RayActorError, GetTimeoutError):
             newest = self.factory.newest(svc.name)
             if newest != svc.incarnation:  # a replacement was created and died starting: the entry stands for it
-                svc.incarnation, svc.restarts, svc.failures = newest, svc.restarts + 1, self.fail_threshold
+                svc.incarnation, svc.restarts = newest, svc.restarts + 1
             raise
         if svc.role == "learner":
             self.learner_generation += 1
