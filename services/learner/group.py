@@ -17,6 +17,7 @@ import ray
 import structlog
 from ray.util.placement_group import PlacementGroup, get_placement_group, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_attempt
 
 log = structlog.get_logger("supervisor")
 
@@ -110,16 +111,13 @@ def start_on_rendezvous(rendezvous: Callable[[], tuple[str, int]], start: Callab
     """
     if attempts < 1:
         raise ValueError(f"attempts ({attempts}) must be at least 1")
-    attempt = 1
-    while True:
-        master_addr, master_port = rendezvous()
-        try:
-            return start(master_addr, master_port)
-        except Exception as exc:
-            if attempt >= attempts or not port_taken(exc):
-                raise
-            log.warning("learner_rendezvous_port_taken", port=master_port, attempt=attempt, attempts=attempts)
-        attempt += 1
+    def warn(state: RetryCallState) -> None:
+        log.warning("learner_rendezvous_port_taken", attempt=state.attempt_number, attempts=attempts,
+                    error=str(state.outcome.exception())[:200])
+
+    retrying = Retrying(retry=retry_if_exception(port_taken), stop=stop_after_attempt(attempts), reraise=True,
+                        before_sleep=warn)
+    return retrying(lambda: start(*rendezvous()))
 
 
 def remove(recipe) -> None:
