@@ -20,9 +20,9 @@ from faults import fault_point
 from proto.retry import doubling
 from proto.timeline import SHARED, is_new, label
 from proto.trajectory import Trajectory, make_ids, to_table
-from rollout.agent_group import EpisodeRunner
 from rollout.config import RolloutConfig
 from rollout.episode_eval import evaluate_episodes
+from rollout.episode_runners import episode_runner
 from rollout.evaluation import EvalConfig, EvalResult, evaluate
 from rollout.spool import Spool, SpoolFlusher
 from rollout.stats import RolloutStats
@@ -40,18 +40,6 @@ class ReplaySink(Protocol):
     def lease_prompts(self, consumer: str, count: int, ttl_s: float = 0.0) -> list[tuple[int, int]]: ...
     def insert(self, table: pa.Table): ...
     def info(self): ...
-
-
-def episode_runner(config: RolloutConfig, tokenizer):
-    """What plays a group's episodes: ``EpisodeRunner`` (``rollout.environment``), ``VerifiersRunner``
-    (``rollout.verifiers``; imported only then) or ``None`` (single completions)."""
-    if config.environment is not None:
-        return EpisodeRunner(config.environment, tokenizer)
-    if config.verifiers is not None:
-        from rollout.verifiers_env import VerifiersRunner
-
-        return VerifiersRunner(config.verifiers, config.engine.model, tokenizer)
-    return None
 
 
 class RolloutWorker:
