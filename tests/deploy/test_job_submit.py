@@ -3,6 +3,8 @@
 The head is ``ray start --head --block`` on free ports with its own temp dir (in its own PID namespace
 where the machine allows one), so it cannot collide with other Ray instances, and stopping it stops
 everything it started. Token auth is on, with a token generated for the test.
+
+The recipe's rollout runs the simulated engine (``tests.engines``): the launcher is tested, not vLLM.
 """
 
 import json
@@ -14,6 +16,7 @@ import pytest
 
 from tests.deploy.raycluster import head_env, pick_head_ports, ray_cli, start_blocking_head, wait_for_job_api
 from tests.deploy.system import ray_session_logs, stop_process, tail_file, tail_text
+from tests.engines import sim_engine_sets
 from tests.training import assert_trained
 
 pytestmark = pytest.mark.slow
@@ -32,7 +35,7 @@ def test_job_submit_runs_a_recipe(tiny_llama, tmp_path):
         assert wait_for_job_api(address, head, env, timeout_s=180), \
             f"head not serving jobs:\n{tail_file(head_log)}\n{ray_session_logs(ports.temp_dir)}"
         job = ray_cli(["job", "submit", "--address", address, "--submission-id", job_id, "--working-dir", ".",
-                       "--", "gyre", "run", RECIPE, "--set", f"model={tiny_llama}", "--set", f"run_dir={run_dir}"],
+                       "--", "gyre", "run", RECIPE, "--set", f"model={tiny_llama}", "--set", f"run_dir={run_dir}", *sim_engine_sets()],
                       timeout_s=420, env=env)
         status = ray_cli(["job", "status", job_id, "--address", address], timeout_s=60, env=env)
         if job.returncode != 0 or f"Job '{job_id}' succeeded" not in status.stdout + status.stderr:

@@ -3,6 +3,8 @@
 The "remote" head is this machine, reached over ssh (keys generated here) inside its own PID/mount
 namespace (see ``tests/deploy/sshnode.py``). Skipped, with the reason, where openssh-server/rsync cannot be
 installed or namespaces cannot be created.
+
+The recipe's rollout runs the simulated engine (``tests.engines``): the launcher is tested, not vLLM.
 """
 
 import json
@@ -16,6 +18,7 @@ import pytest
 from tests.deploy.raycluster import forget_local_cluster, pick_head_ports, ray_cli, render_local_cluster
 from tests.deploy.sshnode import PACKAGES, LoopbackNode
 from tests.deploy.system import ensure_debian_packages, pid_namespace_problem, ray_session_logs, tail_file, tail_text
+from tests.engines import sim_engine_sets
 from tests.training import assert_trained
 
 pytestmark = pytest.mark.slow
@@ -57,7 +60,7 @@ def test_ray_up_submit_down(loopback_node, tiny_llama, tmp_path):
         assert "# gyre cluster env" in (node.home / ".bashrc").read_text()
 
         submit = ray_cli(["submit", "--no-config-cache", config, "deploy/ray_entry.py", "--", RECIPE,
-                          "--set", f"model={tiny_llama}", "--set", f"run_dir={run_dir}"], timeout_s=420)
+                          "--set", f"model={tiny_llama}", "--set", f"run_dir={run_dir}", *sim_engine_sets()], timeout_s=420)
         assert submit.returncode == 0, _explain("submit", submit, node, ports)
         assert (node.home / "ray_entry.py").is_file()  # ray submit copied the entry to the head's ~
 

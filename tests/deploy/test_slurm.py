@@ -1,6 +1,8 @@
 """``sbatch --wait deploy/slurm.sbatch RECIPE`` on a one-node Slurm on loopback (``tests/deploy/slurmnode.py``).
 
 Skipped, with the reason, where ``slurm-wlm`` cannot be installed or its daemons cannot start here.
+
+The recipe's rollout runs the simulated engine (``tests.engines``): the launcher is tested, not vLLM.
 """
 
 import json
@@ -16,6 +18,7 @@ import pytest
 from tests.deploy.slurmnode import PACKAGES, LoopbackSlurm
 from tests.deploy.system import (REPO, VENV_BIN, ensure_debian_packages, free_port_range, free_ports,
                                  pid_namespace_problem, ray_session_logs, tail_file, tail_text)
+from tests.engines import sim_engine_sets
 from tests.training import assert_trained
 
 pytestmark = pytest.mark.slow
@@ -55,7 +58,7 @@ def test_sbatch_runs_a_recipe_and_stops_its_ray(slurm, tiny_llama, tmp_path):
     job_log, run_dir = tmp_path / "job.out", tmp_path / "runs"
     try:
         proc = subprocess.run(["sbatch", "--wait", f"--output={job_log}", f"--chdir={REPO}", "deploy/slurm.sbatch",
-                               RECIPE, "--set", f"model={tiny_llama}", "--set", f"run_dir={run_dir}"],
+                               RECIPE, "--set", f"model={tiny_llama}", "--set", f"run_dir={run_dir}", *sim_engine_sets()],
                               cwd=REPO, env=env, capture_output=True, text=True, timeout=480)
         assert proc.returncode == 0, (f"sbatch exited {proc.returncode}: {proc.stdout}{proc.stderr}\n--- job\n"
                                       f"{tail_file(job_log, 60)}\n{slurm.logs()}\n{ray_session_logs(temp_dir)}")

@@ -1,5 +1,5 @@
-"""A two-rank learner under the controller (tiny random Llama, real vLLM, DeepSpeed ZeRO-2 over gloo, gRPC,
-a local Ray): the ranks land in the learner's placement group, rank 1 follows rank 0's collective calls, and
+"""A two-rank learner under the controller (tiny random Llama, DeepSpeed ZeRO-2 over gloo, gRPC,
+a local Ray; the rollout on the simulated engine of ``tests.engines``): the ranks land in the learner's placement group, rank 1 follows rank 0's collective calls, and
 SIGKILLing rank 1 mid-run restarts the whole learner group once (fail-stop), which resumes from its newest
 checkpoint; the run finishes every step, every checkpoint was written by world size 2, and ``gyre check``
 finds no lost or twice-trained group."""
@@ -17,6 +17,7 @@ from services.cli.invariants import check_run
 from services.control import ops
 from services.control.factory import actor_name
 from services.control.recipe import load_recipe
+from tests.engines import TINY_GROUP_S, sim_engine
 from tests.e2e.chaos_run import run_with_chaos
 from tests.training import assert_trained
 
@@ -74,7 +75,7 @@ def test_a_killed_rank_restarts_the_learner_group_and_the_run_finishes(tiny_llam
         "model": str(tiny_llama), "run_dir": str(tmp_path), "ray.num_cpus": 2, "name": "ranks",
         "learner.num_steps": STEPS, "learner.save_interval": 1, "replay.lease_ttl_s": 60,
         "placement.learner.world_size": 2, "placement.learner.strategy": "PACK",
-        "eval_before": False, "eval_after": False})
+        "eval_before": False, "eval_after": False, **sim_engine(TINY_GROUP_S)})
     chaos = KillRank1(recipe.name, recipe.ray.namespace)
     summary = run_with_chaos(recipe, chaos, monkeypatch)
 

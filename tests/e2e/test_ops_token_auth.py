@@ -3,6 +3,9 @@ on for every private head, with the token in ``~/.ray/auth_token``) from a separ
 environment: no ``RAY_AUTH_*`` variables, only ``HOME`` and ``PATH``. Before the controller recorded its
 auth settings in ``ray_connection.json`` these failed with ``InvalidAuthToken`` after ~20 s of retries.
 
+The rollouts run the simulated engine (``tests.engines``): the ops commands and the swap are tested, not
+vLLM, and three vLLM engines on two cores took most of this test's time.
+
 The run gets a temporary ``HOME`` holding ``.ray/auth_token``; nothing is written to the real ``~/.ray``.
 
 The same deployment (one is enough, and each costs minutes) checks a live reward swap (issue #25): the run's
@@ -27,6 +30,7 @@ import pyarrow as pa
 import pytest
 
 from replay.wal_read import list_segments, read_segment
+from tests.engines import sim_engine
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
@@ -93,7 +97,8 @@ def test_ops_commands_reach_a_token_auth_run_from_a_clean_environment(tiny_llama
         (tmp_path / f"reward_{version}.py").write_text(REWARD.format(name=f"digits_{version}", scale=scale))
     sets = {"model": str(tiny_llama), "run_dir": str(runs), "ray.num_cpus": 2, "ray.namespace": NS,
             "learner.num_steps": 1000, "eval_before": False, "eval_after": False,
-            "replay.wal.keep_segments": True, "task.reward": {"function": f"{tmp_path / 'reward_v1.py'}:digits_v1"}}
+            "replay.wal.keep_segments": True, "task.reward": {"function": f"{tmp_path / 'reward_v1.py'}:digits_v1"},
+            **sim_engine()}
     with open(log, "wb") as out:
         driver = subprocess.Popen(
             [sys.executable, "-m", "services.cli", "run", "deploy/recipes/tiny-test.yaml",

@@ -1,5 +1,6 @@
-"""Partial restart and live scaling on a tiny random Llama: real vLLM, DeepSpeed, gRPC and a local Ray, on the
-test's own data and reward (a JSONL file and a ``reward.py`` it writes, code gyre has never seen: ``task.dataset``
+"""Partial restart and live scaling on a tiny random Llama: DeepSpeed, gRPC and a local Ray, the rollouts on the
+simulated engine (``tests.engines``: supervision and scaling are tested, not vLLM; three vLLM engines starting on two
+cores took most of this test's time), on the test's own data and reward (a JSONL file and a ``reward.py`` it writes, code gyre has never seen: ``task.dataset``
 and ``reward: {function: ...}``, issue #22).
 
 While the controller trains, a chaos thread SIGKILLs the process of replay, then of the learner (each
@@ -27,6 +28,7 @@ from services.control.factory import actor_name
 from services.control.recipe import load_recipe
 from rollout.tasks import TaskSource
 from tests.e2e.chaos_run import run_with_chaos
+from tests.engines import TINY_GROUP_S, sim_engine
 from tests.training import assert_trained
 
 pytestmark = pytest.mark.slow
@@ -141,7 +143,8 @@ def test_killed_services_restart_and_the_fleet_scales(tiny_llama, tmp_path, monk
     recipe = load_recipe("deploy/recipes/tiny-test.yaml", {
         "model": str(tiny_llama), "run_dir": str(tmp_path), "ray.num_cpus": 2, "name": "chaos",
         "learner.num_steps": STEPS, "learner.save_interval": 1, "replay.lease_ttl_s": 60,
-        "replay.prompt_lease_ttl_s": 20, "eval_before": False, "eval_after": False, **write_task(tmp_path / "data")})
+        "replay.prompt_lease_ttl_s": 20, "eval_before": False, "eval_after": False, **write_task(tmp_path / "data"),
+        **sim_engine(TINY_GROUP_S)})
     assert recipe.task.reward.function.endswith("reward.py:digits")
     chaos = Chaos(recipe.name, recipe.ray.namespace)
     summary = run_with_chaos(recipe, chaos, monkeypatch)

@@ -1,4 +1,5 @@
-"""One recorded tiny run, two claims (tiny random Llama; real vLLM, DeepSpeed, gRPC, a local Ray). A whole run costs
+"""One recorded tiny run, two claims (tiny random Llama; DeepSpeed, gRPC, a local Ray; the
+rollout on the simulated engine of ``tests.engines``: recording, tracking and replaying are tested, not vLLM). A whole run costs
 ~100 s to start on the 2-core machine, so the run that is recorded is also the run that is tracked.
 
 **Experiment tracking**: the 2-step recorded run has TensorBoard, MLflow (local file store) and W&B (offline) on;
@@ -27,6 +28,7 @@ from replay.recorded import read_recording, sha256_files
 from services.cli.invariants import check_run
 from services.control import controller
 from services.control.recipe import load_recipe
+from tests.engines import sim_engine
 from services.control.recorded import recorded_replay
 from services.control.report import read_metrics
 from tests.tracking_stores import mlflow_history, mlflow_run, tensorboard_scalars, tensorboard_texts, wandb_offline_runs
@@ -45,7 +47,7 @@ def _run(tiny_llama, runs, name, overrides):
     recipe = load_recipe("deploy/recipes/tiny-test.yaml", {
         "model": str(tiny_llama), "run_dir": str(runs), "name": name, "ray.num_cpus": 2, "eval_before": False,
         "eval_after": False, "learner.num_steps": STEPS, "learner.groups_per_step": GROUPS_PER_STEP,
-        "replay.wal.keep_segments": True, **overrides})
+        "replay.wal.keep_segments": True, **sim_engine(), **overrides})
     return controller.run(recipe), runs / name
 
 

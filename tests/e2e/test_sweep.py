@@ -1,12 +1,12 @@
-"""``gyre sweep`` end to end: a 1 × 3 sweep of tiny-model lockstep runs (``lockstep_lag`` 0, 1, 2; real vLLM,
-DeepSpeed, gRPC, a local Ray per run) is SIGKILLed as a process group while its third run
+"""``gyre sweep`` end to end: a 1 × 2 sweep of tiny-model lockstep runs (``lockstep_lag`` 0 and 2; real vLLM,
+DeepSpeed, gRPC, a local Ray per run) is SIGKILLed as a process group while its second run
 is mid-way (no driver may outlive it; other processes of the run that do — two were still alive 60 s after the
 kill once — are stopped by the second start before it resumes the run), run again, and finishes with every
 run complete exactly once and nothing it started left running; ``gyre compare --by lockstep_lag`` on
 the sweep directory then writes the PNGs and the Markdown and CSV tables, the lag read from each run's recipe.
 
 "Exactly once" is read from the runs' own records: each run's learner journal commits steps 1 to 3 once each
-(nothing trained twice); the runs finished before the kill were never started again (one cold-start ``resume``
+(nothing trained twice); the run finished before the kill was never started again (one cold-start ``resume``
 event), the interrupted run resumed from its checkpoint (a second ``resume`` from a checkpoint, not from
 scratch), and ``metrics.jsonl`` holds each step exactly once — also a step the interrupted run's learner finished
 in the seconds between its driver's death and its own: the driver never wrote that row, the resumed run writes it
@@ -14,10 +14,12 @@ from the learner's own copy (``learner_rows.jsonl``, marked ``recovered``). Befo
 lost (seen here: the killed run's learner committed steps 2 and 3 after the kill).
 
 Each run is 3 learner steps (so that at the last step every lag up to 2 is reached), no evaluation, the tiny-test
-recipe's smallest batch; 4 starts in all. The grid's expansion (several keys, zips, seeds) is the unit tests'
+recipe's smallest batch; 3 starts in all. The grid's expansion (several keys, zips, seeds) is the unit tests'
 (``tests/unit/services/test_sweep_config.py``, ``test_sweep_runs.py``); this test keeps what needs real runs: the
 kill, the resume, exactly once, no process left, and ``gyre compare`` on real metrics. The 2 × 2 × 2 grid it
-replaced took 1080 s on the 2-core machine (9 starts, 99–145 s each while other tests ran beside it).
+replaced took 1080 s on the 2-core machine (9 starts, 99–145 s each while other tests ran beside it); the
+1 × 3 grid (lags 0, 1, 2) after it 406 s in a fresh-clone ``make test``. Lags 0 and 2 keep both ends of the
+staleness claim: lag 1 adds a run start and no check the unit tests lack.
 """
 
 import csv
@@ -37,10 +39,10 @@ import yaml
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 3
-LAGS = (0, 1, 2)
+LAGS = (0, 2)
 NAMES = [f"lag{lag}-s0" for lag in LAGS]
-VICTIM = NAMES[2]
-"""The run in progress when the sweep is killed (the third)."""
+VICTIM = NAMES[-1]
+"""The run in progress when the sweep is killed (the last)."""
 
 
 def _sweep_file(tmp_path: Path, tiny_llama: Path) -> Path:
@@ -61,7 +63,7 @@ def _gyre(*args: str, timeout_s: float) -> subprocess.CompletedProcess:
 
 def _sweep_processes(sweep: str) -> dict[int, str]:
     """Live processes the sweep started, directly or not (its ``GYRE_SWEEP`` marker in their environment: drivers,
-    Ray's processes, the services' actors, vLLM's engine): pid → command line."""
+    Ray's processes, the services' actors): pid → command line."""
     marker, out = f"GYRE_SWEEP={sweep}\0".encode(), {}
     for proc in Path("/proc").iterdir():
         try:
@@ -130,7 +132,7 @@ def test_a_killed_sweep_resumes_and_each_run_completes_exactly_once(tiny_llama, 
         status = _gyre("sweep", "status", str(path), timeout_s=300)
         still = set(left) & set(_sweep_processes(sweep))
         assert status.returncode == 0, status.stdout + status.stderr
-        assert "2 done, 1 partial" in status.stdout, status.stdout
+        assert f"{len(NAMES) - 1} done, 1 partial" in status.stdout, status.stdout
 
         second = _gyre("sweep", str(path), timeout_s=1800)
         assert second.returncode == 0, second.stdout[-4000:] + second.stderr[-4000:]
@@ -142,16 +144,16 @@ def test_a_killed_sweep_resumes_and_each_run_completes_exactly_once(tiny_llama, 
             except ProcessLookupError:
                 pass
     if still:  # what outlived the kill was stopped by the second start, before it resumed the run
-        assert f"[2] {VICTIM}: killed " in second.stdout, (left, second.stdout)
-    assert f"[0] {NAMES[0]}: done, skipped" in second.stdout and f"[1] {NAMES[1]}: done, skipped" in second.stdout
-    assert f"[2] {VICTIM}: started (attempt 2" in second.stdout
+        assert f"[{len(NAMES) - 1}] {VICTIM}: killed " in second.stdout, (left, second.stdout)
+    assert all(f"[{i}] {name}: done, skipped" in second.stdout for i, name in enumerate(NAMES[:-1])), second.stdout
+    assert f"[{len(NAMES) - 1}] {VICTIM}: started (attempt 2" in second.stdout
     for name in NAMES:
         _check_run(sweep_dir / name, interrupted=name == VICTIM)
     record = {r["name"]: r for r in json.loads((sweep_dir / "sweep.json").read_text())["runs"]}
     assert [record[n]["state"] for n in NAMES] == ["done"] * len(NAMES)
     assert [a["exit_code"] for a in record[VICTIM]["attempts"]] == [None, 0]  # killed, then finished
     assert all([a["exit_code"] for a in record[n]["attempts"]] == [0] for n in NAMES if n != VICTIM)
-    assert "3 done" in _gyre("sweep", "status", str(path), timeout_s=300).stdout
+    assert f"{len(NAMES)} done" in _gyre("sweep", "status", str(path), timeout_s=300).stdout
 
     cmp = _gyre("compare", str(sweep_dir), "--by", "lockstep_lag", "--threshold", "reward_mean=0.01",
                 "--out", str(tmp_path / "compare"), timeout_s=300)

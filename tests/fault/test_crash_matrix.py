@@ -1,5 +1,7 @@
 """Crash matrix: every fault point in ``faults.POINTS`` fires in a whole tiny-model run under the controller
-(real vLLM, DeepSpeed, gRPC, a local Ray), and the run still trains every step.
+(DeepSpeed, gRPC, a local Ray; the rollout on the simulated engine, ``tests.engines``: supervision and durability
+are what is tested, and a restarted rollout starts in a second instead of vLLM's ~20 s), and the run still trains
+every step.
 
 One run arms a list of fault specs per service (the recipe's ``faults`` section, one spec per incarnation), so a
 service is SIGKILLed at a named phase, restarted by the supervisor, killed again at the next phase, and so on;
@@ -37,6 +39,7 @@ from services.cli.invariants import check_run
 from services.control import controller
 from services.control.factory import FIRE_LOG
 from services.control.recipe import load_recipe
+from tests.engines import TINY_GROUP_S, sim_engine
 from tests.training import assert_trained
 
 pytestmark = pytest.mark.slow
@@ -103,7 +106,7 @@ def matrix_recipe(name: str, run: dict, tiny_llama, tmp_path):
         # checkpoints (with async_save a checkpoint's leases are acked when the next checkpoint begins)
         "replay.lease_ttl_s": 600, "replay.prompt_lease_ttl_s": 20,
         "replay.wal": {"segment_bytes": 4096}, "replay.snapshot": {"interval_s": 2.0},
-        "rollout.spool_dir": str(out / "spool")})
+        "rollout.spool_dir": str(out / "spool"), **sim_engine(TINY_GROUP_S)})
 
 
 def test_crash_matrix_learner(tiny_llama, tmp_path):

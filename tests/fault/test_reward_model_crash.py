@@ -1,5 +1,6 @@
 """The reward-model service under the controller, SIGKILLed mid-run (issue #25): a tiny random classifier scores
-every response (mixed by weight with a verifier reward), its first process is killed by the fault point
+every response (mixed by weight with a verifier reward; the rollout on the simulated engine of
+``tests.engines``, whose random text the classifier scores as well), its first process is killed by the fault point
 ``reward_model.batch_scored`` after its 4th batch — replies not sent — and the run must finish every step with the
 reward model restarted exactly once, while the rollouts' waiting requests are retried against the new process.
 Every trained trajectory is scored by both rewards or carries a recorded ``reward_error``; each scored one's
@@ -13,6 +14,7 @@ from rollout.rewards.model import model_spec
 from services.cli.invariants import check_run
 from services.control import controller
 from services.control.recipe import load_recipe
+from tests.engines import TINY_GROUP_S, sim_engine
 from tests.fault.test_crash_matrix import armed_fires, fires
 from tests.training import assert_trained
 
@@ -30,7 +32,7 @@ def test_a_killed_reward_model_is_restarted_once_and_the_run_finishes(tiny_llama
         "model": str(tiny_llama), "run_dir": str(tmp_path), "ray.num_cpus": 2, "name": "rm-crash",
         "eval_before": False, "eval_after": False, "faults": FAULTS, "learner.num_steps": STEPS,
         "task.reward": None, "task.rewards": rewards, "replay.wal": {"keep_segments": True},
-        "reward_model.max_wait_ms": 50})
+        "reward_model.max_wait_ms": 50, **sim_engine(TINY_GROUP_S)})
     summary = controller.run(recipe)
     out = recipe.out_dir
 
