@@ -340,14 +340,19 @@ def gae(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised advantage estimation (Schulman et al. 2016) over each row's response tokens.
 
-    With ``m_t`` = mask, ``V_{T} = 0`` and the token after a row's last valid one treated as terminal::
+    Over a row's valid tokens (``mask`` True), with ``n(t)`` the next valid token after ``t`` and the row's last
+    valid token terminal (``V = 0``, ``A = 0`` after it)::
 
-        delta_t = r_t + gamma * m_{t+1} * V_{t+1} - V_t
-        A_t     = delta_t + gamma * lam * m_{t+1} * A_{t+1}
+        delta_t = r_t + gamma * V_{n(t)} - V_t
+        A_t     = delta_t + gamma * lam * A_{n(t)}
         R_t     = A_t + V_t                                   # the value target ("returns")
 
-    The valid tokens of a row must be one contiguous span (prompt before, padding after), as in
-    ``learner.batch.TrainBatch``; both outputs are 0 where ``mask`` is False.
+    The valid tokens may be several spans: a multi-turn episode's model turns with the environment's observation
+    tokens (mask False) between them, as ``learner.batch.TrainBatch`` builds it. Value and advantage carry across
+    the masked tokens unchanged, so the outcome reward on the episode's last token reaches every earlier turn and
+    the discount counts model tokens only — verl's ``compute_gae_advantage_return`` (``core_algos.py``), which
+    skips observation tokens the same way. A reward on a masked token is ignored. Both outputs are 0 where
+    ``mask`` is False.
 
     Args:
         rewards: ``[B, T]`` float, per-token rewards (outcome reward on the last token, see
@@ -375,12 +380,13 @@ def gae(
     r = rewards.float() * m
     v = values.detach().float() * m
     advantages = torch.zeros_like(r)
-    next_value = torch.zeros_like(r[:, 0])
+    next_value = torch.zeros_like(r[:, 0])  # V and A of the next valid token (0 after the row's last one)
     next_adv = torch.zeros_like(r[:, 0])
-    next_mask = torch.zeros_like(r[:, 0])
     for t in range(r.shape[1] - 1, -1, -1):
-        delta = r[:, t] + gamma * next_mask * next_value - v[:, t]
-        adv_t = (delta + gamma * lam * next_mask * next_adv) * m[:, t]
-        advantages[:, t] = adv_t
-        next_value, next_adv, next_mask = v[:, t], adv_t, m[:, t]
+        m_t = m[:, t]
+        adv_t = r[:, t] + gamma * next_value - v[:, t] + gamma * lam * next_adv
+        advantages[:, t] = adv_t * m_t
+        # a masked token (prompt, observation, padding) passes the next valid token's V and A through
+        next_value = m_t * v[:, t] + (1 - m_t) * next_value
+        next_adv = m_t * adv_t + (1 - m_t) * next_adv
     return advantages, (advantages + v) * m

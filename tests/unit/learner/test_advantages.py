@@ -111,6 +111,25 @@ def test_gae_with_gamma_lam_one_is_return_minus_value():
     torch.testing.assert_close(adv0, torch.tensor([[0.5, 0.5, 0.5]]))
 
 
+def test_gae_carries_value_and_advantage_across_observation_tokens():
+    # A two-turn episode: model tokens t0-t1, observation t2-t3 (mask 0), model tokens t4-t5, outcome reward 1 on
+    # t5. With V = 0 and gamma = lam = 1 every model token's advantage is the return, 1 (issue #39's example);
+    # before the fix the first turn got 0: the observation cut GAE off at t1.
+    mask = torch.tensor([[True, True, False, False, True, True]])
+    rewards = torch.tensor([[0.0, 0.0, 0.0, 0.0, 0.0, 1.0]])
+    adv, ret = gae(rewards, torch.zeros(1, 6), mask, gamma=1.0, lam=1.0)
+    assert adv.tolist() == [[1.0, 1.0, 0.0, 0.0, 1.0, 1.0]]
+    assert ret.tolist() == [[1.0, 1.0, 0.0, 0.0, 1.0, 1.0]]
+    # With a critic and discounting, t1 bootstraps from t4 (the next model token, one discount step away) and the
+    # observation's own values (9.0) are never read.
+    values = torch.tensor([[0.5, 0.6, 9.0, 9.0, 0.7, 0.8]])
+    adv, ret = gae(rewards, values, mask, gamma=0.9, lam=0.5)
+    # t5: 1 - 0.8 = 0.2;  t4: 0.9*0.8 - 0.7 + 0.45*0.2 = 0.11;  t1: 0.9*0.7 - 0.6 + 0.45*0.11 = 0.0795;
+    # t0: 0.9*0.6 - 0.5 + 0.45*0.0795 = 0.075775
+    torch.testing.assert_close(adv, torch.tensor([[0.075775, 0.0795, 0.0, 0.0, 0.11, 0.2]]))
+    torch.testing.assert_close(ret, torch.tensor([[0.575775, 0.6795, 0.0, 0.0, 0.81, 1.0]]))
+
+
 def test_gae_rejects_bad_input():
     mask = torch.ones(1, 3, dtype=torch.bool)
     with pytest.raises(ValueError, match=r"gamma \(1.5\) must lie in \[0, 1\]"):
