@@ -105,9 +105,10 @@ class EpisodeRunner:
 
     def task_group(self, episodes: list[Episode], entry: dict) -> Group:
         """What the task's reward functions score (``EnvironmentConfig.task_reward``): each episode's last model
-        turn as the completion (``""`` for one that never generated) and its first messages as the prompt."""
+        turn as the completion (``""`` for one that never generated), its token ids as ``completion_ids`` (``[]``
+        then) and its first messages as the prompt."""
         return Group([e.completions[-1] if e.completions else "" for e in episodes],
-                     [e.prompt_messages for e in episodes], entry, [[] for _ in episodes])
+                     [e.prompt_messages for e in episodes], entry, [e.last_turn_token_ids for e in episodes])
 
     def rows(self, episodes: list[Episode], prompt_index: int, attempt: int, task: str, rollout_id: str,
              timeline: int, task_scores: list[RewardResult] | None = None) -> list[Trajectory]:

@@ -162,6 +162,17 @@ class Episode:
             self.turn_starts, self.version_span_starts, self.version_span_versions = [0], [0], [version]
 
     @property
+    def last_turn_token_ids(self) -> list[int]:
+        """The last model turn's token ids (``[]`` for an episode without one): the tokens ``completions[-1]`` was
+        decoded from, without the observation tokens after them."""
+        if not self.completions:
+            return []
+        start = end = self.turn_starts[-1]
+        while end < len(self.token_ids) and self.loss_mask[end] == 1:
+            end += 1
+        return self.token_ids[start:end]
+
+    @property
     def context(self) -> list[int]:
         """``prompt + response`` ids: what the next turn is sampled from."""
         return self.prompt_token_ids + self.token_ids

@@ -273,6 +273,24 @@ def test_a_group_of_episodes_becomes_valid_rows_and_broken_ones_are_not_trained(
     assert ok[0].reward_fn_version.startswith("env:tests.unit.rollout.test_episodes:Counting@")
 
 
+def test_the_task_reward_gets_each_episodes_last_model_turn_as_text_and_token_ids(tok):
+    # Two turns per episode (a tool observation between them): a length-based task reward must see the last turn's
+    # tokens. Before the fix completion_ids was [] for every episode: such a reward gave the group one constant
+    # score and zero advantage, silently.
+    run = runner(tok)
+    engine = ScriptEngine()
+    eps = asyncio.run(run.run_group(engine, "2+2", 2, SAMPLING, "g", 1024, 3, fallback_prompt=[1]))
+    group = run.task_group(eps, {"answer": "4"})
+    assert all(len(e.turn_starts) == 2 for e in eps)
+    for e, ids in zip(eps, group.completion_ids, strict=True):
+        last = e.turn_starts[-1]
+        assert ids == e.token_ids[last:last + 3] and ids[-1] == 2 and len(ids) == 3  # [100 + k, 7, <|im_end|>]
+        assert ids != e.token_ids[:3]  # the last turn, not the first
+    assert group.completions == ["call calc", "call calc"]
+    broken = run.task_group([type(eps[0])(prompt_token_ids=[1])], {"answer": "4"})
+    assert broken.completion_ids == [[]] and broken.completions == [""]
+
+
 def test_a_factory_that_raises_breaks_every_episode_and_a_bad_spec_fails_at_start(tok):
     run = runner(tok, explode=True)
     eps = asyncio.run(run.run_group(ScriptEngine(), "2+2", 2, SAMPLING, "g", 1024, 3, fallback_prompt=[1, 2]))
