@@ -136,10 +136,12 @@ def build_train_batch(
     }
     groups = _group_rows(cols["group_id"], cols["sample_index"], cols["prompt_token_ids"])
     rewards = torch.tensor(cols["reward"], dtype=torch.float32)
-    truncated, penalty = _overlong(cols["finish_reason"], cols["response_token_ids"], cfg)
+    truncated, penalty = _overlong(cols["finish_reason"], cols["loss_mask"], cols["turn_starts"], cfg)
     row_index = torch.tensor([rows for rows in groups.values()], dtype=torch.int64)  # [G, n]
     failed = torch.tensor([bool(err) for err in cols["reward_error"]], dtype=torch.bool)
-    lengths = torch.tensor([sum(m) for m in cols["loss_mask"]], dtype=torch.int64)  # the policy's own tokens
+    filtered = truncated if cfg.overlong_filter else torch.zeros_like(truncated)  # out of the loss (DAPO)
+    # the tokens each row trains (the policy's own, none for a filtered row): reinforce_pp whitens over these
+    lengths = torch.tensor([sum(m) for m in cols["loss_mask"]], dtype=torch.int64).masked_fill(filtered, 0)
     if cfg.custom_advantage:  # computed below, from the padded rows (``learner.objectives``)
         advantages, baseline = None, scored_rows(cfg, failed, row_index)
     else:
@@ -149,7 +151,7 @@ def build_train_batch(
         cols["loss_mask"])
     # out of the loss: truncated rows (DAPO's overlong filtering; still in the baselines above) and rows whose
     # score failed (out of the baselines too)
-    dropped = (truncated if cfg.overlong_filter else torch.zeros_like(truncated)) | ~baseline
+    dropped = filtered | ~baseline
     response_mask[dropped] = False
     behaviour[dropped] = 0.0
     staleness = torch.tensor(
@@ -229,16 +231,26 @@ def reward_error_metrics(batch: TrainBatch) -> dict[str, float]:
             "reward_error_untrained_frac": float((~batch.baseline_rows).float().mean())}
 
 
-def _overlong(finish_reasons: list[str], responses: list[list[int]], cfg: AlgorithmConfig
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+def _overlong(finish_reasons: list[str], loss_masks: list[list[int]], turn_starts: list[list[int]],
+              cfg: AlgorithmConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """``(truncated [B] bool: finish reason "length", overlong_penalty [B] float32)``; the penalty is all 0
-    unless ``cfg.overlong_buffer_len > 0``."""
+    unless ``cfg.overlong_buffer_len > 0``. ``max_response_tokens`` is a budget per model turn
+    (``max_new_tokens``), so DAPO's ``|y|`` is the row's longest model turn (``longest_turn``): a multi-turn
+    episode's observation tokens and its other turns do not count against one turn's budget."""
     truncated = torch.tensor([reason == "length" for reason in finish_reasons], dtype=torch.bool)
     if cfg.overlong_buffer_len == 0:
-        return truncated, torch.zeros(len(responses), dtype=torch.float32)
-    lengths = torch.tensor([len(r) for r in responses], dtype=torch.int64)
+        return truncated, torch.zeros(len(loss_masks), dtype=torch.float32)
+    lengths = torch.tensor([longest_turn(m, t) for m, t in zip(loss_masks, turn_starts, strict=True)],
+                           dtype=torch.int64)
     penalty = overlong_penalty(lengths, cfg.max_response_tokens, cfg.overlong_buffer_len, cfg.overlong_penalty_factor)
     return truncated, penalty
+
+
+def longest_turn(loss_mask: list[int], turn_starts: list[int]) -> int:
+    """Model tokens (``loss_mask`` 1) of a row's longest turn; ``turn_starts`` ``[K]`` are the turns' offsets in the
+    response (``[0]`` for a single-turn row, whose one turn is all its mask-1 tokens)."""
+    bounds = [*turn_starts, len(loss_mask)]
+    return max((sum(loss_mask[a:b]) for a, b in zip(bounds, bounds[1:])), default=0)
 
 
 def truncation_metrics(batch: TrainBatch, cfg: AlgorithmConfig) -> dict[str, float]:

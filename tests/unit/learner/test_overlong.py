@@ -10,7 +10,7 @@ import types
 import pytest
 import torch
 
-from learner.advantages import overlong_penalty
+from learner.advantages import overlong_penalty, reinforce_pp_advantages
 from learner.algorithms import token_logprobs
 from learner.batch import build_train_batch, truncation_metrics
 from learner.config import AlgorithmConfig
@@ -162,3 +162,41 @@ def test_a_gae_batch_whose_rows_are_all_filtered_reports_zero_advantage():
     targets = step_targets(_FakeLearner(algo), batch)
     metrics = LearnerEngine._batch_metrics(types.SimpleNamespace(algo=algo), batch, targets)
     assert metrics["advantage_abs_mean"] == 0.0 and metrics["truncated_frac"] == 1.0
+
+
+def _episode(row, turns: list[int], observations: list[int]):
+    """``row`` as a multi-turn episode: model turns of ``turns`` tokens (mask 1) with observations of
+    ``observations`` tokens (mask 0) between them."""
+    ids, mask, starts = [], [], []
+    for k, n in enumerate(turns):
+        starts.append(len(ids))
+        ids += [300 + k] * n
+        mask += [1] * n
+        if k < len(observations):
+            ids += [400 + k] * observations[k]
+            mask += [0] * observations[k]
+    return dataclasses.replace(row, response_token_ids=ids, behaviour_logprobs=[-0.1] * len(ids), loss_mask=mask,
+                               turn_starts=starts, episode_end="done")
+
+
+def test_the_soft_penalty_measures_each_model_turn_against_its_budget():
+    # Issue #39's case: 3 turns of 20 tokens, two 30-token observations, budget 64 per turn, buffer 16. Each turn
+    # is well inside its budget: no penalty. Before the fix |y| was all 120 response tokens: the maximum -1.0.
+    rows = _rows()
+    rows[0] = _episode(rows[0], [20, 20, 20], [30, 30])
+    rows[1] = _episode(rows[1], [20, 60], [30])  # its second turn is 12 tokens into the buffer: -12/16
+    batch = _batch(rows, max_response_tokens=64, overlong_buffer_len=16)
+    assert batch.overlong_penalty.tolist() == [0.0, -0.75, 0.0, 0.0]
+
+
+def test_reinforce_pp_whitens_over_the_tokens_that_train():
+    # Row 1 (group 9-0, 4 tokens, centred advantage 0) is cut and filtered out of the loss: it stays in its group's
+    # mean (DAPO) but its tokens no longer weigh in the batch whitening. Before the fix they did (std over
+    # 2 + 4 + 1 + 1 tokens instead of 2 + 1 + 1).
+    batch = _batch(_truncated_rows(1), advantage="reinforce_pp", overlong_filter=True)
+    centred = torch.tensor([[0.5, -0.5], [0.0, 0.0]])  # groups 7-0 (rows 0, 2), 9-0 (rows 1, 3)
+    expected = reinforce_pp_advantages(torch.tensor([[1.0, 0.0], [0.0, 0.0]]), AlgorithmConfig().adv_eps,
+                                       torch.tensor([[2, 1], [0, 1]]))
+    assert expected.shape == centred.shape
+    torch.testing.assert_close(batch.advantages, expected[[0, 1, 0, 1], [0, 0, 1, 1]])
+    assert not batch.response_mask[1].any()
