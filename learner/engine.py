@@ -227,17 +227,21 @@ class LearnerEngine:
         """Reward, advantage, staleness (and critic, KL-in-reward) metrics of the batch itself, and its
         ``truncated_frac`` (``overlong_penalty_mean`` with the soft overlong punishment;
         ``learner.batch.truncation_metrics``), and multi-turn episodes' metrics (``learner.batch.episode_metrics``).
-        ``reward_mean`` / ``reward_std`` are the verifier's raw rewards."""
+        ``reward_mean`` / ``reward_std`` are the verifier's raw rewards of the rows that train, as is
+        ``advantage_abs_mean``: a row whose score failed, or that the overlong filter dropped, is out of all three
+        (``reward_error_frac`` counts the failed ones); 0.0 when no row trains."""
         adv, critic = batch.advantages if targets is None else targets.advantages, {}
-        valid = adv[batch.response_mask] if adv.dim() == 2 else adv
+        trained = batch.baseline_rows & ~(batch.truncated if self.algo.overlong_filter else torch.zeros_like(batch.truncated))
+        valid = adv[batch.response_mask] if adv.dim() == 2 else adv[trained]
         adv_abs = float(valid.abs().mean()) if valid.numel() else 0.0  # 0, not NaN, when every row is filtered
+        rewards = batch.rewards[trained]
         if targets is not None and targets.old_values is not None:
             critic["explained_variance"] = explained_variance(targets.old_values, targets.returns, batch.response_mask)
         if targets is not None and targets.kl_to_ref is not None:
             critic["kl_to_ref"] = targets.kl_to_ref
         return {
-            "reward_mean": float(batch.rewards.mean()),
-            "reward_std": float(batch.rewards.std(unbiased=False)),
+            "reward_mean": float(rewards.mean()) if rewards.numel() else 0.0,
+            "reward_std": float(rewards.std(unbiased=False)) if rewards.numel() else 0.0,
             "advantage_abs_mean": adv_abs,
             "staleness_mean": float(batch.staleness.float().mean()),
             "staleness_max": float(batch.staleness.max()),
@@ -299,7 +303,7 @@ class LearnerEngine:
                                          targets.returns[rows, cols].to(self.device), mask,
                                          self.algo.value_clip, normaliser, scale)
             loss = loss + self.algo.value_coef * vloss
-            metrics["value_loss"] = float(vloss.detach()) * normaliser / max(vmetrics["valid_tokens"], 1.0)
+            metrics["value_loss"] = vmetrics["value_loss"]  # token mean; vloss is scaled by the aggregation
             metrics["value_clip_frac"] = vmetrics["value_clip_frac"]
         self.engine.backward(loss * grad_scale if grad_scale != 1 else loss, scale_wrt_gas=False)
         rho = torch.exp(proximal - behaviour)[mask]

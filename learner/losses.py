@@ -354,7 +354,8 @@ def value_loss(
         row_scale: ``[B]`` float per-row factor (``row_token_scale``), or None for 1.
 
     Returns:
-        ``(loss, metrics)``: ``value_clip_frac`` (fraction of valid tokens where the clipped branch is
+        ``(loss, metrics)``: ``value_loss`` (the token mean of ``l`` over the valid tokens, whatever the
+        aggregation: what is logged), ``value_clip_frac`` (fraction of valid tokens where the clipped branch is
         the larger one) and ``valid_tokens``.
 
     Raises:
@@ -370,7 +371,9 @@ def value_loss(
     ret = returns.detach().float()
     v_clip = old + torch.clamp(v - old, -clip, clip)
     unclipped, clipped = (v - ret) ** 2, (v_clip - ret) ** 2
-    loss = scaled_token_sum(0.5 * torch.maximum(unclipped, clipped), mask, row_scale) / normaliser
+    per_token = 0.5 * torch.maximum(unclipped, clipped)
+    loss = scaled_token_sum(per_token, mask, row_scale) / normaliser
     n = int(mask.sum())
     frac = float((clipped > unclipped)[mask].float().mean()) if n else 0.0
-    return loss, {"value_clip_frac": frac, "valid_tokens": float(n)}
+    mean = float(per_token.detach()[mask].mean()) if n else 0.0
+    return loss, {"value_loss": mean, "value_clip_frac": frac, "valid_tokens": float(n)}

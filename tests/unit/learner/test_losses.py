@@ -255,11 +255,25 @@ def test_clipped_value_loss_hand_computed():
     mask = torch.tensor([[True, True, True, False]])
     loss, m = value_loss(values, old, returns, mask, clip=0.2, normaliser=3.0)
     assert loss.item() == pytest.approx(0.21, abs=1e-6)
-    assert m == {"value_clip_frac": pytest.approx(1 / 3), "valid_tokens": 3.0}
+    assert m == {"value_loss": pytest.approx(0.21), "value_clip_frac": pytest.approx(1 / 3), "valid_tokens": 3.0}
     loss.backward()
     torch.testing.assert_close(values.grad, torch.tensor([[-0.2, 0.0, 0.3, 0.0]]))
     with pytest.raises(ValueError, match="returns has shape"):
         value_loss(values, old, returns[:, :2], mask, 0.2, 3.0)
+
+
+def test_the_logged_value_loss_is_the_token_mean_under_every_aggregation():
+    # Issue #39: 2 rows of 10 tokens with loss 1 per token (|V - R| = sqrt 2) under seq-mean-token-mean (row scale
+    # 1/10, normaliser B = 2): the loss is 1.0 and so is what is logged. The engine used to log
+    # loss * normaliser / valid tokens = 1.0 * 2 / 20 = 0.1.
+    values, old = torch.full((2, 10), 2 ** 0.5), torch.full((2, 10), 2 ** 0.5)
+    mask = torch.ones(2, 10, dtype=torch.bool)
+    cfg = AlgorithmConfig(loss_agg_mode="seq-mean-token-mean")
+    loss, m = value_loss(values, old, torch.zeros(2, 10), mask, clip=0.2, normaliser=2.0,
+                         row_scale=row_token_scale(cfg, mask))
+    assert loss.item() == pytest.approx(1.0) and m["value_loss"] == pytest.approx(1.0)
+    # token-mean over the same tokens (normaliser 20, no row scale): the same token mean
+    assert value_loss(values, old, torch.zeros(2, 10), mask, 0.2, 20.0)[1]["value_loss"] == pytest.approx(1.0)
 
 
 def test_every_listed_correction_is_a_valid_config():

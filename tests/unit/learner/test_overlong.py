@@ -200,3 +200,20 @@ def test_reinforce_pp_whitens_over_the_tokens_that_train():
     assert expected.shape == centred.shape
     torch.testing.assert_close(batch.advantages, expected[[0, 1, 0, 1], [0, 0, 1, 1]])
     assert not batch.response_mask[1].any()
+
+
+def test_reward_and_advantage_metrics_count_only_the_rows_that_train():
+    # Issue #39: row 0 (reward 1) is cut and filtered out of the loss, row 3's score failed, which leaves its group
+    # (rows 1, 3) without a baseline: only row 2 trains (reward 0, advantage -1). Before the fix reward_mean counted
+    # all four rows: 0.25, a filtered or failed row moving the reward curve; advantage_abs_mean 0.5.
+    from learner.engine import LearnerEngine
+
+    rows = _truncated_rows(0)
+    rows[3] = dataclasses.replace(rows[3], reward_error="reward_fn_error: boom", reward=0.0)
+    algo = AlgorithmConfig(overlong_filter=True)
+    batch = build_train_batch(to_table(rows), PAD, 4, algo)
+    metrics = LearnerEngine._batch_metrics(types.SimpleNamespace(algo=algo), batch, None)
+    assert metrics["reward_mean"] == 0.0 and metrics["reward_std"] == 0.0
+    assert metrics["reward_error_frac"] == 0.25
+    assert batch.baseline_rows.tolist() == [True, False, True, False]
+    assert metrics["advantage_abs_mean"] == pytest.approx(1.0, abs=1e-4)
