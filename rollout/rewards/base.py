@@ -99,6 +99,9 @@ class RewardResult:
     """Version of the reward function (``reward_fn_version`` on the trajectory)."""
     error: str = ""
     """``""`` when the verifier reached a verdict, else why it did not (``reward_error``)."""
+    abstained: bool = False
+    """A reward function returned ``None`` for this response (``error`` says so): TRL's NaN. In a weighted sum
+    (``rollout.rewards.combined``) the other rewards still score the row; alone, the row has no score."""
 
 
 class RewardFn(ABC):

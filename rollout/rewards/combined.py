@@ -1,9 +1,11 @@
 """Several rewards of one task combined as a weighted sum (``task.rewards``; TRL's ``reward_weights``).
 
 A ``RewardSet`` holds one or more rewards (built-in ``RewardFn``s and ``FunctionReward``s), each with a
-weight and a label. A completion's reward is ``Σ_k weight_k · score_k``; when any of them reached no
-verdict the completion's reward is 0.0 and its ``reward_error`` names the reward(s) that failed, so the
-whole row counts as failed. One reward of weight 1 behaves exactly as that reward alone (same version,
+weight and a label. A completion's reward is ``Σ_k weight_k · score_k`` over the rewards that scored it: a
+reward function that returned ``None`` for it abstains (TRL turns ``None`` into NaN and sums with ``nansum``), so
+the others still score the row. When a reward failed (raised, timed out, returned a non-number), or every reward
+abstained, the completion's reward is 0.0 and its ``reward_error`` names the reward(s), so the whole row counts as
+failed (TRL would stop on the exception, and give 0 to a row nothing scored). One reward of weight 1 behaves exactly as that reward alone (same version,
 same error text).
 """
 
@@ -59,14 +61,17 @@ class RewardSet:
         n = len(per_part[0])
         results = []
         for j in range(n):
-            failed = [(p.label, rs[j].error) for p, rs in zip(self.parts, per_part) if rs[j].error]
+            failed = [(p.label, rs[j].error) for p, rs in zip(self.parts, per_part)
+                      if rs[j].error and not rs[j].abstained]
+            if not failed and all(rs[j].abstained for rs in per_part):  # nothing scored the row
+                failed = [(p.label, rs[j].error) for p, rs in zip(self.parts, per_part)]
             if failed and len(self.parts) == 1:
                 results.append(RewardResult(0.0, self.version, failed[0][1]))
             elif failed:
                 error = "; ".join(f"{label}: {err}" for label, err in failed)[:500]
                 results.append(RewardResult(0.0, self.version, error))
             else:
-                total = sum(p.weight * rs[j].reward for p, rs in zip(self.parts, per_part))
+                total = sum(p.weight * rs[j].reward for p, rs in zip(self.parts, per_part) if not rs[j].abstained)
                 results.append(RewardResult(total, self.version))
         return GroupScore(results, {p.label: rs for p, rs in zip(self.parts, per_part)})
 

@@ -7,11 +7,15 @@ folder, so the file must be readable at that absolute path on every rollout node
 driver when the recipe loads (a bad path or signature is refused before anything starts) and again in
 each rollout actor.
 
-The call, once per group of ``n`` completions of one prompt::
+The call, once per group of ``n`` completions of one prompt, every argument by keyword as TRL's
+``GRPOTrainer`` calls ``reward_funcs``::
 
-    fn(completions, prompts=..., completion_ids=..., **columns, **params) -> list[float | None]
+    fn(completions=..., prompts=..., completion_ids=..., **columns, **params) -> list[float | None]
 
-- ``completions``: ``list[str]``, the ``n`` response texts.
+- ``completions``: the ``n`` responses. As in TRL, their form follows the data's: ``list[str]`` (the response
+  texts) for a standard entry, and ``list[list[dict]]`` (``[{"role": "assistant", "content": text}]`` each) for a
+  conversational one — an entry with a column holding chat messages (a list of ``{role, content}`` dicts, TRL's
+  ``is_conversational``), such as a dataset whose prompt column is messages.
 - ``prompts``: ``list[list[dict[str, str]]]``, per completion the chat messages it answered (TRL's
   conversational prompt form; the same list ``n`` times).
 - ``completion_ids``: ``list[list[int]]``, the response token ids (as TRL passes them).
@@ -23,9 +27,12 @@ The call, once per group of ``n`` completions of one prompt::
 
 The function may be ``async def`` (run on one background event loop per process, never on the rollout's
 loop); a sync one runs in the scoring thread pool. It returns ``n`` scores; a score may be any finite float.
-``None`` ("no verdict"), a non-number, NaN, a wrong count, an exception or overrunning ``timeout_s`` (per
-call) is a failed score: reward 0.0 and a ``reward_error`` on the affected trajectories, never an error of
-the worker.
+``None`` is "no verdict" (TRL's NaN): with several rewards (``task.rewards``) the others still score the row,
+summed as TRL's ``nansum``; a row none of them scored, or a lone reward's ``None``, fails. A non-number, NaN, a
+wrong count, an exception or overrunning ``timeout_s`` (per call) is a failed score: reward 0.0 and a
+``reward_error`` on the affected trajectories, never an error of the worker. (TRL stops training on an
+exception instead.) Not passed: TRL's ``trainer_state`` (gyre has no ``Trainer``; a function that requires it is
+refused at load, one that takes ``**kwargs`` never sees it).
 
 Version: ``fn:<label>:<sha256 of the source file's bytes + the canonical JSON of {fn, params}, 12 hex>``
 (``label``: ``module:fn`` or ``file.py:fn``), so an edited file or other params give another version. Only
@@ -50,7 +57,7 @@ from proto.callable_spec import CallableSpecError
 from rollout.rewards.base import POOL_THREADS, Group, RewardConfig, RewardResult, scoring_pool
 
 EXPECTED = ("'pkg.module:fn' or 'path/to/file.py:fn' naming a callable "
-            "fn(completions: list[str], *, prompts, **columns) -> list[float | None]")
+            "fn(completions, prompts, **kwargs) -> list[float | None], called by keyword")
 RESERVED = ("completions", "prompts", "completion_ids")
 """Keyword names gyre passes itself; entry columns of these names are not passed."""
 
@@ -81,7 +88,7 @@ def load_function(spec: str) -> tuple[Callable, bytes]:
 
     Raises:
         RewardImportError: bad form, missing file, a module or file that does not import, a missing
-            attribute, something not callable, or a signature that cannot take ``(completions, prompts=...)``.
+            attribute, something not callable, or a signature that cannot take ``(completions=..., prompts=...)``.
     """
     try:
         fn, source = callable_spec.load_callable(spec)
@@ -89,9 +96,9 @@ def load_function(spec: str) -> tuple[Callable, bytes]:
         raise _fail(spec, str(exc)) from None
     attr = spec.rpartition(":")[2]
     try:
-        inspect.signature(fn).bind_partial(["completion"], prompts=[[]])
+        inspect.signature(fn).bind_partial(completions=["completion"], prompts=[[]])
     except TypeError as exc:
-        raise _fail(spec, f"{attr}{inspect.signature(fn)} cannot be called as fn(completions, prompts=...): "
+        raise _fail(spec, f"{attr}{inspect.signature(fn)} cannot be called as fn(completions=..., prompts=...): "
                           f"{exc}") from None
     except ValueError:  # no signature to inspect (some builtins): the call will tell
         pass
@@ -121,6 +128,13 @@ async def _awaited(awaitable):
     return await awaitable
 
 
+def is_conversational(entry: dict) -> bool:
+    """Whether a problem entry is conversational data in TRL's sense (``trl.data_utils.is_conversational``): one
+    of its columns holds chat messages, a non-empty list of dicts each with ``role`` and ``content``."""
+    return any(isinstance(v, list) and v and all(isinstance(m, dict) and "role" in m and "content" in m for m in v)
+               for v in entry.values())
+
+
 def check_scores(out: Any, n: int, version: str) -> list[RewardResult]:
     """A function's return value → ``n`` results; a bad value fails the rows it concerns (all for a bad
     container or count)."""
@@ -133,7 +147,7 @@ def check_scores(out: Any, n: int, version: str) -> list[RewardResult]:
     results = []
     for x in scores:
         if x is None:
-            results.append(RewardResult(0.0, version, "returned: None (no verdict)"))
+            results.append(RewardResult(0.0, version, "returned: None (no verdict)", abstained=True))
         elif not isinstance(x, numbers.Real):
             results.append(RewardResult(0.0, version, f"returned: {type(x).__name__} {x!r:.60}, not a number"))
         elif not math.isfinite(float(x)):
@@ -168,11 +182,13 @@ class FunctionReward:
         self.is_async = is_async(self.fn)
 
     def kwargs(self, group: Group) -> dict:
-        """Keyword arguments of one call (see the module docstring)."""
+        """Keyword arguments of one call, ``completions`` included (see the module docstring)."""
         n = len(group.completions)
         columns = {k: [v] * n for k, v in group.entry.items() if k not in RESERVED}
-        return {**columns, "prompts": list(group.prompts), "completion_ids": [list(i) for i in group.completion_ids],
-                **self.params}
+        completions = ([[{"role": "assistant", "content": c}] for c in group.completions]
+                       if is_conversational(group.entry) else list(group.completions))
+        return {**columns, "completions": completions, "prompts": list(group.prompts),
+                "completion_ids": [list(i) for i in group.completion_ids], **self.params}
 
     def check_entry(self, entry: dict) -> None:
         """Raise ``KeyError`` if a call with ``entry``'s columns cannot bind to the function's signature."""
@@ -184,7 +200,7 @@ class FunctionReward:
         except ValueError:
             return
         try:
-            sig.bind(["completion"], **self.kwargs(Group(["completion"], [[]], entry, [[]])))
+            sig.bind(**self.kwargs(Group(["completion"], [[]], entry, [[]])))
         except TypeError as exc:
             raise KeyError(f"reward function {self.spec!r}: {self.fn_name}{sig} cannot take the keywords prompts, completion_ids and the entry's "
                            f"columns {sorted(k for k in entry if k not in RESERVED)}: {exc} (add **kwargs)") from None
@@ -200,11 +216,10 @@ class FunctionReward:
             n = len(group.completions)
             kwargs = self.kwargs(group)
             if self.is_async:
-                future = asyncio.run_coroutine_threadsafe(_awaited(self.fn(group.completions, **kwargs)),
-                                                          _async_loop())
+                future = asyncio.run_coroutine_threadsafe(_awaited(self.fn(**kwargs)), _async_loop())
                 waiting = asyncio.wrap_future(future)
             else:
-                waiting = loop.run_in_executor(scoring_pool(), self._call_sync, group.completions, kwargs)
+                waiting = loop.run_in_executor(scoring_pool(), self._call_sync, kwargs)
             done, _ = await asyncio.wait({waiting}, timeout=budget)
             if not done:  # an async call is cancelled; a sync one's thread cannot be and runs on
                 waiting.cancel()
@@ -216,8 +231,8 @@ class FunctionReward:
 
         return list(await asyncio.gather(*(one(g) for g in groups)))
 
-    def _call_sync(self, completions: list[str], kwargs: dict) -> Any:
-        out = self.fn(list(completions), **kwargs)
+    def _call_sync(self, kwargs: dict) -> Any:
+        out = self.fn(**kwargs)
         if inspect.isawaitable(out):  # a sync callable that returned a coroutine
             out = asyncio.run_coroutine_threadsafe(_awaited(out), _async_loop()).result()
         return out

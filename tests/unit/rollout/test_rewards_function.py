@@ -109,29 +109,91 @@ def test_a_function_past_its_timeout_is_a_failed_score(tmp_path):
     assert [(r.reward, r.error) for r in got.results] == [(0.0, "timeout: not scored within 0.2 s")]
 
 
-def test_weighted_rewards_are_summed_and_any_failure_fails_the_row(tmp_path):
+def test_weighted_rewards_are_summed_over_the_rewards_that_scored_the_row(tmp_path):
+    # TRL's nansum: a function's None (no verdict) leaves the row to the other rewards. Before #39 it failed the
+    # whole row (reward 0, reward_error), so one abstaining function silenced every other reward.
     path = write(tmp_path / "parts.py", """
         def length(completions, **kw):
-            return [None if c == "none" else 0.1 * len(c) for c in completions]
+            return [None if "boxed" in c else 0.1 * len(c) for c in completions]
     """)
     task = TaskSource(TaskConfig(params=TINY, heldout_size=4, rewards=[
         {"name": "math_exact", "weight": 0.5}, {"function": f"{path}:length", "weight": 2.0}]))
     answer = task.problem(0).entry["answer"]
-    rows, worker = rows_of(task, [f"\\boxed{{{answer}}}", "none"])
+    rows, worker = rows_of(task, [f"\\boxed{{{answer}}}", "oops"])
     fn_version = task.reward_for("basic_arithmetic").parts[1].reward.version
     assert rows[0]["reward_fn_version"] == f"0.5*math-exact-v1+2*{fn_version}"
-    want = 2.0 * 0.1 * len(f"\\boxed{{{answer}}}") + 0.5 * 1.0
-    assert rows[0]["reward"] == pytest.approx(want) and rows[0]["reward_error"] == ""
-    assert (rows[1]["reward"], rows[1]["reward_error"]) == (0.0, "parts.py:length: returned: None (no verdict)")
+    assert (rows[0]["reward"], rows[0]["reward_error"]) == (0.5 * 1.0, "")  # length abstained: math_exact alone
+    assert rows[1]["reward"] == pytest.approx(2.0 * 0.1 * len("oops")) and rows[1]["reward_error"] == ""
     stats = worker.stats.as_dict(0)
-    assert stats["reward_errors"] == 1
+    assert stats["reward_errors"] == 0
     assert stats["reward_counts"] == {"basic_arithmetic/parts.py:length": 1, "basic_arithmetic/math_exact": 2}
-    assert stats["reward_means"]["basic_arithmetic/math_exact"] == 0.5  # the boxed answer right, "none" wrong
-    assert stats["reward_means"]["basic_arithmetic/parts.py:length"] == pytest.approx(0.1 * len(f"\\boxed{{{answer}}}"))
+    assert stats["reward_means"]["basic_arithmetic/math_exact"] == 0.5  # the boxed answer right, "oops" wrong
+    assert stats["reward_means"]["basic_arithmetic/parts.py:length"] == pytest.approx(0.1 * len("oops"))
     other = {"reward_counts": {"basic_arithmetic/math_exact": 6}, "reward_means": {"basic_arithmetic/math_exact": 1.0}}
     merged = merge_reward_means([stats, other, {}])  # the controller's rollout_reward_means in metrics.jsonl
     assert merged["basic_arithmetic/math_exact"] == pytest.approx((2 * 0.5 + 6 * 1.0) / 8)
     assert merged["basic_arithmetic/parts.py:length"] == stats["reward_means"]["basic_arithmetic/parts.py:length"]
+
+
+def test_a_row_no_reward_scored_or_one_reward_failed_on_is_a_failed_score(tmp_path):
+    path = write(tmp_path / "parts.py", """
+        def abstain(completions, **kw):
+            return [None] * len(completions)
+
+        def picky(completions, **kw):
+            return [None if c == "a" else 1.0 for c in completions]
+
+        def brittle(completions, **kw):
+            if "b" in completions:
+                raise ValueError("cannot read b")
+            return [1.0] * len(completions)
+    """)
+    _, got = score([{"function": f"{path}:abstain"}, {"function": f"{path}:picky", "weight": 2.0}], ["a", "c"])
+    assert [(r.reward, r.error) for r in got.results] == [
+        (0.0, "parts.py:abstain: returned: None (no verdict); parts.py:picky: returned: None (no verdict)"),
+        (2.0, "")]
+    _, got = score([{"function": f"{path}:picky"}, {"function": f"{path}:brittle"}], ["a", "b"])
+    assert [(r.reward, r.error) for r in got.results] == [(0.0, "parts.py:brittle: raised: ValueError: cannot read b")] * 2
+
+
+def test_reward_functions_copied_from_trls_documentation_run_unchanged(tmp_path):
+    # TRL's GRPOTrainer docs ("Using a custom reward function"): a conversational format reward (completions are
+    # lists of messages for conversational data) and a standard one taking a dataset column by keyword. Before
+    # #39 gyre passed strings whatever the data, so the first raised "string indices must be integers".
+    path = write(tmp_path / "trl_rewards.py", r"""
+        import re
+
+        def format_reward_func(completions, **kwargs):
+            "Reward function that checks if the completion has a specific format."
+            pattern = r"^<think>.*?</think><answer>.*?</answer>$"
+            completion_contents = [completion[0]["content"] for completion in completions]
+            matches = [re.match(pattern, content) for content in completion_contents]
+            return [1.0 if match else 0.0 for match in matches]
+
+        def reward_func(completions, ground_truth, **kwargs):
+            # Regular expression to capture content inside oxed{}
+            matches = [re.search(r"\\boxed\{(.*?)\}", completion) for completion in completions]
+            contents = [match.group(1) if match else "" for match in matches]
+            # Reward 1 if the content is the same as the ground truth, 0 otherwise
+            return [1.0 if c == gt else 0.0 for c, gt in zip(contents, ground_truth)]
+    """)
+    conversational = {"prompt": [{"role": "user", "content": "What is 2 + 3?"}], "ground_truth": "5"}
+    _, got = score(f"{path}:format_reward_func", ["<think>2+3</think><answer>5</answer>", "5"], conversational)
+    assert [(r.reward, r.error) for r in got.results] == [(1.0, ""), (0.0, "")]
+    standard = {"prompt": "What is 2 + 3?", "ground_truth": "5"}
+    _, got = score(f"{path}:reward_func", ["so \\boxed{5}", "\\boxed{6}"], standard)
+    assert [(r.reward, r.error) for r in got.results] == [(1.0, ""), (0.0, "")]
+
+
+def test_every_argument_is_passed_by_keyword_as_trl_does(tmp_path):
+    # TRL calls reward_func(prompts=..., completions=..., completion_ids=..., **columns): a function that lists
+    # prompts first binds. gyre passed completions positionally, into `prompts`.
+    path = write(tmp_path / "order.py", """
+        def score(prompts, completions, **kwargs):
+            return [float(p[-1]["content"] == "q" and isinstance(c, str)) for p, c in zip(prompts, completions)]
+    """)
+    _, got = score(f"{path}:score", ["a", "b"])
+    assert [(r.reward, r.error) for r in got.results] == [(1.0, ""), (1.0, "")]
 
 
 def test_a_changed_source_or_params_is_a_new_version_and_swap_reward_loads_it(tmp_path):
@@ -178,7 +240,7 @@ def test_a_module_function_is_imported_and_reloaded_when_its_file_changes(tmp_pa
     ("def other(completions, **kw):\n    return []\n", "{dir}/r.py:score",
      "has no attribute 'score' (its callables: other)"),
     ("score = 3\n", "{dir}/r.py:score", "'score' is a int, not callable"),
-    ("def score():\n    return []\n", "{dir}/r.py:score", "score() cannot be called as fn(completions, prompts=...)"),
+    ("def score():\n    return []\n", "{dir}/r.py:score", "score() cannot be called as fn(completions=..., prompts=...)"),
     ("def score(completions):\n    return []\n", "{dir}/r.py:score", "got an unexpected keyword argument 'prompts'"),
     (None, "{dir}/r.py", "not of the form target:function"),
 ])
