@@ -42,9 +42,12 @@ from rollout.generate_endpoint import Call, GenerateEndpoint
 
 log = structlog.get_logger("gyre.rollout.verifiers")
 
-LOCAL_AGENT = {"harness": {"id": "null"}, "runtime": {"type": "subprocess"}}
+LOCAL_AGENT = {"harness": {"id": "null", "env": {"PYTHONFAULTHANDLER": "1"}}, "runtime": {"type": "subprocess"}}
 """What a role of the verifiers env config gets when the recipe leaves it unset: verifiers' own tool-capable chat
-loop (``null`` harness), run as a local subprocess (verifiers' own default runtime is a Prime sandbox)."""
+loop (``null`` harness), run as a local subprocess (verifiers' own default runtime is a Prime sandbox), with
+Python's faulthandler on: a program that dies of a signal (an ``abort()`` in C or Rust code, ``exited -6``) writes
+every thread's Python stack to stderr first, whose tail verifiers puts in the episode's error; without it such an
+abort leaves no output at all."""
 
 
 @dataclass(frozen=True)

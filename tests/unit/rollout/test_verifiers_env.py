@@ -5,6 +5,7 @@ The whole path with real vLLM and a verifiers environment is tests/integration/t
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 import textwrap
 from types import SimpleNamespace
@@ -242,6 +243,20 @@ def test_env_config_gives_unset_roles_a_local_null_agent_and_keeps_set_ones(task
         taskset, LOCAL_AGENT["harness"]["id"], "subprocess")
     cfg = env_config(VerifiersConfig(taskset=taskset, env={"agent": {"runtime": {"type": "docker"}}}))
     assert (cfg.agent.harness.id, cfg.agent.runtime.type) == ("null", "docker")
+
+
+def test_a_local_harness_that_aborts_leaves_its_python_stacks_in_stderr(taskset):
+    """An abort() inside the harness program (C code, glibc, a Rust extension) prints nothing by itself, so
+    verifiers' ``harness 'null' exited -6: <stderr tail>`` read ``<no output>``; the local agent's harness env
+    turns on faulthandler, which writes every thread's Python stack before the process dies of the signal."""
+    import subprocess
+
+    cfg = env_config(VerifiersConfig(taskset=taskset))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONFAULTHANDLER"} | cfg.agent.harness.resolved_env
+    program = "import os\ndef deep():\n    os.abort()\ndeep()\n"
+    out = subprocess.run([sys.executable, "-c", program], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == -6
+    assert "Fatal Python error: Aborted" in out.stderr and 'line 3 in deep' in out.stderr, out.stderr
 
 
 def test_runner_loads_the_tasks_holds_out_the_last_ones_and_names_its_version(taskset, tok, tiny_llama):
