@@ -30,6 +30,7 @@ import re
 import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from collections.abc import Collection
 from typing import Literal
 
 import numpy as np
@@ -188,12 +189,13 @@ def commit(tmp: Path, final: Path, metadata: CheckpointMetadata) -> Path:
     return final
 
 
-def prune(root: Path, keep_last_n: int) -> list[Path]:
+def prune(root: Path, keep_last_n: int, protected: Collection[str] = ()) -> list[Path]:
     """Delete all but the newest ``keep_last_n`` committed checkpoints, plus stale temp dirs of other
-    processes; returns what was removed."""
+    processes; returns what was removed. ``protected``: checkpoint names (``global_step_N``) kept past
+    ``keep_last_n`` for now, e.g. while an archive upload still reads them (a later prune removes them)."""
     if keep_last_n < 1:
         raise ValueError(f"keep_last_n ({keep_last_n}) must be a positive integer")
-    removed = [c for c in list_checkpoints(root)[:-keep_last_n]]
+    removed = [c for c in list_checkpoints(root)[:-keep_last_n] if c.name not in protected]
     removed += [p for p in Path(root).glob("global_step_*.*-*") if not p.name.endswith(f"-{os.getpid()}")]
     for path in removed:
         shutil.rmtree(path, ignore_errors=True)

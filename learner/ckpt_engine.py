@@ -17,7 +17,7 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointComm
 
 from learner import checkpoint as ckpt
 from learner.async_save import snapshot, write_captured
-from learner.ckpt_request import CheckpointedLearner, CheckpointRequest
+from learner.ckpt_request import CheckpointedLearner, CheckpointRequest, commit_request
 from learner.ranks import control_group
 
 log = structlog.get_logger("learner")
@@ -78,12 +78,7 @@ def _write_side_files(learner: CheckpointedLearner, tmp: Path, rank: int) -> Non
 
 
 def _commit(tmp: Path, final: Path, meta: ckpt.CheckpointMetadata, request: CheckpointRequest) -> Path:
-    ckpt.commit(tmp, final, meta)
-    if request.keep_last_n is not None:
-        ckpt.prune(request.root, request.keep_last_n)
-    if request.after_commit is not None:
-        request.after_commit(final)
-    return final
+    return commit_request(tmp, final, meta, request)
 
 
 def load_checkpoint(learner: CheckpointedLearner, path: Path, fingerprint: str = "", force: bool = False) -> ckpt.CheckpointMetadata:

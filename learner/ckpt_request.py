@@ -8,12 +8,13 @@ ranks) and the test doubles; ``learner.loop.LearnerLoop`` builds the request. Pu
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 if TYPE_CHECKING:
+    from learner import checkpoint as ckpt
     from learner.async_save import BackgroundSaver
     from learner.config import AlgorithmConfig, LearnerConfig
 
@@ -41,6 +42,9 @@ class CheckpointRequest:
     ``CheckpointMetadata.spike_save``; empty when the loop keeps none."""
     keep_last_n: int | None = None
     """After the commit, prune all but the newest ``keep_last_n`` checkpoints under ``root``; ``None``: keep all."""
+    protected: Callable[[], Collection[str]] | None = field(default=None, compare=False)
+    """Called at prune time: checkpoint names the prune must keep for now (archive uploads still queued or
+    running read them from ``root``); ``None``: none."""
     saver: BackgroundSaver | None = field(default=None, compare=False)
     """``learner.async_save.BackgroundSaver``: with world size 1 the state is captured in memory and written
     and committed in its thread (``save_checkpoint`` returns a ``Future`` of the path); ``None``: synchronous."""
@@ -73,3 +77,17 @@ class CheckpointedLearner(Protocol):
     """sha256 of both configs' JSON (``learner.checkpoint.config_hash``), compared on resume."""
     engine: Any
     """The ``deepspeed.DeepSpeedEngine`` whose state is saved under ``deepspeed/``."""
+
+
+def commit_request(tmp: Path, final: Path, meta: ckpt.CheckpointMetadata, request: CheckpointRequest) -> Path:
+    """The end of every save that ``request`` asked for (on rank 0): commit ``tmp`` as ``final``
+    (``learner.checkpoint.commit``), prune ``request.root`` to ``keep_last_n`` sparing ``request.protected()``,
+    then run ``after_commit(final)``. Returns ``final``."""
+    from learner import checkpoint as ckpt
+
+    ckpt.commit(tmp, final, meta)
+    if request.keep_last_n is not None:
+        ckpt.prune(request.root, request.keep_last_n, request.protected() if request.protected else ())
+    if request.after_commit is not None:
+        request.after_commit(final)
+    return final

@@ -88,6 +88,9 @@ class LearnerLoop:
         self._inflight: tuple[Future, list[str], str, float] | None = None  # (future, leases, name, started)
         self._uploader: ThreadPoolExecutor | None = None
         self._uploads: list[Future] = []
+        self._uploading: set[str] = set()
+        """Checkpoint names whose archive upload is queued or running: the primary's prune keeps them."""
+        self._uploading_lock = threading.Lock()
         self.tier_failures = 0
         """Mirror copies and archive uploads that failed (logged; training went on)."""
         self._emergency: int | None = None  # signal number awaiting an emergency checkpoint
@@ -217,7 +220,7 @@ class LearnerLoop:
                 self.checkpoint_dir, pending_lease_ids=leases, pending_group_ids=groups,
                 acked_lease_count=self.acked_lease_count, fingerprint=self.config.fingerprint,
                 spike_save=self.spikes.state_dict(),
-                keep_last_n=self.config.keep_last_n, saver=self._saver,
+                keep_last_n=self.config.keep_last_n, saver=self._saver, protected=self._uploads_pending,
                 after_commit=self._mirror if self.config.mirror_dir is not None else None))
             if isinstance(result, Future):
                 self._inflight = (result, leases, name, time.monotonic())
@@ -273,8 +276,15 @@ class LearnerLoop:
             self.tier_failures += 1
             log.error("checkpoint_mirror_failed", path=str(path), error=f"{type(exc).__name__}: {exc}")
 
+    def _uploads_pending(self) -> frozenset[str]:
+        """Names of the checkpoints an archive upload has yet to read (``CheckpointRequest.protected``)."""
+        with self._uploading_lock:
+            return frozenset(self._uploading)
+
     def _archive_async(self, path: Path) -> None:
-        """Upload ``path`` to the archive tier in the background (one upload at a time, in order)."""
+        """Upload ``path`` to the archive tier in the background (one upload at a time, in order). Until its
+        upload ends the primary keeps ``path`` past ``keep_last_n``: an upload slower than training used to find
+        its checkpoint pruned (``manifest.json is missing``) and count a tier failure."""
         from learner.archive import archive_checkpoint, prune_archive
 
         def upload() -> None:
@@ -284,6 +294,12 @@ class LearnerLoop:
             except Exception as exc:  # recovery path: an unreachable bucket must not stop training
                 self.tier_failures += 1
                 log.error("checkpoint_archive_failed", path=str(path), error=f"{type(exc).__name__}: {exc}")
+            finally:
+                with self._uploading_lock:
+                    self._uploading.discard(path.name)
+
+        with self._uploading_lock:
+            self._uploading.add(path.name)
 
         if self._uploader is None:
             self._uploader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gyre-ckpt-archive")

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from learner.ckpt_request import CheckpointRequest
+from learner.ckpt_request import CheckpointRequest, commit_request
 from learner.config import LearnerConfig
 from learner.loop import LearnerLoop, LearnerLoopConfig, NoDataError
 from learner.publisher import WeightPublisher
@@ -281,14 +281,9 @@ class CommittingEngine(FakeLearnerEngine):
         (tmp / "deepspeed").mkdir(parents=True)
         (tmp / "deepspeed" / "model.pt").write_bytes(bytes([self.step]) * 1024)
         groups = list(call.pending_group_ids) if self.stores_group_ids else []
-        final = ckpt.commit(tmp, ckpt.checkpoint_path(root, self.step),
-                            ckpt.CheckpointMetadata(step=self.step, policy_version=self.version,
-                                                    pending_lease_ids=leases, pending_group_ids=groups))
-        if call.keep_last_n:
-            ckpt.prune(root, call.keep_last_n)
-        if call.after_commit is not None:
-            call.after_commit(final)
-        return final
+        return commit_request(tmp, ckpt.checkpoint_path(root, self.step),
+                              ckpt.CheckpointMetadata(step=self.step, policy_version=self.version,
+                                                      pending_lease_ids=leases, pending_group_ids=groups), call)
 
 
 def test_checkpoints_are_mirrored_before_the_ack_and_archived_after(tmp_path):
@@ -354,3 +349,36 @@ def test_rejoin_waits_for_replay_and_never_releases_a_lease_the_checkpoint_train
     loop.replay.ack = real_ack
     loop.step()
     assert buf.info()["acked_groups_total"] == 2 and loop.engine.version == 2
+
+
+def test_an_archive_upload_slower_than_training_still_finds_its_checkpoint(tmp_path, monkeypatch):
+    # The archive uploader lags three steps behind (as on a loaded machine, or a slow bucket): with keep_last_n 2
+    # the primary used to prune global_step_1 before its upload read it ("manifest.json is missing"), a tier
+    # failure; test_checkpoints_are_mirrored_before_the_ack_and_archived_after failed that way under load. The
+    # primary now keeps a checkpoint until its upload ended; a later commit's prune takes it.
+    import threading
+
+    from learner import archive as archive_mod
+    from learner import checkpoint as ckpt
+    from learner.archive import list_archived
+
+    gate, real = threading.Event(), archive_mod.archive_checkpoint
+
+    def held(path, cfg):
+        gate.wait(30)
+        return real(path, cfg)
+
+    monkeypatch.setattr(archive_mod, "archive_checkpoint", held)
+    buf = filled_buffer(6)
+    archive = {"url": f"file://{tmp_path / 'archive'}", "keep_last_n": 4}
+    config = LearnerLoopConfig(engine=LearnerConfig(model=str(SMOLLM2_DIR)), groups_per_step=2, save_interval=1,
+                               keep_last_n=2, archive=archive)
+    loop = LearnerLoop(config, CommittingEngine(), FakeReplay(buf), WeightPublisher(), 0, tmp_path / "primary")
+    for _ in range(3):
+        loop.step()
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path / "primary")] == [f"global_step_{i}" for i in (1, 2, 3)]
+    gate.set()
+    loop.wait_for_uploads(60)
+    assert loop.tier_failures == 0 and list_archived(loop.config.archive) == [1, 2, 3]
+    assert loop._uploads_pending() == frozenset()  # the next commit's prune may take global_step_1 now
+    assert [p.name for p in ckpt.prune(tmp_path / "primary", 2, loop._uploads_pending())] == ["global_step_1"]
