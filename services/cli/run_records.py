@@ -58,6 +58,9 @@ class RunRecords:
     """Replay's lifetime counters (rows for ``dropped_stale_total``, groups for ``evicted_groups_total``)."""
     torn_tails: list[str] = field(default_factory=list)
     """Journals whose unterminated last line (a crash mid-append) was skipped."""
+    ledger_leased: dict[int, str] = field(default_factory=dict)
+    """Prompt indices issued but not complete when replay stopped → the consumer (rollout) holding the lease, or
+    ``""`` for one expired and queued for re-issue: a resumed run issues them again."""
 
 
 def _replay_config(run_dir: Path) -> ReplayConfig:
@@ -88,7 +91,7 @@ def _journal(path: Path, torn: list[str]) -> list[dict]:
     return got.events
 
 
-def _replay_state(cfg: ReplayConfig) -> tuple[dict[str, StoredGroup], set[int], Counters]:
+def _replay_state(cfg: ReplayConfig) -> tuple[dict[str, StoredGroup], set[int], dict[int, str], Counters]:
     from replay.offline import inspect_dir
 
     try:
@@ -100,7 +103,8 @@ def _replay_state(cfg: ReplayConfig) -> tuple[dict[str, StoredGroup], set[int], 
               for g in state.store.groups.values()}
     ledger = state.ledger.state_dict()
     completed = set(range(ledger["done_below"])) | {int(i) for i in ledger["done_above"]}
-    return stored, completed, state.counters
+    leased = {int(i): str(consumer) for i, consumer, _, _ in ledger["leases"]} | {int(i): "" for i, _ in ledger["expired"]}
+    return stored, completed, leased, state.counters
 
 
 def load_run(run_dir: str | Path) -> RunRecords:
@@ -125,5 +129,5 @@ def load_run(run_dir: str | Path) -> RunRecords:
     if not rollout_paths and cfg.source is None:  # a run trained from a recording may start no rollout
         raise RunDirError(f"{run_dir}: no rollout journal under {ROLLOUT_JOURNALS}/ (no rollout ever started?)")
     rollouts = {p.stem: _journal(p, torn) for p in rollout_paths}
-    stored, completed, counters = _replay_state(cfg)
-    return RunRecords(run_dir, cfg, learner, rollouts, stored, completed, counters, torn)
+    stored, completed, leased, counters = _replay_state(cfg)
+    return RunRecords(run_dir, cfg, learner, rollouts, stored, completed, counters, torn, leased)

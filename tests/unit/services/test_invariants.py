@@ -69,6 +69,20 @@ def test_a_clean_run_passes_with_exact_counts(tmp_path):
     assert json.loads(report.to_json())["ok"] is True
 
 
+def test_prompts_still_leased_when_replay_stopped_are_listed_with_their_holder(tmp_path):
+    # A rollout killed with prompts leased (not expired yet when the run ended): a resumed run issues them again.
+    # The partial-restart e2e reads this to tell such a prompt from a lost one.
+    from services.cli.run_records import load_run
+
+    run = make_run(tmp_path)
+    buf = TrajectoryBuffer(ReplayConfig(dir=str(run / "replay")))
+    issued = [i for i, _ in buf.lease_prompts("rollout-1", 2, ttl_s=600)]
+    buf.close()
+    assert len(issued) == 2
+    assert load_run(run).ledger_leased == {i: "rollout-1" for i in issued}
+    assert load_run(make_run(tmp_path / "clean")).ledger_leased == {}
+
+
 def test_a_crash_between_commit_and_ack_is_not_a_violation(tmp_path):
     report = check_run(make_run(tmp_path, ack_second=False))
     assert report.ok and report.counts["in_replay_groups"] == 4
