@@ -15,13 +15,14 @@ import signal
 import threading
 import time
 import uuid
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Protocol
 
 import pyarrow as pa
 import structlog
 
+from learner.archive_uploads import ArchiveUploads
 from learner.batch import build_train_batch
 from learner.async_save import BackgroundSaver
 from learner.ckpt_request import CheckpointRequest
@@ -86,13 +87,8 @@ class LearnerLoop:
         self.last_checkpoint: Path | None = None
         self._saver = BackgroundSaver() if config.async_save else None
         self._inflight: tuple[Future, list[str], str, float] | None = None  # (future, leases, name, started)
-        self._uploader: ThreadPoolExecutor | None = None
-        self._uploads: list[Future] = []
-        self._uploading: set[str] = set()
-        """Checkpoint names whose archive upload is queued or running: the primary's prune keeps them."""
-        self._uploading_lock = threading.Lock()
-        self.tier_failures = 0
-        """Mirror copies and archive uploads that failed (logged; training went on)."""
+        self._archive = ArchiveUploads(config.archive)
+        self._mirror_failures = 0
         self._emergency: int | None = None  # signal number awaiting an emergency checkpoint
         self._rejoin: tuple | None = None
         """``(checkpoint metadata or None,)`` after ``resume`` until ``rejoin_replay`` ran (first ``step``)."""
@@ -220,7 +216,7 @@ class LearnerLoop:
                 self.checkpoint_dir, pending_lease_ids=leases, pending_group_ids=groups,
                 acked_lease_count=self.acked_lease_count, fingerprint=self.config.fingerprint,
                 spike_save=self.spikes.state_dict(),
-                keep_last_n=self.config.keep_last_n, saver=self._saver, protected=self._uploads_pending,
+                keep_last_n=self.config.keep_last_n, saver=self._saver, protected=self._archive.pending,
                 after_commit=self._mirror if self.config.mirror_dir is not None else None))
             if isinstance(result, Future):
                 self._inflight = (result, leases, name, time.monotonic())
@@ -263,7 +259,7 @@ class LearnerLoop:
             self.replay.ack(leases)
             self.acked_lease_count += len(leases)
         if self.config.archive is not None and self.last_checkpoint is not None:
-            self._archive_async(self.last_checkpoint)
+            self._archive.submit(self.last_checkpoint)
 
     def _mirror(self, path: Path) -> None:
         """Copy a just-committed checkpoint to ``mirror_dir`` (runs before its leases are acked). A failure
@@ -273,43 +269,17 @@ class LearnerLoop:
         try:
             mirror_checkpoint(path, Path(self.config.mirror_dir), self.config.keep_last_n)
         except Exception as exc:  # recovery path: the mirror disk failing must not stop training
-            self.tier_failures += 1
+            self._mirror_failures += 1
             log.error("checkpoint_mirror_failed", path=str(path), error=f"{type(exc).__name__}: {exc}")
-
-    def _uploads_pending(self) -> frozenset[str]:
-        """Names of the checkpoints an archive upload has yet to read (``CheckpointRequest.protected``)."""
-        with self._uploading_lock:
-            return frozenset(self._uploading)
-
-    def _archive_async(self, path: Path) -> None:
-        """Upload ``path`` to the archive tier in the background (one upload at a time, in order). Until its
-        upload ends the primary keeps ``path`` past ``keep_last_n``: an upload slower than training used to find
-        its checkpoint pruned (``manifest.json is missing``) and count a tier failure."""
-        from learner.archive import archive_checkpoint, prune_archive
-
-        def upload() -> None:
-            try:
-                archive_checkpoint(path, self.config.archive)
-                prune_archive(self.config.archive)
-            except Exception as exc:  # recovery path: an unreachable bucket must not stop training
-                self.tier_failures += 1
-                log.error("checkpoint_archive_failed", path=str(path), error=f"{type(exc).__name__}: {exc}")
-            finally:
-                with self._uploading_lock:
-                    self._uploading.discard(path.name)
-
-        with self._uploading_lock:
-            self._uploading.add(path.name)
-
-        if self._uploader is None:
-            self._uploader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gyre-ckpt-archive")
-        self._uploads.append(self._uploader.submit(upload))
 
     def wait_for_uploads(self, timeout_s: float | None = None) -> None:
         """Block until every queued archive upload finished (end of run, tests)."""
-        for fut in list(self._uploads):
-            fut.exception(timeout=timeout_s)
-        self._uploads = [f for f in self._uploads if not f.done()]
+        self._archive.wait(timeout_s)
+
+    @property
+    def tier_failures(self) -> int:
+        """Mirror copies and archive uploads that failed (logged; training went on)."""
+        return self._mirror_failures + self._archive.failures
 
     def resume(self) -> Path | None:
         """Apply ``config.resume``: load the chosen checkpoint into the engine; returns its path, or ``None``

@@ -380,5 +380,5 @@ def test_an_archive_upload_slower_than_training_still_finds_its_checkpoint(tmp_p
     gate.set()
     loop.wait_for_uploads(60)
     assert loop.tier_failures == 0 and list_archived(loop.config.archive) == [1, 2, 3]
-    assert loop._uploads_pending() == frozenset()  # the next commit's prune may take global_step_1 now
-    assert [p.name for p in ckpt.prune(tmp_path / "primary", 2, loop._uploads_pending())] == ["global_step_1"]
+    assert loop._archive.pending() == frozenset()  # the next commit's prune may take global_step_1 now
+    assert [p.name for p in ckpt.prune(tmp_path / "primary", 2, loop._archive.pending())] == ["global_step_1"]
