@@ -43,7 +43,7 @@ $(VENV)/.gyre-target:
 	$(PIP) --upgrade pip wheel setuptools
 	echo $(GYRE_TARGET) > $@
 
-$(STAMP): pyproject.toml $(LOCK) requirements/model.txt | $(VENV)/.gyre-target
+$(STAMP): pyproject.toml setup.py $(LOCK) requirements/model.txt | $(VENV)/.gyre-target
 	@test "$$(cat $(VENV)/.gyre-target)" = $(GYRE_TARGET) || { echo "error: $(VENV) holds the" \
 	  "$$(cat $(VENV)/.gyre-target) target, not $(GYRE_TARGET): run 'make clean' first" >&2; exit 2; }
 	# torch first, from its own source (the CPU build is not on PyPI); then the lock, which is complete.
@@ -61,7 +61,7 @@ $(DEV_STAMP): $(STAMP) $(DEV_LOCK)
 model: $(MODEL)/gyre_prepared.json
 
 $(MODEL)/gyre_prepared.json: | $(STAMP)
-	HF_HUB_OFFLINE=1 $(BIN)/python -m deploy.prepare_model $(MODEL)
+	HF_HUB_OFFLINE=1 $(BIN)/python -m gyre.deploy.prepare_model $(MODEL)
 
 # The default recipe's model is a local folder, so the CPU default runs offline; any other recipe may name a
 # Hub id (`model: org/name`), and HF_HUB_OFFLINE is then yours to set.
@@ -93,7 +93,7 @@ bench-tta: $(BENCH_STAMP) model
 	HF_HUB_OFFLINE=1 $(BIN)/python -m bench.time_to_accuracy $(if $(QUICK),--quick) $(TTA_ARGS)
 
 proto: $(DEV_STAMP)
-	$(BIN)/python -m proto.gen
+	$(BIN)/python -m gyre.proto.gen
 
 # Regenerate the four locks (needs the network; TORCH_INDEX may be a local folder of CPU torch wheels).
 # The -dev locks add the test, dev, docs and tracking extras, constrained to the pins of their target's lock

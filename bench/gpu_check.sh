@@ -38,8 +38,8 @@ for name in ("torch", "deepspeed", "transformers", "accelerate", "grpc", "google
 import torch
 print("cuda", torch.version.cuda, "available", torch.cuda.is_available(),
       torch.cuda.get_device_name(0) if torch.cuda.is_available() else "-")
-import proto.weights_pb2_grpc, proto.replay_pb2_grpc, learner.engine  # gencode version checks, deepspeed import
-import services.rollout.transport.nccl, services.learner.weight_broadcast  # the NCCL path's deps (tenacity, ...)
+import gyre.proto.weights_pb2_grpc, gyre.proto.replay_pb2_grpc, gyre.learner.engine  # gencode version checks, deepspeed import
+import gyre.services.rollout.transport.nccl, gyre.services.learner.weight_broadcast  # the NCCL path's deps (tenacity, ...)
 print("gyre imports ok")
 EOF
 } 2>&1 | tee -a "$LOG" || rc=1

@@ -34,7 +34,7 @@ DEFAULT_MODEL = REPO / ".cache/models/SmolLM2-135M-Instruct"
 
 def make_table(groups: int, group_size: int, prompt_len: int, response_len: int, seed: int = 0):
     """Whole GRPO groups of random tokens with plausible behaviour logprobs and 0/1 rewards."""
-    from proto.trajectory import Trajectory, make_ids, to_table
+    from gyre.proto.trajectory import Trajectory, make_ids, to_table
 
     gen = torch.Generator().manual_seed(seed)
     rows = []
@@ -54,7 +54,7 @@ def make_table(groups: int, group_size: int, prompt_len: int, response_len: int,
 
 def bare_step(ds_engine, batch, micro_batch_size: int) -> float:
     """The baseline: forward, plain REINFORCE loss on response tokens, backward, step; returns seconds."""
-    from learner.algorithms import token_logprobs
+    from gyre.learner.algo.logprobs import token_logprobs
 
     t0 = time.perf_counter()
     ds_engine.train()
@@ -78,7 +78,7 @@ def bare_engine(config):
     import deepspeed
     from transformers import AutoModelForCausalLM
 
-    from learner.ds_setup import _DTYPES, build_ds_config
+    from gyre.learner.ds_setup import _DTYPES, build_ds_config
 
     model = AutoModelForCausalLM.from_pretrained(config.model, dtype=_DTYPES[config.dtype])
     model.config.use_cache = False
@@ -118,8 +118,8 @@ def measure_async_save(learner, batch, root: Path, rounds: int) -> dict:
     """Steps with no save in flight vs steps begun while an async save writes (``steps_while_pending``);
     plus blocking times. ``async_save_overhead_ratio`` is ``None`` when every save finished before a step
     could begin (``steps_overlapping_save`` 0)."""
-    from learner.async_save import BackgroundSaver
-    from learner.ckpt_request import CheckpointRequest
+    from gyre.learner.checkpoint.async_save import BackgroundSaver
+    from gyre.learner.checkpoint.request import CheckpointRequest
 
     saver = BackgroundSaver()
     idle, during, blocking, write_s = [], [], [], []
@@ -153,9 +153,9 @@ def main() -> None:
     parser.add_argument("--model", default=str(DEFAULT_MODEL))
     parser.add_argument("--dir", default=None, help="where checkpoints go (default: a temp dir, removed)")
     args = parser.parse_args()
-    from learner.batch import build_train_batch
-    from learner.config import AlgorithmConfig, LearnerConfig
-    from learner.engine import LearnerEngine
+    from gyre.learner.batch import build_train_batch
+    from gyre.learner.config import AlgorithmConfig, LearnerConfig
+    from gyre.learner.engine import LearnerEngine
 
     torch.manual_seed(0)
     config = LearnerConfig(model=args.model, zero_stage=2, dtype="bf16", micro_batch_size=8, lr=1e-6)

@@ -66,7 +66,7 @@ def version_tensors(shapes, version: int, device: str = DEVICE) -> list[tuple[st
 
 def checksum_parity() -> dict:
     """``device_checksum`` CUDA vs CPU over dtypes and awkward sizes; throughput on a 1 GiB tensor."""
-    from proto.tensor_chunks import _STEP_WORDS, device_checksum
+    from gyre.proto.tensor_chunks import _STEP_WORDS, device_checksum
 
     gen = torch.Generator().manual_seed(7)
     cases = [(torch.float32, (3, 5)), (torch.bfloat16, (7,)), (torch.float16, (3,)), (torch.bfloat16, (4097, 33)),
@@ -121,9 +121,9 @@ def receiver_main(rank: int, world: int, store_port: int, weights_address: str, 
     _nccl_env(f"rollout-{rank}")
     import torch.distributed as dist
 
-    from proto.broadcast import receive_verified, torch_distributed_broadcast
-    from rollout.weights import NcclTransportConfig
-    from services.rollout.transport.nccl import NcclTransport
+    from gyre.proto.broadcast import receive_verified, torch_distributed_broadcast
+    from gyre.proto.weight_transport import NcclTransportConfig
+    from gyre.services.rollout.transport.nccl import NcclTransport
 
     store = _group(_store(store_port, world), rank, world)
     shapes = model_shapes(MODELS[model])
@@ -171,10 +171,10 @@ def learner_main(receivers: int, rounds: int, model: str) -> dict:
     _nccl_env("learner")
     import torch.distributed as dist
 
-    from learner.publisher import WeightPublisher
-    from services.learner import weight_server
-    from proto.broadcast import torch_distributed_broadcast
-    from services.learner.weight_broadcast import NcclWeightSender
+    from gyre.learner.publisher import WeightPublisher
+    from gyre.services.learner import weight_server
+    from gyre.proto.broadcast import torch_distributed_broadcast
+    from gyre.services.learner.weight_broadcast import NcclWeightSender
 
     pub = WeightPublisher()
     server, port = weight_server.serve(pub)

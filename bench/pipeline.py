@@ -47,7 +47,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from bench.workdir import run_quietly
-from services.control.report import read_metrics
+from gyre.services.control.outputs.report import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "deploy/recipes/tiny-test.yaml"
@@ -164,11 +164,11 @@ def calibrate_main(spec: dict) -> None:
     from transformers import AutoTokenizer
 
     from bench.learner import make_table
-    from learner.engine import LearnerEngine
-    from learner.loop import LearnerLoop, LearnerLoopConfig
-    from learner.publisher import WeightPublisher
-    from replay.buffer import TrajectoryBuffer
-    from replay.config import ReplayConfig
+    from gyre.learner.engine import LearnerEngine
+    from gyre.learner.loop import LearnerLoop, LearnerLoopConfig
+    from gyre.learner.publisher import WeightPublisher
+    from gyre.replay.buffer import TrajectoryBuffer
+    from gyre.replay.config import ReplayConfig
 
     cfg = LearnerLoopConfig(**spec["learner"])
     steps = spec["steps"] + 1  # the first step warms up
@@ -186,7 +186,7 @@ def make_recipe(model: Path, run_dir: Path, name: str, num_steps: int, sim_gen_s
     """The tiny-test recipe (4 groups of 4 per step, 24 response tokens, a checkpoint every step) with one
     rollout on the simulated engine taking ``sim_gen_s`` seconds per group (the 4 groups of a batch
     generate concurrently); ``sync`` gates it at ``groups_per_step`` groups per policy version."""
-    from services.control.recipe import load_recipe
+    from gyre.services.control.recipe.schema import load_recipe
 
     groups = 4
     return load_recipe(RECIPE, {
@@ -220,7 +220,7 @@ class Chaos:
             self.error = exc
 
     def _wait(self, pred, what: str, timeout_s: float = 240.0) -> dict:
-        from services.control import ops
+        from gyre.services.control.commands import ops
 
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline and not self.stop.is_set():
@@ -233,7 +233,7 @@ class Chaos:
     def _chaos(self) -> None:
         import ray
 
-        from services.control.factory import actor_name
+        from gyre.services.control.orchestration.factory import actor_name
 
         deadline, name = time.monotonic() + 300, actor_name(self.run_name, "controller")
         while not ray.is_initialized() or name not in {a["name"] for a in ray.util.list_named_actors(True)}:
@@ -289,7 +289,7 @@ def run_phase(recipe, chaos: Chaos | None = None) -> tuple[dict, list[dict]]:
     """``controller.run(recipe)`` (quietly); returns its summary and its ``metrics.jsonl`` rows."""
     from rich.console import Console
 
-    from services.control import controller
+    from gyre.services.control.orchestration import controller
 
     if chaos is None:
         summary = controller.run(recipe, Console(quiet=True))

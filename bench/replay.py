@@ -42,7 +42,7 @@ import numpy as np
 from bench.replay_baselines import KINDS, RAW_METHOD, serve
 from bench.replay_parts import (GROUP_SIZE, Server, fsync_ms, p99_ms, requests, sequential_write_mb_s,
                                 snapshot_bytes, stream, trajectory_batch)
-from services.common.replay_client import ReplayClient
+from gyre.services.common.replay_client import ReplayClient
 
 GROUPS = 32
 """Groups per insert message and per sampled batch (× 8 = 256 trajectories)."""

@@ -28,9 +28,9 @@ from pathlib import Path
 
 import grpc
 
-from proto import replay_pb2
-from replay.memory import tune_malloc
-from services.common import grpc_common, port_file
+from gyre.proto import replay_pb2
+from gyre.replay.memory import tune_malloc
+from gyre.services.common import grpc_common, port_file
 
 KINDS = ("raw", "keep", "append", "durable")
 LOGGING = ("append", "durable")

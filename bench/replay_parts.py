@@ -18,9 +18,9 @@ import pyarrow as pa
 import yaml
 
 from bench.replay_baselines import KINDS
-from proto import replay_pb2
-from proto.trajectory import SCHEMA_VERSION, TRAJECTORY_SCHEMA, to_ipc
-from services.common import grpc_common, port_file
+from gyre.proto import replay_pb2
+from gyre.proto.trajectory import SCHEMA_VERSION, TRAJECTORY_SCHEMA, to_ipc
+from gyre.services.common import grpc_common, port_file
 
 REPO = Path(__file__).resolve().parents[1]
 GROUP_SIZE, PROMPT_LEN, RESPONSE_LEN = 8, 64, 192
@@ -111,7 +111,7 @@ class Server:
         else:
             cfg = directory.with_suffix(".yaml")
             cfg.write_text(yaml.safe_dump(config))
-            cmd = [sys.executable, "-m", "services.replay.main", "--config", str(cfg), "--dir", str(directory),
+            cmd = [sys.executable, "-m", "gyre.services.replay.main", "--config", str(cfg), "--dir", str(directory),
                    "--port", "0", "--port-file", str(bound)]
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.address = serving_address(bound, self.proc, " ".join(cmd))

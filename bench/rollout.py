@@ -98,7 +98,7 @@ async def generation(engine, prompts, n: int, max_tokens: int, rounds: int) -> d
 
 async def sync_apply(feed: WeightFeed, rounds: int) -> dict:
     """SmolLM2 versions published on ``feed``: seconds until the engine reports each (median)."""
-    from proto.exports import load_export
+    from gyre.proto.exports import load_export
 
     base, engine = load_export(SMOLLM2), feed.engine
     times, delivered = [], []
@@ -118,8 +118,8 @@ async def sync_apply(feed: WeightFeed, rounds: int) -> dict:
 
 
 async def engine_part(quick: bool) -> dict:
-    from rollout.config import EngineConfig
-    from rollout.engine import RolloutEngine
+    from gyre.rollout.config import EngineConfig
+    from gyre.rollout.engine import RolloutEngine
 
     engine = await RolloutEngine.start(EngineConfig(model=str(SMOLLM2), kv_cache_gib=1.0, max_model_len=512,
                                                     max_num_seqs=64), initial_version=0)

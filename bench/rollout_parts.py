@@ -17,11 +17,11 @@ import grpc
 import torch
 
 from bench.replay_parts import serving_address
-from learner.publisher import WeightPublisher
-from proto.tensor_chunks import encode_tensors
-from services.common import grpc_common, port_file
-from services.learner import weight_server
-from services.rollout.transport.subscriber import WeightSubscriber
+from gyre.learner.publisher import WeightPublisher
+from gyre.proto.tensor_chunks import encode_tensors
+from gyre.services.common import grpc_common, port_file
+from gyre.services.learner import weight_server
+from gyre.services.rollout.transport.subscriber import WeightSubscriber
 
 REPO = Path(__file__).resolve().parents[1]
 RAW_SERVICE, RAW_METHOD = "gyre.bench.v1.RawWeights", "/gyre.bench.v1.RawWeights/Subscribe"
@@ -161,7 +161,7 @@ async def bare_vllm_tokens(llm, prompts: list[list[int]], n: int, max_tokens: in
 
 async def gyre_tokens(engine, prompts: list[list[int]], n: int, max_tokens: int) -> int:
     """The same load through ``RolloutEngine.generate`` (behaviour logprobs, version spans, ``Sample``s)."""
-    from rollout.config import SamplingConfig
+    from gyre.rollout.config import SamplingConfig
 
     sampling = SamplingConfig(temperature=1.0, top_p=1.0, max_new_tokens=max_tokens, ignore_eos=True)
     groups = await asyncio.gather(*(engine.generate(p, n, sampling, f"gyre-{uuid.uuid4().hex}") for p in prompts))
@@ -174,7 +174,7 @@ class WeightFeed:
     (``RolloutEngine.update_weights`` on ``loop``). Idle until ``publisher.publish``."""
 
     def __init__(self, engine, loop: asyncio.AbstractEventLoop) -> None:
-        from services.rollout.transport import make_transport
+        from gyre.services.rollout.transport import make_transport
 
         self.engine, self.loop = engine, loop
         self.publisher = WeightPublisher()

@@ -5,7 +5,7 @@ A tiny-model run (the 2-layer random Llama of ``tests.tiny_model``; real vLLM, D
 trains under the controller while a chaos process (joined to the run's Ray cluster like ``gyre scale``), for
 ``--minutes`` minutes (or until the run is two steps from its end, whichever comes first):
 
-- churns the rollout fleet through ``services.control.ops.scale``: 1 → ``--max-rollouts`` (default 4) at 10% of the
+- churns the rollout fleet through ``services.control.commands.ops.scale``: 1 → ``--max-rollouts`` (default 4) at 10% of the
   window, back to 1 once all of them run and 60% of the window passed (after the window, if they start later);
 - SIGKILLs a random live service (replay, the learner, or a running rollout), then waits until it recovered
   before the next kill (a random 5-20 s later).
@@ -39,7 +39,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from services.control import ops
+from gyre.services.control.commands import ops
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -214,8 +214,8 @@ def soak(args: argparse.Namespace) -> dict:
     """Run the soak described in the module docstring; returns the JSON-able result."""
     from rich.console import Console
 
-    from services.control import controller
-    from services.control.recipe import load_recipe
+    from gyre.services.control.orchestration import controller
+    from gyre.services.control.recipe.schema import load_recipe
     from tests.tiny_model import build_tiny_llama
 
     run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="gyre-soak-")).resolve()
@@ -266,9 +266,9 @@ def trained(out: Path, model: Path) -> dict:
 def invariants(out: Path) -> dict:
     """``services.cli.invariants.check_run`` as plain values, or ``{"available": False}`` while it does not exist."""
     try:
-        from services.cli.invariants import check_run
+        from gyre.services.cli.invariants import check_run
     except ModuleNotFoundError as exc:
-        if exc.name != "services.cli.invariants":
+        if exc.name != "gyre.services.cli.invariants":
             raise
         return {"available": False}
     report = check_run(out)

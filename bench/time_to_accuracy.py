@@ -47,9 +47,9 @@ def run_gyre(model: str, root: Path, arm: str, scale: Scale) -> dict:
     from rich.console import Console
 
     from bench.pipeline import step_rows
-    from services.control import controller
-    from services.control.recipe import load_recipe
-    from services.control.report import read_metrics
+    from gyre.services.control.orchestration import controller
+    from gyre.services.control.recipe.schema import load_recipe
+    from gyre.services.control.outputs.report import read_metrics
 
     recipe = load_recipe(RECIPE, arm_overrides(model, str(root), arm, scale))
     launch = time.time()
@@ -70,8 +70,8 @@ def warm_up(model: str, root: Path, scale: Scale) -> float:
     VM). Returns its wall seconds."""
     from rich.console import Console
 
-    from services.control import controller
-    from services.control.recipe import load_recipe
+    from gyre.services.control.orchestration import controller
+    from gyre.services.control.recipe.schema import load_recipe
 
     once = Scale(steps=1, eval_every=1, overrides=scale.overrides)
     recipe = load_recipe(RECIPE, arm_overrides(model, str(root), "gyre_sync", once) | {"name": "warmup"})
@@ -106,7 +106,7 @@ def gyre_eval(target: str, scale: Scale, out: Path) -> float:
     """Held-out greedy accuracy of ``target`` (an HF folder or a learner checkpoint) by ``gyre eval`` under
     the bench's recipe, in a subprocess. Raises ``RuntimeError`` with its output if it fails."""
     sets = [a for k, v in scale.overrides.items() for a in ("--set", f"{k}={json.dumps(v)}")]
-    proc = subprocess.run([sys.executable, "-m", "services.cli", "eval", target, str(RECIPE), *sets,
+    proc = subprocess.run([sys.executable, "-m", "gyre.services.cli", "eval", target, str(RECIPE), *sets,
                            "--out", str(out)], cwd=REPO, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"gyre eval {target} failed (exit {proc.returncode}):\n{proc.stdout[-1500:]}"
@@ -142,7 +142,7 @@ def measure(root: Path, quick: bool, scale: Scale | None = None) -> dict:
                         "final_accuracy": curve[-1][1], "train_wall_s": round(run["train_wall_s"], 2),
                         "startup_s": round(run["startup_s"], 2)}
         log(f"{arm} scored: {curve}")
-    from services.control.recipe import load_recipe
+    from gyre.services.control.recipe.schema import load_recipe
 
     recipe = load_recipe(RECIPE, arm_overrides(model, str(root), "gyre_async", scale))
     return {"bench": "time_to_accuracy", "quick": quick, "steps": scale.steps, "eval_every": scale.eval_every,

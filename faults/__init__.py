@@ -51,7 +51,7 @@ POINTS: dict[str, str] = {
     "replay.snapshot.before_rename": "snapshot complete in its temp dir, not yet renamed into place",
     "replay.snapshot.after_rename": "snapshot committed, older ones not yet pruned",
     "replay.snapshot.before_wal_delete": "snapshot committed, WAL segments it covers not yet deleted",
-    # learner (learner/checkpoint.py, async_save.py, mirror.py, archive.py, publisher.py)
+    # learner (learner/checkpoint/store.py, async_save.py, mirror.py, archive.py, publisher.py)
     "learner.ckpt.mid_write": "background checkpoint write half done (async save)",
     "learner.ckpt.files_written": "checkpoint files written into the temp dir, no manifest yet",
     "learner.ckpt.before_manifest": "checkpoint files fsync'd, manifest not written",

@@ -7,10 +7,10 @@ from dataclasses import dataclass, field
 import pyarrow as pa
 import torch
 
-from learner.advantages import group_advantages, masked_group_advantages, overlong_penalty
-from learner.config import AlgorithmConfig
-from learner.objectives import AdvantageInputs, custom_advantages
-from proto.trajectory import validate_table
+from gyre.learner.algo.advantages import group_advantages, masked_group_advantages, overlong_penalty
+from gyre.learner.config import AlgorithmConfig
+from gyre.learner.algo.objectives import AdvantageInputs, custom_advantages
+from gyre.proto.trajectory import validate_table
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,7 @@ class TrainBatch:
     """[B] bool: the row's ``finish_reason`` is ``"length"`` (the rollout cut it at ``max_new_tokens``)."""
 
     overlong_penalty: torch.Tensor
-    """[B] float32: DAPO's soft overlong punishment of the row (``learner.advantages.overlong_penalty``,
+    """[B] float32: DAPO's soft overlong punishment of the row (``learner.algo.advantages.overlong_penalty``,
     ``<= 0``); all 0 when ``AlgorithmConfig.overlong_buffer_len`` is 0."""
 
     reward_failed: torch.Tensor

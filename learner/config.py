@@ -7,9 +7,9 @@ from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from learner.kl_control import KLControlConfig, check_kl_ctrl
-from proto.callable_spec import CallableSpecError, resolve_file_spec, split_spec
-from proto.model_source import localize_model_data
+from gyre.learner.algo.kl_control import KLControlConfig, check_kl_ctrl
+from gyre.utils.callable_spec import CallableSpecError, resolve_file_spec, split_spec
+from gyre.utils.model_source import localize_model_data
 
 
 KL_LOSS_GRADIENT: dict[str, str | None] = {"k1": None, "k2": "KL(pi || pi_ref)", "k3": "KL(pi_ref || pi)"}
@@ -19,14 +19,14 @@ exactly in ``tests/unit/learner/test_kl_gradients.py``."""
 
 
 BuiltinAdvantage = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "gae"]
-"""The built-in advantage estimators (``learner.advantages``); anything else is an import path."""
+"""The built-in advantage estimators (``learner.algo.advantages``); anything else is an import path."""
 BuiltinLoss = Literal["ppo_clip"]
-"""The built-in policy loss (``learner.losses.policy_loss``); anything else is an import path."""
+"""The built-in policy loss (``learner.algo.losses.policy_loss``); anything else is an import path."""
 
 
 class AlgorithmConfig(BaseModel):
     """The RL algorithm: advantage estimator, off-policy correction, regularisers and critic
-    (see ``learner.advantages`` and ``learner.losses``). The defaults are GRPO advantages with the
+    (see ``learner.algo.advantages`` and ``learner.algo.losses``). The defaults are GRPO advantages with the
     decoupled PPO loss (AReaL) times a token-level truncated importance weight (TIS)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -46,7 +46,7 @@ class AlgorithmConfig(BaseModel):
 
     loss: BuiltinLoss | str = "ppo_clip"
     """The policy loss. ``ppo_clip``: the PPO-clip surrogate against ``policy_ratio``'s anchor times the
-    ``is_weight`` correction, with ``clip_eps_low/high`` and ``dual_clip_c`` (``learner.losses.policy_loss``; verl's
+    ``is_weight`` correction, with ``clip_eps_low/high`` and ``dual_clip_c`` (``learner.algo.losses.policy_loss``; verl's
     ``loss_mode: vanilla``). Or your own loss as an import path ``"pkg.module:fn"`` / ``"path/to/file.py:fn"``,
     called once per micro-batch as ``fn(LossInputs) -> loss`` or ``(loss, metrics)`` (the contract:
     ``learner.objectives``) in place of ``ppo_clip``; the KL, entropy and value terms are still added. It is
@@ -136,7 +136,7 @@ class AlgorithmConfig(BaseModel):
     when this is > 0."""
 
     kl_ctrl: KLControlConfig = KLControlConfig()
-    """How ``beta`` moves from ``kl_coef`` (verl's ``algorithm.kl_ctrl``; ``learner.kl_control``): ``fixed``
+    """How ``beta`` moves from ``kl_coef`` (verl's ``algorithm.kl_ctrl``; ``learner.algo.kl_control``): ``fixed``
     (default) or ``adaptive`` toward ``target_kl`` over ``horizon`` trajectories (Ziegler et al. 2019, §2.2)."""
 
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
@@ -321,7 +321,7 @@ class LearnerConfig(BaseModel):
 
     model: str
     """Path of a Hugging Face model folder (config + safetensors) to start from. A recipe's
-    ``model: org/name`` arrives here already resolved to a folder of the HF cache (``proto.model_source``)."""
+    ``model: org/name`` arrives here already resolved to a folder of the HF cache (``utils.model_source``)."""
 
     model_id: str | None = None
     """The Hub id ``model`` was resolved from (set by the recipe loader); a node without the folder fetches

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from learner.config import LearnerConfig
+from gyre.learner.config import LearnerConfig
 
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 

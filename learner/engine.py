@@ -18,22 +18,22 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from learner import checkpoint as ckpt
-from learner import ckpt_engine
-from learner.algorithms import token_logprobs
-from learner.batch import TrainBatch, reward_error_metrics, truncation_metrics
-from learner.comm_timer import CommTimer
-from learner.ckpt_request import CheckpointRequest
-from learner.config import AlgorithmConfig, LearnerConfig
-from learner.ds_setup import _DTYPES, build_ds_config, ensure_distributed
-from learner.kl_control import KLController
-from learner.objective_check import check_objectives
-from learner.objectives import custom_policy_loss
-from learner.ranks import gather_step_metrics, rank_rows
-from learner.losses import (kl_penalty, loss_normaliser, policy_loss, row_token_scale, scaled_token_sum,
+from gyre.learner.checkpoint import store as ckpt
+from gyre.learner.checkpoint import engine as ckpt_engine
+from gyre.learner.algo.logprobs import token_logprobs
+from gyre.learner.batch import TrainBatch, reward_error_metrics, truncation_metrics
+from gyre.learner.comm_timer import CommTimer
+from gyre.learner.checkpoint.request import CheckpointRequest
+from gyre.learner.config import AlgorithmConfig, LearnerConfig
+from gyre.learner.ds_setup import _DTYPES, build_ds_config, ensure_distributed
+from gyre.learner.algo.kl_control import KLController
+from gyre.learner.algo.objective_check import check_objectives
+from gyre.learner.algo.objectives import custom_policy_loss
+from gyre.learner.ranks import gather_step_metrics, rank_rows
+from gyre.learner.algo.losses import (kl_penalty, loss_normaliser, policy_loss, row_token_scale, scaled_token_sum,
                             token_entropy, value_loss)
-from learner.step_metrics import explained_variance, kish_ess_fraction, merge_metrics, staleness_histogram
-from learner.step_start import StepTargets, mini_batch_rows, proximal_logprobs, step_targets
+from gyre.learner.step_metrics import explained_variance, kish_ess_fraction, merge_metrics, staleness_histogram
+from gyre.learner.step_start import StepTargets, mini_batch_rows, proximal_logprobs, step_targets
 
 VALUE_HEAD = "value_head"
 """Attribute name of the critic's value head on the HF model (and prefix of its parameter names)."""
@@ -54,7 +54,7 @@ class _Update:
 
 class LearnerEngine:
     """A causal LM under DeepSpeed, trained with the ``AlgorithmConfig`` algorithm
-    (``learner.advantages``, ``learner.losses``).
+    (``learner.algo.advantages``, ``learner.algo.losses``).
 
     Critic (``advantage: gae``): a ``torch.nn.Linear(hidden_size, 1)`` value head, zero-initialised,
     registered as the submodule ``value_head`` of the HF model *before* ``deepspeed.initialize``, so
@@ -71,7 +71,7 @@ class LearnerEngine:
         tied_lm_head: whether ``lm_head.weight`` is the input embedding (then omitted from weights).
         critic: whether the value head exists (``advantage == "gae"``).
         ref_model: the frozen reference model, or None when ``kl_coef == 0``.
-        kl_ctrl: the KL coefficient's controller (``learner.kl_control``); ``kl_ctrl.value`` is the ``beta``
+        kl_ctrl: the KL coefficient's controller (``learner.algo.kl_control``); ``kl_ctrl.value`` is the ``beta``
             the next step uses, updated after each ``train_step`` and saved in checkpoints.
     """
 
@@ -121,7 +121,7 @@ class LearnerEngine:
         (micro-batched forward/backward, clip, AdamW), then one new policy version.
 
         Every micro-batch's loss is divided by its *whole mini-batch's* normaliser
-        (``learner.losses.loss_normaliser``, ``loss_agg_mode``), so the accumulated gradient of an update equals
+        (``learner.algo.losses.loss_normaliser``, ``loss_agg_mode``), so the accumulated gradient of an update equals
         that of the mini-batch at once. With a critic or the KL in the reward, a no-grad pass over the batch
         with dropout off first computes ``V_old`` and GAE / the KL-shaped advantages
         (``learner.step_start.step_targets``); with more than one update, another computes the proximal
@@ -274,7 +274,7 @@ class LearnerEngine:
     ) -> tuple[float, dict, torch.Tensor]:
         """Forward/backward one micro-batch; returns (loss, metrics, valid tokens' rho = prox/behaviour).
         ``proximal_all``: ``[B, L - 1]`` proximal logprobs of the batch (None: this forward's own, detached).
-        ``row_scale``: ``[B]`` (``learner.losses.row_token_scale``) or None. ``grad_scale``: the backward loss is
+        ``row_scale``: ``[B]`` (``learner.algo.losses.row_token_scale``) or None. ``grad_scale``: the backward loss is
         multiplied by it (the world size when the batch is sharded: DeepSpeed averages gradients over ranks,
         and the whole batch's gradient is their sum)."""
         input_ids, attention_mask, mask = self._micro_inputs(batch, rows)
@@ -314,7 +314,7 @@ class LearnerEngine:
     ) -> torch.Tensor | float:
         """``beta * kl_estimator(x) - entropy_coef * H`` (``beta``: ``kl_ctrl.value``), each summed over the
         micro-batch's valid response tokens (times ``row_scale``) and divided by the whole mini-batch's ``normaliser`` (``H``: ``token_entropy``; the KL term only with
-        ``kl_placement: loss``; ``learner.losses.kl_penalty`` says which KL its gradient follows); records the
+        ``kl_placement: loss``; ``learner.algo.losses.kl_penalty`` says which KL its gradient follows); records the
         token-mean ``entropy`` and ``kl_to_ref`` (k3 estimate of ``KL(pi || pi_ref)``, whatever the estimator)
         in ``metrics``; 0.0 (adds nothing) when both are off."""
         n = max(float(mask.sum()), 1.0)
@@ -378,13 +378,13 @@ class LearnerEngine:
             AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(out_dir)
         dist.barrier()
 
-    # ---- checkpoints (learner.ckpt_engine) ------------------------------------------------------
+    # ---- checkpoints (learner.checkpoint.engine) --------------------------------------------------
     def save_checkpoint(self, request: CheckpointRequest) -> Path | Future:
         """Commit ``{request.root}/global_step_{step}`` (a ``Future`` of it with ``request.saver``: async save);
-        see ``learner.ckpt_engine.save_checkpoint``."""
+        see ``learner.checkpoint.engine.save_checkpoint``."""
         return ckpt_engine.save_checkpoint(self, request)
 
     def load_checkpoint(self, path: Path, fingerprint: str = "", force: bool = False) -> ckpt.CheckpointMetadata:
-        """Restore from ``path``; see ``learner.ckpt_engine.load_checkpoint``."""
+        """Restore from ``path``; see ``learner.checkpoint.engine.load_checkpoint``."""
         return ckpt_engine.load_checkpoint(self, path, fingerprint, force)
 

@@ -1,9 +1,9 @@
 """Learner loop: lease a batch from replay → GRPO/TIS step → publish the new policy version →
 every ``save_interval`` steps checkpoint, then ack the leases that checkpoint trained on.
 
-Acking only after the commit (docs/concepts/architecture.md) means a learner crash loses no trajectory: leases not
-yet acked expire in replay (``ReplayConfig.lease_ttl_s``) and their groups are sampled again. That TTL
-must therefore exceed the time ``save_interval`` steps take, or groups come back while still pending.
+The checkpoint cycle (commit, then ack; mirror, archive, background saves) is ``learner.checkpoint.cycle``; this
+loop decides when it runs (``save_interval``, loss spikes, SIGUSR1/SIGTERM) and resumes from its checkpoints.
+Replay's lease TTL must exceed the time ``save_interval`` steps take, or groups come back while still pending.
 
 Pure logic over three collaborators: the DeepSpeed ``LearnerEngine``, a ``ReplaySource`` (the gRPC
 client in production) and the ``WeightPublisher`` behind ``WeightService``. No grpc import.
@@ -15,25 +15,22 @@ import signal
 import threading
 import time
 import uuid
-from concurrent.futures import Future
 from pathlib import Path
 from typing import Protocol
 
 import pyarrow as pa
 import structlog
 
-from learner.archive_uploads import ArchiveUploads
-from learner.batch import build_train_batch
-from learner.async_save import BackgroundSaver
-from learner.ckpt_request import CheckpointRequest
-from learner.publisher import WeightPublisher
-from learner.loop_config import LearnerLoopConfig
-from learner.versions import learner_versions
-from proto.timeline import label
-from learner.run_journal import LearnerJournal, group_ids_of
-from learner.spike import SpikeDetector
-from learner.step_metrics import dead_timeline_rows
-from learner.step_timer import StepTimer
+from gyre.learner.batch import build_train_batch
+from gyre.learner.checkpoint.cycle import CheckpointCycle
+from gyre.learner.publisher import WeightPublisher
+from gyre.learner.loop_config import LearnerLoopConfig
+from gyre.learner.versions import learner_versions
+from gyre.proto.timeline import label
+from gyre.learner.run_journal import LearnerJournal, group_ids_of
+from gyre.learner.checkpoint.spike import SpikeDetector
+from gyre.learner.step_metrics import dead_timeline_rows
+from gyre.learner.step_timer import StepTimer
 
 log = structlog.get_logger("learner")
 CONSUMER = "learner"
@@ -58,12 +55,18 @@ class StopRequested(SystemExit):
         super().__init__(0)
 
 
+def _shared(name: str, doc: str) -> property:
+    """An attribute of ``LearnerLoop`` that is its ``CheckpointCycle``'s, so the two never disagree."""
+    return property(lambda self: getattr(self.checkpoints, name),
+                    lambda self, value: setattr(self.checkpoints, name, value), doc=doc)
+
+
 class LearnerLoop:
     """Runs optimizer steps; each one publishes policy version ``step`` (the initial weights are 0).
 
     Args:
         engine: ``learner.engine.LearnerEngine``, or ``learner.ranks.LeaderEngine`` with several ranks (a
-            test double takes the same ``save_checkpoint(request: learner.ckpt_request.CheckpointRequest)``).
+            test double takes the same ``save_checkpoint(request: learner.checkpoint.request.CheckpointRequest)``).
         replay: where batches come from and are acknowledged.
         publisher: receives every new version's named tensors.
         pad_token_id: tokenizer pad id for right-padding.
@@ -75,20 +78,13 @@ class LearnerLoop:
 
     def __init__(self, config: LearnerLoopConfig, engine, replay: ReplaySource, publisher: WeightPublisher,
                  pad_token_id: int, checkpoint_dir: Path | None = None, journal_path: Path | None = None) -> None:
-        self.config, self.engine, self.replay, self.publisher = config, engine, replay, publisher
+        journal = LearnerJournal(journal_path) if journal_path is not None else None
+        self.checkpoints = CheckpointCycle(config, engine, replay, checkpoint_dir, journal)
+        """Commits checkpoints and acks the leases they trained on (``learner.checkpoint.cycle``). The loop's
+        ``config``, ``engine``, ``replay``, ``checkpoint_dir`` and ``journal`` are the cycle's: setting one on the
+        loop (the learner actor sets ``checkpoint_dir`` once its run directory is known) sets it for both."""
+        self.publisher = publisher
         self.pad_token_id = pad_token_id
-        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
-        self.pending_lease_ids: list[str] = []
-        """Leases trained on since the last committed checkpoint (not acked yet)."""
-        self._lease_groups: dict[str, list[str]] = {}
-        """lease id → group ids of its batch, until the checkpoint holding it commits (journal, metadata)."""
-        self.journal = LearnerJournal(journal_path) if journal_path is not None else None
-        self.acked_lease_count = 0
-        self.last_checkpoint: Path | None = None
-        self._saver = BackgroundSaver() if config.async_save else None
-        self._inflight: tuple[Future, list[str], str, float] | None = None  # (future, leases, name, started)
-        self._archive = ArchiveUploads(config.archive)
-        self._mirror_failures = 0
         self._emergency: int | None = None  # signal number awaiting an emergency checkpoint
         self._rejoin: tuple | None = None
         """``(checkpoint metadata or None,)`` after ``resume`` until ``rejoin_replay`` ran (first ``step``)."""
@@ -97,10 +93,16 @@ class LearnerLoop:
         self.start_version = 0
         """Policy version this learner started at (``resume``): its predecessor's versions above it are dead."""
         self.spikes = SpikeDetector(config.spike_save)
-        """Loss-spike checkpoints (``learner.spike``): shortens the save interval after a spike; checkpointed."""
+        """Loss-spike checkpoints (``learner.checkpoint.spike``): shortens the save interval after a spike; checkpointed."""
         self.timeline = self.versions.timeline
         """This learner incarnation's timeline (``proto.timeline``): every version it publishes but 0 carries it,
         so rollouts drop the weights a crashed predecessor published under the same numbers."""
+
+    config = _shared("config", "The loop's settings (``LearnerLoopConfig``).")
+    engine = _shared("engine", "``LearnerEngine`` (or ``LeaderEngine``, or a test double).")
+    replay = _shared("replay", "Where batches come from and are acknowledged (``ReplaySource``).")
+    checkpoint_dir = _shared("checkpoint_dir", "Where ``global_step_N`` goes; ``None``: nothing is acked.")
+    journal = _shared("journal", "The run journal (``LearnerJournal``), or ``None``.")
 
     def install_signal_handlers(self) -> dict:
         """SIGUSR1 → checkpoint after the current step and continue; SIGTERM → checkpoint after the
@@ -164,8 +166,7 @@ class LearnerLoop:
         t_trained = time.perf_counter()  # train_step advanced engine.version by one
         with timer.phase("publish"):
             publish_s = self.publish_current()
-        self.pending_lease_ids.append(lease_id)
-        self._lease_groups[lease_id] = group_ids_of(table)
+        self.checkpoints.trained(lease_id, group_ids_of(table))
         save_s, before = 0.0, self.last_checkpoint
         emergency, self._emergency = self._emergency, None
         due = emergency or self.engine.step % self.save_interval_at(self.engine.step) == 0
@@ -189,97 +190,40 @@ class LearnerLoop:
 
     def save_interval_at(self, step: int) -> int:
         """The checkpoint interval at optimizer step ``step``: ``config.save_interval_at(step)``, shortened
-        while a loss-spike hold lasts (``config.spike_save``, ``learner.spike``)."""
+        while a loss-spike hold lasts (``config.spike_save``, ``learner.checkpoint.spike``)."""
         return self.spikes.interval(step, self.config.save_interval_at(step))
 
     def checkpoint(self, wait: bool = True) -> float:
-        """Checkpoint the current step (unless one exists or is being written already) and ack every
-        pending lease once it commits; returns the seconds training was blocked.
-
-        With ``config.async_save`` and ``wait=False`` the commit happens in the background: the leases
-        it covers are acked by ``poll_background_save`` after it commits (or returned to the pending list
-        if it fails, so the next checkpoint covers them). Raises ``RuntimeError`` without a
-        ``checkpoint_dir``, and what the save raised when ``wait``.
-        """
-        if self.checkpoint_dir is None:
-            raise RuntimeError("LearnerLoop has no checkpoint_dir; cannot checkpoint or ack")
-        t0 = time.perf_counter()
-        name = f"global_step_{self.engine.step}"
-        inflight_here = self._inflight is not None and self._inflight[2] == name
-        if not inflight_here and (self.last_checkpoint is None or self.last_checkpoint.name != name):
-            self._finish_background_save(wait=True)
-            leases, self.pending_lease_ids = self.pending_lease_ids, []
-            groups = [g for lease in leases for g in self._lease_groups.get(lease, [])]
-            if self.journal is not None:
-                self.journal.save_begin(self.engine.step, self.engine.version, groups)
-            result = self.engine.save_checkpoint(CheckpointRequest(
-                self.checkpoint_dir, pending_lease_ids=leases, pending_group_ids=groups,
-                acked_lease_count=self.acked_lease_count, fingerprint=self.config.fingerprint,
-                spike_save=self.spikes.state_dict(),
-                keep_last_n=self.config.keep_last_n, saver=self._saver, protected=self._archive.pending,
-                after_commit=self._mirror if self.config.mirror_dir is not None else None))
-            if isinstance(result, Future):
-                self._inflight = (result, leases, name, time.monotonic())
-            else:
-                self.last_checkpoint = result
-                self._on_committed(leases)
-        if wait:
-            self._finish_background_save(wait=True, raise_errors=True)
-        return time.perf_counter() - t0
+        """Checkpoint the current step and ack every pending lease once it commits; returns the seconds training
+        was blocked (``CheckpointCycle.save``: with ``config.async_save`` and ``wait=False`` it commits in the
+        background). Raises ``RuntimeError`` without a ``checkpoint_dir``, and what the save raised when ``wait``."""
+        return self.checkpoints.save(self.spikes.state_dict(), wait=wait)
 
     def poll_background_save(self) -> dict:
-        """Ack the leases of a background save that has committed; returns its metrics
-        (``checkpoint_write_s``: capture-to-commit seconds) or ``{}``."""
-        return self._finish_background_save(wait=False)
+        """Ack the leases of a background save that has committed; returns its metrics or ``{}``."""
+        return self.checkpoints.poll()
 
-    def _finish_background_save(self, wait: bool, raise_errors: bool = False) -> dict:
-        if self._inflight is None:
-            return {}
-        future, leases, name, started = self._inflight
-        if not wait and not future.done():
-            return {}
-        self._inflight = None
-        try:
-            self.last_checkpoint = future.result()
-        except Exception as exc:  # the write failed: the leases stay pending for the next checkpoint
-            self.pending_lease_ids = leases + self.pending_lease_ids
-            log.error("checkpoint_failed", checkpoint=name, error=f"{type(exc).__name__}: {exc}")
-            if raise_errors:
-                raise
-            return {"checkpoint_failed": 1.0}
-        self._on_committed(leases)
-        return {"checkpoint_write_s": time.monotonic() - started}
+    @property
+    def pending_lease_ids(self) -> list[str]:
+        """Leases trained on since the last committed checkpoint (not acked yet)."""
+        return self.checkpoints.pending_lease_ids
 
-    def _on_committed(self, leases: list[str]) -> None:
-        """A checkpoint holding ``leases`` committed: journal it, ack them, then queue its archive upload."""
-        groups = [g for lease in leases for g in self._lease_groups.pop(lease, [])]
-        if self.journal is not None and self.last_checkpoint is not None:
-            self.journal.commit(self.last_checkpoint, groups)
-        if leases:
-            self.replay.ack(leases)
-            self.acked_lease_count += len(leases)
-        if self.config.archive is not None and self.last_checkpoint is not None:
-            self._archive.submit(self.last_checkpoint)
+    @property
+    def acked_lease_count(self) -> int:
+        return self.checkpoints.acked_lease_count
 
-    def _mirror(self, path: Path) -> None:
-        """Copy a just-committed checkpoint to ``mirror_dir`` (runs before its leases are acked). A failure
-        is logged, not raised: the primary copy is committed, so the leases may still be acked."""
-        from learner.mirror import mirror_checkpoint
-
-        try:
-            mirror_checkpoint(path, Path(self.config.mirror_dir), self.config.keep_last_n)
-        except Exception as exc:  # recovery path: the mirror disk failing must not stop training
-            self._mirror_failures += 1
-            log.error("checkpoint_mirror_failed", path=str(path), error=f"{type(exc).__name__}: {exc}")
+    @property
+    def last_checkpoint(self) -> Path | None:
+        return self.checkpoints.last_checkpoint
 
     def wait_for_uploads(self, timeout_s: float | None = None) -> None:
         """Block until every queued archive upload finished (end of run, tests)."""
-        self._archive.wait(timeout_s)
+        self.checkpoints.wait_for_uploads(timeout_s)
 
     @property
     def tier_failures(self) -> int:
         """Mirror copies and archive uploads that failed (logged; training went on)."""
-        return self._mirror_failures + self._archive.failures
+        return self.checkpoints.tier_failures
 
     def resume(self) -> Path | None:
         """Apply ``config.resume``: load the chosen checkpoint into the engine; returns its path, or ``None``
@@ -287,8 +231,8 @@ class LearnerLoop:
         stored versions above the restored one are set aside until re-written and checked. Talks to
         no replay: that is ``rejoin_replay``, which the first ``step`` runs (so a learner restarted while replay
         is down, too, starts at once and its supervisor can restart replay meanwhile).
-        Raises ``learner.checkpoint.CheckpointError`` when refused."""
-        from learner.mirror import resolve_resume
+        Raises ``learner.checkpoint.store.CheckpointError`` when refused."""
+        from gyre.learner.checkpoint.mirror import resolve_resume
 
         mode, mirror = self.config.resume, self.config.mirror_dir
         path = (resolve_resume(mode, self.checkpoint_dir, Path(mirror) if mirror else None, self.config.archive)
@@ -304,9 +248,8 @@ class LearnerLoop:
         self.spikes.load_state_dict(meta.spike_save)
         self.versions.starting_at(self.engine.version)
         self._journal_resume(path, meta)  # before restore acks the checkpoint's leases
-        self.acked_lease_count = meta.acked_lease_count
+        self.checkpoints.restored(path, meta.acked_lease_count)
         self._rejoin = (meta,)
-        self.last_checkpoint = path
         log.info("resumed", path=str(path), step=meta.step, version=meta.policy_version,
                  pending_leases=len(meta.pending_lease_ids))
         return path
@@ -344,11 +287,11 @@ class LearnerLoop:
     def restore(self, meta) -> None:
         """After ``engine.load_checkpoint``: ack the leases that checkpoint committed but may not have
         acked before the crash. Already-acked or expired ids are logged and skipped (recovery path)."""
-        self.acked_lease_count = meta.acked_lease_count
+        self.checkpoints.acked_lease_count = meta.acked_lease_count
         for lease_id in meta.pending_lease_ids:
             try:
                 self.replay.ack([lease_id])
-                self.acked_lease_count += 1
+                self.checkpoints.acked_lease_count += 1
             except ConnectionError:
                 raise  # replay unreachable: rejoining now would release leases this checkpoint trained on
             except Exception as exc:  # recovery path: unknown (acked/expired: UnknownLeaseError in-process,

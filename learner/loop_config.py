@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from learner.archive import ArchiveConfig
-from learner.config import AlgorithmConfig, LearnerConfig
-from learner.objective_check import check_objectives
-from learner.spike import SpikeSaveConfig
-from proto.lockstep import LockstepConfig
+from gyre.learner.checkpoint.archive import ArchiveConfig
+from gyre.learner.config import AlgorithmConfig, LearnerConfig
+from gyre.learner.algo.objective_check import check_objectives
+from gyre.learner.checkpoint.spike import SpikeSaveConfig
+from gyre.proto.lockstep import LockstepConfig
 
 
 class SaveRange(BaseModel):
@@ -47,7 +47,7 @@ class LearnerLoopConfig(BaseModel):
     {from_step: 100, interval: 50}]``: at step ``s`` the range with the largest ``from_step <= s`` applies
     and a checkpoint is due when ``s % interval == 0``. Empty: ``save_interval`` everywhere."""
     spike_save: SpikeSaveConfig = SpikeSaveConfig()
-    """Loss-spike checkpoints (``learner.spike``): after a step whose ``loss`` or ``grad_norm`` lies above
+    """Loss-spike checkpoints (``learner.checkpoint.spike``): after a step whose ``loss`` or ``grad_norm`` lies above
     ``median + factor * 1.4826 * MAD`` of its last ``window`` steps, a checkpoint is due every
     ``max(1, interval // interval_divisor)`` steps for ``hold_steps`` steps. Off by default."""
     async_save: bool = False

@@ -7,8 +7,8 @@ import time
 
 import torch
 
-from proto.tensor_chunks import EncodedTensor, TensorMeta, encode_tensors
-from proto.timeline import SHARED, is_new
+from gyre.proto.tensor_chunks import EncodedTensor, TensorMeta, encode_tensors
+from gyre.proto.timeline import SHARED, is_new
 
 
 class WeightPublisher:

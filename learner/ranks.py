@@ -26,8 +26,8 @@ import structlog
 import torch
 import torch.distributed as dist
 
-from learner.batch import TrainBatch
-from learner.ckpt_request import CheckpointRequest
+from gyre.learner.batch import TrainBatch
+from gyre.learner.checkpoint.request import CheckpointRequest
 
 log = structlog.get_logger("learner")
 
@@ -223,7 +223,7 @@ class LeaderEngine:
     def save_checkpoint(self, request: CheckpointRequest):
         """Every rank writes its shard; rank 0 commits (metadata, manifest, rename) and runs
         ``request.after_commit``. Always synchronous with more than one rank
-        (``learner.ckpt_engine.save_checkpoint``); followers get ``root``, ``fingerprint`` and ``keep_last_n``."""
+        (``learner.checkpoint.engine.save_checkpoint``); followers get ``root``, ``fingerprint`` and ``keep_last_n``."""
         return self._run("save_checkpoint", {"root": str(request.root), "fingerprint": request.fingerprint,
                                              "keep_last_n": request.keep_last_n}, None,
                          lambda: self._engine.save_checkpoint(request))

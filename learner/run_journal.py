@@ -25,8 +25,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import structlog
 
-from learner import checkpoint as ckpt
-from proto.journal import Journal, JournalError, read_journal
+from gyre.learner.checkpoint import store as ckpt
+from gyre.proto.journal import Journal, JournalError, read_journal
 
 log = structlog.get_logger("learner.journal")
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pyarrow as pa
 import torch
 
-from proto.timeline import SHARED, UNKNOWN
+from gyre.proto.timeline import SHARED, UNKNOWN
 
 STALENESS_BUCKETS = 8
 """Largest staleness bucket: lags ``>= STALENESS_BUCKETS`` are counted in ``staleness_hist_{STALENESS_BUCKETS}``."""

@@ -17,11 +17,11 @@ from dataclasses import dataclass
 
 import torch
 
-from learner.advantages import gae, group_advantages, kl_shaped_rewards, masked_group_advantages
-from learner.algorithms import token_logprobs
-from learner.batch import TrainBatch
-from learner.losses import kl_penalty
-from learner.objectives import AdvantageInputs, custom_advantages
+from gyre.learner.algo.advantages import gae, group_advantages, kl_shaped_rewards, masked_group_advantages
+from gyre.learner.algo.logprobs import token_logprobs
+from gyre.learner.batch import TrainBatch
+from gyre.learner.algo.losses import kl_penalty
+from gyre.learner.algo.objectives import AdvantageInputs, custom_advantages
 
 
 @contextlib.contextmanager
@@ -43,8 +43,8 @@ class StepTargets:
     ones are aligned with ``TrainBatch.response_mask`` and 0 off the mask."""
 
     advantages: torch.Tensor
-    """``[B, L - 1]`` per-token GAE advantages (``learner.advantages.gae``), or ``[B]`` outcome advantages of
-    the rows' KL-shaped returns (``learner.advantages.group_advantages``); replaces ``TrainBatch.advantages``."""
+    """``[B, L - 1]`` per-token GAE advantages (``learner.algo.advantages.gae``), or ``[B]`` outcome advantages of
+    the rows' KL-shaped returns (``learner.algo.advantages.group_advantages``); replaces ``TrainBatch.advantages``."""
 
     returns: torch.Tensor | None
     """Value targets ``A + V_old`` (critic only)."""
@@ -60,7 +60,7 @@ class StepTargets:
 def step_targets(learner, batch: TrainBatch) -> StepTargets | None:
     """One no-grad pass over the whole batch (on every rank) with dropout off, when the advantages need the
     model: the critic's ``V_old`` and GAE (``advantage: gae``), and per-token ``x = log pi - log pi_ref`` for
-    the KL in the reward (``kl_placement: reward``, ``learner.advantages.kl_shaped_rewards``), whose row sums
+    the KL in the reward (``kl_placement: reward``, ``learner.algo.advantages.kl_shaped_rewards``), whose row sums
     the outcome estimators (or a custom one, ``learner.objectives``) regroup (``TrainBatch.group_rows``). The
     outcome reward is the batch's ``shaped_rewards`` (the soft overlong penalty included); a row
     ``overlong_filter`` masked keeps it as its return, without a KL term.

@@ -21,9 +21,9 @@ from abc import ABC, abstractmethod
 import structlog
 import torch
 
-from learner.loop_config import LearnerLoopConfig
-from proto.lockstep import LockstepConfig, VersionStore, deterministic_kernels
-from proto.timeline import new_timeline
+from gyre.learner.loop_config import LearnerLoopConfig
+from gyre.proto.lockstep import LockstepConfig, VersionStore, deterministic_kernels
+from gyre.proto.timeline import new_timeline
 
 log = structlog.get_logger()
 

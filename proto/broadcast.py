@@ -11,7 +11,7 @@ from typing import Protocol
 
 import torch
 
-from proto.tensor_chunks import DTYPES, ChunkError, TensorMeta, device_checksums, verify_tensor
+from gyre.proto.tensor_chunks import DTYPES, ChunkError, TensorMeta, device_checksums, verify_tensor
 
 
 class TransportUnavailableError(RuntimeError):

@@ -20,7 +20,7 @@ Events (what each writer appends; extra keys are allowed, readers ignore what th
   newest_version, status}], accepted, duplicates, dropped_stale} after replay acknowledged an insert
   (counts in rows; ``status``: accepted | duplicate | dropped_stale | mixed); ``weights`` {version, timeline, pid}
   at setup and each time a new policy version is applied.
-- controller (``{run}/reward_swaps.jsonl``, ``services.control.reward_swaps``): ``reward_swap`` {id, rewards:
+- controller (``{run}/reward_swaps.jsonl``, ``services.control.commands.reward_swaps``): ``reward_swap`` {id, rewards:
   {task: [reward config]}, versions: {task: reward_fn_version}, time} once every running rollout accepted a
   ``gyre reward swap``, before any applies it; read by every later driver of the run.
 """
@@ -33,7 +33,7 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from proto.durable import fsync_path as _fsync_dir
+from gyre.utils.durable import fsync_path as _fsync_dir
 
 __all__ = ["Journal", "JournalError", "JournalRead", "read_journal"]
 

@@ -33,7 +33,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from safetensors.torch import load_file, save_file
 
-from proto.durable import fsync_path
+from gyre.utils.durable import fsync_path
 
 _VERSION_FILE = re.compile(r"^v(\d+)\.safetensors$")
 _ASIDE_FILE = re.compile(r"^v(\d+)\.safetensors\.unverified$")

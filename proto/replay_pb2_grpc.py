@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from proto import replay_pb2 as proto_dot_replay__pb2
+from gyre.proto import replay_pb2 as gyre_dot_proto_dot_replay__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in proto/replay_pb2_grpc.py depends on'
+        + ' but the generated code in gyre/proto/replay_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,48 +36,48 @@ class ReplayServiceStub:
         """
         self.Insert = channel.stream_stream(
                 '/gyre.replay.v1.ReplayService/Insert',
-                request_serializer=proto_dot_replay__pb2.InsertRequest.SerializeToString,
-                response_deserializer=proto_dot_replay__pb2.InsertResponse.FromString,
+                request_serializer=gyre_dot_proto_dot_replay__pb2.InsertRequest.SerializeToString,
+                response_deserializer=gyre_dot_proto_dot_replay__pb2.InsertResponse.FromString,
                 _registered_method=True)
         self.Sample = channel.unary_unary(
                 '/gyre.replay.v1.ReplayService/Sample',
-                request_serializer=proto_dot_replay__pb2.SampleRequest.SerializeToString,
-                response_deserializer=proto_dot_replay__pb2.SampleResponse.FromString,
+                request_serializer=gyre_dot_proto_dot_replay__pb2.SampleRequest.SerializeToString,
+                response_deserializer=gyre_dot_proto_dot_replay__pb2.SampleResponse.FromString,
                 _registered_method=True)
         self.Ack = channel.unary_unary(
                 '/gyre.replay.v1.ReplayService/Ack',
-                request_serializer=proto_dot_replay__pb2.AckRequest.SerializeToString,
-                response_deserializer=proto_dot_replay__pb2.AckResponse.FromString,
+                request_serializer=gyre_dot_proto_dot_replay__pb2.AckRequest.SerializeToString,
+                response_deserializer=gyre_dot_proto_dot_replay__pb2.AckResponse.FromString,
                 _registered_method=True)
         self.Release = channel.unary_unary(
                 '/gyre.replay.v1.ReplayService/Release',
-                request_serializer=proto_dot_replay__pb2.ReleaseRequest.SerializeToString,
-                response_deserializer=proto_dot_replay__pb2.ReleaseResponse.FromString,
+                request_serializer=gyre_dot_proto_dot_replay__pb2.ReleaseRequest.SerializeToString,
+                response_deserializer=gyre_dot_proto_dot_replay__pb2.ReleaseResponse.FromString,
                 _registered_method=True)
         self.Rejoin = channel.unary_unary(
                 '/gyre.replay.v1.ReplayService/Rejoin',
-                request_serializer=proto_dot_replay__pb2.RejoinRequest.SerializeToString,
-                response_deserializer=proto_dot_replay__pb2.RejoinResponse.FromString,
+                request_serializer=gyre_dot_proto_dot_replay__pb2.RejoinRequest.SerializeToString,
+                response_deserializer=gyre_dot_proto_dot_replay__pb2.RejoinResponse.FromString,
                 _registered_method=True)
         self.LeasePrompts = channel.unary_unary(
                 '/gyre.replay.v1.ReplayService/LeasePrompts',
-                request_serializer=proto_dot_replay__pb2.LeasePromptsRequest.SerializeToString,
-                response_deserializer=proto_dot_replay__pb2.LeasePromptsResponse.FromString,
+                request_serializer=gyre_dot_proto_dot_replay__pb2.LeasePromptsRequest.SerializeToString,
+                response_deserializer=gyre_dot_proto_dot_replay__pb2.LeasePromptsResponse.FromString,
                 _registered_method=True)
         self.UpdatePriorities = channel.unary_unary(
                 '/gyre.replay.v1.ReplayService/UpdatePriorities',
-                request_serializer=proto_dot_replay__pb2.UpdatePrioritiesRequest.SerializeToString,
-                response_deserializer=proto_dot_replay__pb2.UpdatePrioritiesResponse.FromString,
+                request_serializer=gyre_dot_proto_dot_replay__pb2.UpdatePrioritiesRequest.SerializeToString,
+                response_deserializer=gyre_dot_proto_dot_replay__pb2.UpdatePrioritiesResponse.FromString,
                 _registered_method=True)
         self.Snapshot = channel.unary_unary(
                 '/gyre.replay.v1.ReplayService/Snapshot',
-                request_serializer=proto_dot_replay__pb2.SnapshotRequest.SerializeToString,
-                response_deserializer=proto_dot_replay__pb2.SnapshotResponse.FromString,
+                request_serializer=gyre_dot_proto_dot_replay__pb2.SnapshotRequest.SerializeToString,
+                response_deserializer=gyre_dot_proto_dot_replay__pb2.SnapshotResponse.FromString,
                 _registered_method=True)
         self.Info = channel.unary_unary(
                 '/gyre.replay.v1.ReplayService/Info',
-                request_serializer=proto_dot_replay__pb2.InfoRequest.SerializeToString,
-                response_deserializer=proto_dot_replay__pb2.InfoResponse.FromString,
+                request_serializer=gyre_dot_proto_dot_replay__pb2.InfoRequest.SerializeToString,
+                response_deserializer=gyre_dot_proto_dot_replay__pb2.InfoResponse.FromString,
                 _registered_method=True)
 
 
@@ -175,48 +175,48 @@ def add_ReplayServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Insert': grpc.stream_stream_rpc_method_handler(
                     servicer.Insert,
-                    request_deserializer=proto_dot_replay__pb2.InsertRequest.FromString,
-                    response_serializer=proto_dot_replay__pb2.InsertResponse.SerializeToString,
+                    request_deserializer=gyre_dot_proto_dot_replay__pb2.InsertRequest.FromString,
+                    response_serializer=gyre_dot_proto_dot_replay__pb2.InsertResponse.SerializeToString,
             ),
             'Sample': grpc.unary_unary_rpc_method_handler(
                     servicer.Sample,
-                    request_deserializer=proto_dot_replay__pb2.SampleRequest.FromString,
-                    response_serializer=proto_dot_replay__pb2.SampleResponse.SerializeToString,
+                    request_deserializer=gyre_dot_proto_dot_replay__pb2.SampleRequest.FromString,
+                    response_serializer=gyre_dot_proto_dot_replay__pb2.SampleResponse.SerializeToString,
             ),
             'Ack': grpc.unary_unary_rpc_method_handler(
                     servicer.Ack,
-                    request_deserializer=proto_dot_replay__pb2.AckRequest.FromString,
-                    response_serializer=proto_dot_replay__pb2.AckResponse.SerializeToString,
+                    request_deserializer=gyre_dot_proto_dot_replay__pb2.AckRequest.FromString,
+                    response_serializer=gyre_dot_proto_dot_replay__pb2.AckResponse.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
-                    request_deserializer=proto_dot_replay__pb2.ReleaseRequest.FromString,
-                    response_serializer=proto_dot_replay__pb2.ReleaseResponse.SerializeToString,
+                    request_deserializer=gyre_dot_proto_dot_replay__pb2.ReleaseRequest.FromString,
+                    response_serializer=gyre_dot_proto_dot_replay__pb2.ReleaseResponse.SerializeToString,
             ),
             'Rejoin': grpc.unary_unary_rpc_method_handler(
                     servicer.Rejoin,
-                    request_deserializer=proto_dot_replay__pb2.RejoinRequest.FromString,
-                    response_serializer=proto_dot_replay__pb2.RejoinResponse.SerializeToString,
+                    request_deserializer=gyre_dot_proto_dot_replay__pb2.RejoinRequest.FromString,
+                    response_serializer=gyre_dot_proto_dot_replay__pb2.RejoinResponse.SerializeToString,
             ),
             'LeasePrompts': grpc.unary_unary_rpc_method_handler(
                     servicer.LeasePrompts,
-                    request_deserializer=proto_dot_replay__pb2.LeasePromptsRequest.FromString,
-                    response_serializer=proto_dot_replay__pb2.LeasePromptsResponse.SerializeToString,
+                    request_deserializer=gyre_dot_proto_dot_replay__pb2.LeasePromptsRequest.FromString,
+                    response_serializer=gyre_dot_proto_dot_replay__pb2.LeasePromptsResponse.SerializeToString,
             ),
             'UpdatePriorities': grpc.unary_unary_rpc_method_handler(
                     servicer.UpdatePriorities,
-                    request_deserializer=proto_dot_replay__pb2.UpdatePrioritiesRequest.FromString,
-                    response_serializer=proto_dot_replay__pb2.UpdatePrioritiesResponse.SerializeToString,
+                    request_deserializer=gyre_dot_proto_dot_replay__pb2.UpdatePrioritiesRequest.FromString,
+                    response_serializer=gyre_dot_proto_dot_replay__pb2.UpdatePrioritiesResponse.SerializeToString,
             ),
             'Snapshot': grpc.unary_unary_rpc_method_handler(
                     servicer.Snapshot,
-                    request_deserializer=proto_dot_replay__pb2.SnapshotRequest.FromString,
-                    response_serializer=proto_dot_replay__pb2.SnapshotResponse.SerializeToString,
+                    request_deserializer=gyre_dot_proto_dot_replay__pb2.SnapshotRequest.FromString,
+                    response_serializer=gyre_dot_proto_dot_replay__pb2.SnapshotResponse.SerializeToString,
             ),
             'Info': grpc.unary_unary_rpc_method_handler(
                     servicer.Info,
-                    request_deserializer=proto_dot_replay__pb2.InfoRequest.FromString,
-                    response_serializer=proto_dot_replay__pb2.InfoResponse.SerializeToString,
+                    request_deserializer=gyre_dot_proto_dot_replay__pb2.InfoRequest.FromString,
+                    response_serializer=gyre_dot_proto_dot_replay__pb2.InfoResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -244,8 +244,8 @@ class ReplayService:
             request_iterator,
             target,
             '/gyre.replay.v1.ReplayService/Insert',
-            proto_dot_replay__pb2.InsertRequest.SerializeToString,
-            proto_dot_replay__pb2.InsertResponse.FromString,
+            gyre_dot_proto_dot_replay__pb2.InsertRequest.SerializeToString,
+            gyre_dot_proto_dot_replay__pb2.InsertResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -271,8 +271,8 @@ class ReplayService:
             request,
             target,
             '/gyre.replay.v1.ReplayService/Sample',
-            proto_dot_replay__pb2.SampleRequest.SerializeToString,
-            proto_dot_replay__pb2.SampleResponse.FromString,
+            gyre_dot_proto_dot_replay__pb2.SampleRequest.SerializeToString,
+            gyre_dot_proto_dot_replay__pb2.SampleResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -298,8 +298,8 @@ class ReplayService:
             request,
             target,
             '/gyre.replay.v1.ReplayService/Ack',
-            proto_dot_replay__pb2.AckRequest.SerializeToString,
-            proto_dot_replay__pb2.AckResponse.FromString,
+            gyre_dot_proto_dot_replay__pb2.AckRequest.SerializeToString,
+            gyre_dot_proto_dot_replay__pb2.AckResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -325,8 +325,8 @@ class ReplayService:
             request,
             target,
             '/gyre.replay.v1.ReplayService/Release',
-            proto_dot_replay__pb2.ReleaseRequest.SerializeToString,
-            proto_dot_replay__pb2.ReleaseResponse.FromString,
+            gyre_dot_proto_dot_replay__pb2.ReleaseRequest.SerializeToString,
+            gyre_dot_proto_dot_replay__pb2.ReleaseResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -352,8 +352,8 @@ class ReplayService:
             request,
             target,
             '/gyre.replay.v1.ReplayService/Rejoin',
-            proto_dot_replay__pb2.RejoinRequest.SerializeToString,
-            proto_dot_replay__pb2.RejoinResponse.FromString,
+            gyre_dot_proto_dot_replay__pb2.RejoinRequest.SerializeToString,
+            gyre_dot_proto_dot_replay__pb2.RejoinResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -379,8 +379,8 @@ class ReplayService:
             request,
             target,
             '/gyre.replay.v1.ReplayService/LeasePrompts',
-            proto_dot_replay__pb2.LeasePromptsRequest.SerializeToString,
-            proto_dot_replay__pb2.LeasePromptsResponse.FromString,
+            gyre_dot_proto_dot_replay__pb2.LeasePromptsRequest.SerializeToString,
+            gyre_dot_proto_dot_replay__pb2.LeasePromptsResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -406,8 +406,8 @@ class ReplayService:
             request,
             target,
             '/gyre.replay.v1.ReplayService/UpdatePriorities',
-            proto_dot_replay__pb2.UpdatePrioritiesRequest.SerializeToString,
-            proto_dot_replay__pb2.UpdatePrioritiesResponse.FromString,
+            gyre_dot_proto_dot_replay__pb2.UpdatePrioritiesRequest.SerializeToString,
+            gyre_dot_proto_dot_replay__pb2.UpdatePrioritiesResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -433,8 +433,8 @@ class ReplayService:
             request,
             target,
             '/gyre.replay.v1.ReplayService/Snapshot',
-            proto_dot_replay__pb2.SnapshotRequest.SerializeToString,
-            proto_dot_replay__pb2.SnapshotResponse.FromString,
+            gyre_dot_proto_dot_replay__pb2.SnapshotRequest.SerializeToString,
+            gyre_dot_proto_dot_replay__pb2.SnapshotResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -460,8 +460,8 @@ class ReplayService:
             request,
             target,
             '/gyre.replay.v1.ReplayService/Info',
-            proto_dot_replay__pb2.InfoRequest.SerializeToString,
-            proto_dot_replay__pb2.InfoResponse.FromString,
+            gyre_dot_proto_dot_replay__pb2.InfoRequest.SerializeToString,
+            gyre_dot_proto_dot_replay__pb2.InfoResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from proto import reward_model_pb2 as proto_dot_reward__model__pb2
+from gyre.proto import reward_model_pb2 as gyre_dot_proto_dot_reward__model__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in proto/reward_model_pb2_grpc.py depends on'
+        + ' but the generated code in gyre/proto/reward_model_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,8 +36,8 @@ class RewardModelServiceStub:
         """
         self.Score = channel.unary_unary(
                 '/gyre.reward_model.v1.RewardModelService/Score',
-                request_serializer=proto_dot_reward__model__pb2.ScoreRequest.SerializeToString,
-                response_deserializer=proto_dot_reward__model__pb2.ScoreReply.FromString,
+                request_serializer=gyre_dot_proto_dot_reward__model__pb2.ScoreRequest.SerializeToString,
+                response_deserializer=gyre_dot_proto_dot_reward__model__pb2.ScoreReply.FromString,
                 _registered_method=True)
 
 
@@ -55,8 +55,8 @@ def add_RewardModelServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Score': grpc.unary_unary_rpc_method_handler(
                     servicer.Score,
-                    request_deserializer=proto_dot_reward__model__pb2.ScoreRequest.FromString,
-                    response_serializer=proto_dot_reward__model__pb2.ScoreReply.SerializeToString,
+                    request_deserializer=gyre_dot_proto_dot_reward__model__pb2.ScoreRequest.FromString,
+                    response_serializer=gyre_dot_proto_dot_reward__model__pb2.ScoreReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -84,8 +84,8 @@ class RewardModelService:
             request,
             target,
             '/gyre.reward_model.v1.RewardModelService/Score',
-            proto_dot_reward__model__pb2.ScoreRequest.SerializeToString,
-            proto_dot_reward__model__pb2.ScoreReply.FromString,
+            gyre_dot_proto_dot_reward__model__pb2.ScoreRequest.SerializeToString,
+            gyre_dot_proto_dot_reward__model__pb2.ScoreReply.FromString,
             options,
             channel_credentials,
             insecure,

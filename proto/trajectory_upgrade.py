@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
-from proto.trajectory import (SCHEMA_VERSION, SCHEMA_VERSION_KEY, TRAJECTORY_SCHEMA, SchemaError, read_stream,
+from gyre.proto.trajectory import (SCHEMA_VERSION, SCHEMA_VERSION_KEY, TRAJECTORY_SCHEMA, SchemaError, read_stream,
                               validate_table)
 
 UPGRADABLE = (3,)

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from proto import weights_pb2 as proto_dot_weights__pb2
+from gyre.proto import weights_pb2 as gyre_dot_proto_dot_weights__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in proto/weights_pb2_grpc.py depends on'
+        + ' but the generated code in gyre/proto/weights_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,18 +36,18 @@ class WeightServiceStub:
         """
         self.Subscribe = channel.unary_stream(
                 '/gyre.weights.v1.WeightService/Subscribe',
-                request_serializer=proto_dot_weights__pb2.SubscribeRequest.SerializeToString,
-                response_deserializer=proto_dot_weights__pb2.WeightChunk.FromString,
+                request_serializer=gyre_dot_proto_dot_weights__pb2.SubscribeRequest.SerializeToString,
+                response_deserializer=gyre_dot_proto_dot_weights__pb2.WeightChunk.FromString,
                 _registered_method=True)
         self.Announce = channel.unary_stream(
                 '/gyre.weights.v1.WeightService/Announce',
-                request_serializer=proto_dot_weights__pb2.SubscribeRequest.SerializeToString,
-                response_deserializer=proto_dot_weights__pb2.VersionManifest.FromString,
+                request_serializer=gyre_dot_proto_dot_weights__pb2.SubscribeRequest.SerializeToString,
+                response_deserializer=gyre_dot_proto_dot_weights__pb2.VersionManifest.FromString,
                 _registered_method=True)
         self.Latest = channel.unary_unary(
                 '/gyre.weights.v1.WeightService/Latest',
-                request_serializer=proto_dot_weights__pb2.LatestRequest.SerializeToString,
-                response_deserializer=proto_dot_weights__pb2.LatestResponse.FromString,
+                request_serializer=gyre_dot_proto_dot_weights__pb2.LatestRequest.SerializeToString,
+                response_deserializer=gyre_dot_proto_dot_weights__pb2.LatestResponse.FromString,
                 _registered_method=True)
 
 
@@ -88,18 +88,18 @@ def add_WeightServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Subscribe': grpc.unary_stream_rpc_method_handler(
                     servicer.Subscribe,
-                    request_deserializer=proto_dot_weights__pb2.SubscribeRequest.FromString,
-                    response_serializer=proto_dot_weights__pb2.WeightChunk.SerializeToString,
+                    request_deserializer=gyre_dot_proto_dot_weights__pb2.SubscribeRequest.FromString,
+                    response_serializer=gyre_dot_proto_dot_weights__pb2.WeightChunk.SerializeToString,
             ),
             'Announce': grpc.unary_stream_rpc_method_handler(
                     servicer.Announce,
-                    request_deserializer=proto_dot_weights__pb2.SubscribeRequest.FromString,
-                    response_serializer=proto_dot_weights__pb2.VersionManifest.SerializeToString,
+                    request_deserializer=gyre_dot_proto_dot_weights__pb2.SubscribeRequest.FromString,
+                    response_serializer=gyre_dot_proto_dot_weights__pb2.VersionManifest.SerializeToString,
             ),
             'Latest': grpc.unary_unary_rpc_method_handler(
                     servicer.Latest,
-                    request_deserializer=proto_dot_weights__pb2.LatestRequest.FromString,
-                    response_serializer=proto_dot_weights__pb2.LatestResponse.SerializeToString,
+                    request_deserializer=gyre_dot_proto_dot_weights__pb2.LatestRequest.FromString,
+                    response_serializer=gyre_dot_proto_dot_weights__pb2.LatestResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -127,8 +127,8 @@ class WeightService:
             request,
             target,
             '/gyre.weights.v1.WeightService/Subscribe',
-            proto_dot_weights__pb2.SubscribeRequest.SerializeToString,
-            proto_dot_weights__pb2.WeightChunk.FromString,
+            gyre_dot_proto_dot_weights__pb2.SubscribeRequest.SerializeToString,
+            gyre_dot_proto_dot_weights__pb2.WeightChunk.FromString,
             options,
             channel_credentials,
             insecure,
@@ -154,8 +154,8 @@ class WeightService:
             request,
             target,
             '/gyre.weights.v1.WeightService/Announce',
-            proto_dot_weights__pb2.SubscribeRequest.SerializeToString,
-            proto_dot_weights__pb2.VersionManifest.FromString,
+            gyre_dot_proto_dot_weights__pb2.SubscribeRequest.SerializeToString,
+            gyre_dot_proto_dot_weights__pb2.VersionManifest.FromString,
             options,
             channel_credentials,
             insecure,
@@ -181,8 +181,8 @@ class WeightService:
             request,
             target,
             '/gyre.weights.v1.WeightService/Latest',
-            proto_dot_weights__pb2.LatestRequest.SerializeToString,
-            proto_dot_weights__pb2.LatestResponse.FromString,
+            gyre_dot_proto_dot_weights__pb2.LatestRequest.SerializeToString,
+            gyre_dot_proto_dot_weights__pb2.LatestResponse.FromString,
             options,
             channel_credentials,
             insecure,

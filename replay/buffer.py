@@ -21,16 +21,17 @@ from collections import Counter
 
 import pyarrow as pa
 
-from proto.trajectory import to_ipc
-from replay.config import ReplayConfig
-from replay.durable import Durability
-from replay.groups import split_batch, split_groups
-from replay.rate_limiter import RateLimitedError
-from replay.records import Record, encode_parts
-from replay.snapshot import SnapshotData
-from replay.state import ReplayState
-from replay.stats import RateWindow
-from replay.types import InsertResult, UnknownLeaseError, checked_sample_args
+from gyre.proto.trajectory import to_ipc
+from gyre.replay.config import ReplayConfig
+from gyre.replay.durable import Durability
+from gyre.replay.groups import split_batch, split_groups
+from gyre.replay.prompt_leases import PromptLeases
+from gyre.replay.rate_limiter import RateLimitedError
+from gyre.replay.records import Record, encode_parts
+from gyre.replay.snapshot import SnapshotData
+from gyre.replay.state import ReplayState
+from gyre.replay.stats import RateWindow
+from gyre.replay.types import InsertResult, UnknownLeaseError, checked_sample_args
 
 __all__ = ["TrajectoryBuffer", "InsertResult", "UnknownLeaseError", "RateLimitedError"]
 
@@ -57,6 +58,9 @@ class TrajectoryBuffer:
         self._wal = None
         self._waiting: Counter[int] = Counter()
         self._inserts, self._samples = RateWindow(), RateWindow()
+        self.prompts = PromptLeases(self.state, self._lock, self._commit, self.wait_durable, clock,
+                                    config.prompt_lease_ttl_s)
+        """Prompt indices for rollouts (``replay.prompt_leases``), logged through this buffer."""
         self.durability = None
         self._foreground = None
         """The durability's ``ForegroundGate``: an insert's store step is foreground work that a
@@ -338,22 +342,8 @@ class TrajectoryBuffer:
     # ---- prompts --------------------------------------------------------------------------------
     def lease_prompts(self, consumer: str, count: int, ttl_s: float | None = None,
                       below: int | None = None) -> list[tuple[int, int]]:
-        """Lease prompt indices for a rollout: ``[(prompt_index, attempt)]``, re-issued ones first; with
-        ``below`` only indices under it (lockstep: prompts whose policy version is published)."""
-        if count < 0:
-            raise ValueError(f"count ({count}) must be >= 0")
-        ttl = ttl_s or self.config.prompt_lease_ttl_s
-        with self._lock:
-            now, lsn = self._clock(), -1
-            due = self.state.ledger.due(now)
-            if due:
-                lsn, _ = self._commit(Record("prompt_expire", {"items": due}))
-            items = self.state.ledger.plan(count, below)
-            if items:
-                lsn, _ = self._commit(Record("prompt_lease", {"consumer": consumer, "items": items,
-                                                              "expires_at": now + ttl}))
-        self.wait_durable(lsn)
-        return items
+        """``PromptLeases.lease`` (``replay.prompt_leases``): the rollout's ``ReplaySink`` call, in process."""
+        return self.prompts.lease(consumer, count, ttl_s, below)
 
     # ---- persistence / info ---------------------------------------------------------------------
     def capture(self) -> SnapshotData:

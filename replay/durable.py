@@ -42,11 +42,11 @@ from pathlib import Path
 
 import structlog
 
-from faults import fault_point
-from replay.files import ForegroundGate, run_in_background
-from replay.restore import RestoreError, RestoreReport, restore
-from replay.snapshot import list_snapshots, remove_snapshot, write_snapshot
-from replay.wal import Wal
+from gyre.faults import fault_point
+from gyre.replay.files import ForegroundGate, run_in_background
+from gyre.replay.restore import RestoreError, RestoreReport, restore
+from gyre.replay.snapshot import list_snapshots, remove_snapshot, write_snapshot
+from gyre.replay.wal import Wal
 
 log = structlog.get_logger("replay")
 

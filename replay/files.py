@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from proto.durable import fsync_path
-from replay.types import SnapshotError
+from gyre.utils.durable import fsync_path
+from gyre.replay.types import SnapshotError
 
 fsync_dir = fsync_path
-"""fsync a directory so that file creations, renames and deletions in it are durable (``proto.durable``)."""
+"""fsync a directory so that file creations, renames and deletions in it are durable (``utils.durable``)."""
 
 
 def _libc_sync_file_range():

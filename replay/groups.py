@@ -16,10 +16,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from proto.trajectory import TRAJECTORY_SCHEMA, SchemaError, validate_table
-from replay.config import ReplayConfig
-from replay.selectors import make_selector
-from replay.types import EXCLUDED, LEASED, POOLED, Group, InsertPlan
+from gyre.proto.trajectory import TRAJECTORY_SCHEMA, SchemaError, validate_table
+from gyre.replay.config import ReplayConfig
+from gyre.replay.selectors import make_selector
+from gyre.replay.types import EXCLUDED, LEASED, POOLED, Group, InsertPlan
 
 def _check_ids(table: pa.Table, ints: dict[str, np.ndarray]) -> None:
     """Every ``trajectory_id`` is ``"{prompt_index}-{sample_index}-{attempt}"`` (one int → string cast

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from replay.buffer import TrajectoryBuffer
-from replay.config import ReplayConfig
-from replay.restore import restore
+from gyre.replay.buffer import TrajectoryBuffer
+from gyre.replay.config import ReplayConfig
+from gyre.replay.restore import restore
 
 
 def inspect_dir(config: ReplayConfig, read_only: bool = True) -> TrajectoryBuffer:

@@ -27,7 +27,7 @@ the other side more work than the live limiter ever could.
 
 from __future__ import annotations
 
-from replay.config import RateLimiterConfig
+from gyre.replay.config import RateLimiterConfig
 
 
 class RateLimitedError(TimeoutError):

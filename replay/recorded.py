@@ -38,13 +38,13 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from replay.buffer import TrajectoryBuffer
-from replay.config import ReplayConfig
-from replay.files import fsync_dir
-from replay.snapshot import list_snapshots, load_snapshot
-from replay.state import ReplayState
-from replay.types import SnapshotError
-from replay.wal_read import first_lsn_of, list_segments, read_segment
+from gyre.replay.buffer import TrajectoryBuffer
+from gyre.replay.config import ReplayConfig
+from gyre.replay.files import fsync_dir
+from gyre.replay.snapshot import list_snapshots, load_snapshot
+from gyre.replay.state import ReplayState
+from gyre.replay.types import SnapshotError
+from gyre.replay.wal_read import first_lsn_of, list_segments, read_segment
 
 RECORDING_MANIFEST = "recording.json"
 """File, in a replay directory built by ``write_replay_dir``, naming the recording it holds a copy of."""

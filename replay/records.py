@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 import google_crc32c
 import pyarrow as pa
 
-from proto.trajectory import SCHEMA_VERSION, SCHEMA_VERSION_KEY
+from gyre.proto.trajectory import SCHEMA_VERSION, SCHEMA_VERSION_KEY
 
 WAL_FORMAT_VERSION = 2
 """Format this writer produces; bumped on any incompatible change of ``RECORD_SCHEMA``, of a kind's

@@ -30,11 +30,11 @@ from pathlib import Path
 
 import structlog
 
-from replay.snapshot import clean_temp, list_snapshots, load_snapshot
-from replay.state import ReplayState
-from replay.types import SnapshotError
-from replay.files import fsync_dir
-from replay.wal_read import SegmentScan, first_lsn_of, list_segments, read_segment
+from gyre.replay.snapshot import clean_temp, list_snapshots, load_snapshot
+from gyre.replay.state import ReplayState
+from gyre.replay.types import SnapshotError
+from gyre.replay.files import fsync_dir
+from gyre.replay.wal_read import SegmentScan, first_lsn_of, list_segments, read_segment
 
 log = structlog.get_logger("replay")
 

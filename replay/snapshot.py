@@ -35,11 +35,11 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from proto.trajectory import SCHEMA_VERSION, TRAJECTORY_SCHEMA
-from proto.trajectory_upgrade import UPGRADABLE, V3_SCHEMA, upgrade
-from faults import fault_point
-from replay.types import Group, SnapshotError
-from replay.files import HashingFile, ForegroundGate, fsync_dir, read_verified, remove_gently
+from gyre.proto.trajectory import SCHEMA_VERSION, TRAJECTORY_SCHEMA
+from gyre.proto.trajectory_upgrade import UPGRADABLE, V3_SCHEMA, upgrade
+from gyre.faults import fault_point
+from gyre.replay.types import Group, SnapshotError
+from gyre.replay.files import HashingFile, ForegroundGate, fsync_dir, read_verified, remove_gently
 
 SNAPSHOT_FORMAT_VERSION = 1
 GROUPS_SCHEMA = pa.schema([

@@ -14,14 +14,14 @@ import random
 
 import pyarrow as pa
 
-from replay.config import ReplayConfig
-from proto.timeline import SHARED
-from proto.trajectory_upgrade import upgrade
-from replay.groups import GroupStore, group_timeline, split_groups
-from replay.ledger import PromptLedger
-from replay.rate_limiter import RateLimiter
-from replay.records import Record
-from replay.types import EXCLUDED, LEASED, POOLED, Counters, Group, InsertPlan, InsertResult, Lease, UnknownLeaseError
+from gyre.replay.config import ReplayConfig
+from gyre.proto.timeline import SHARED
+from gyre.proto.trajectory_upgrade import upgrade
+from gyre.replay.groups import GroupStore, group_timeline, split_groups
+from gyre.replay.ledger import PromptLedger
+from gyre.replay.rate_limiter import RateLimiter
+from gyre.replay.records import Record
+from gyre.replay.types import EXCLUDED, LEASED, POOLED, Counters, Group, InsertPlan, InsertResult, Lease, UnknownLeaseError
 
 ACKED_MEMORY = 4096
 """Acked lease ids remembered (in snapshots too) so that a repeated ack is answered 0, not NOT_FOUND."""

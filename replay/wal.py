@@ -38,10 +38,10 @@ import threading
 import time
 from pathlib import Path
 
-from replay.config import WalConfig
-from faults import fault_point
-from replay.files import drop_cached, fsync_dir, remove_gently
-from replay.records import end_of_stream, segment_header
+from gyre.replay.config import WalConfig
+from gyre.faults import fault_point
+from gyre.replay.files import drop_cached, fsync_dir, remove_gently
+from gyre.replay.records import end_of_stream, segment_header
 
 SEGMENT_SUFFIX = ".arrows"
 _IOV_MAX = 1024

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from replay.records import (RECORD_SCHEMA, RECORD_SCHEMAS, WAL_FORMAT_VERSION, CorruptRecordError, Record,
+from gyre.replay.records import (RECORD_SCHEMA, RECORD_SCHEMAS, WAL_FORMAT_VERSION, CorruptRecordError, Record,
                             decode, end_of_stream, record_format)
-from replay.wal import SEGMENT_SUFFIX
+from gyre.replay.wal import SEGMENT_SUFFIX
 
 _CONTINUATION = b"\xff\xff\xff\xff"
 _EOS = end_of_stream()

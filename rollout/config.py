@@ -8,10 +8,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from proto.lockstep import LockstepConfig
-from rollout.environment import EnvironmentConfig, VerifiersConfig
-from proto.model_source import localize_model_data, resolving_models
-from rollout.weights import GrpcTransportConfig, WeightTransportConfig
+from gyre.proto.lockstep import LockstepConfig
+from gyre.rollout.agents.environment import EnvironmentConfig, VerifiersConfig
+from gyre.utils.model_source import localize_model_data, resolving_models
+from gyre.proto.weight_transport import GrpcTransportConfig, WeightTransportConfig
 
 
 class SimulatedEngineConfig(BaseModel):
@@ -49,7 +49,7 @@ class EngineConfig(BaseModel):
 
     model: str
     """Path of a local HF model folder: ``config.json``, ``*.safetensors`` and the tokenizer. A recipe's
-    ``model: org/name`` arrives here already resolved to a folder of the HF cache (``proto.model_source``)."""
+    ``model: org/name`` arrives here already resolved to a folder of the HF cache (``utils.model_source``)."""
 
     model_id: str | None = None
     """The Hub id ``model`` was resolved from (set by the recipe loader); with ``model_revision`` it lets a
@@ -201,7 +201,7 @@ class RolloutConfig(BaseModel):
     model turns interleaved with its observations (tool results), trained on the model's tokens only.
     ``None``: one prompt, one completion, scored by the task's reward functions."""
     verifiers: VerifiersConfig | None = None
-    """Multi-turn episodes of a ``verifiers`` environment (prime-rl's; ``rollout.verifiers_env``) played against this
+    """Multi-turn episodes of a ``verifiers`` environment (prime-rl's; ``rollout.agents.verifiers_env``) played against this
     rollout's engine: each sample of a group is an episode of the taskset's training task ``prompt_index %
     (len(tasks) - heldout)``, scored by the verifiers task. Exclusive with ``environment``."""
     lockstep: LockstepConfig | None = None

@@ -6,7 +6,7 @@ folder, or a Hub id ``org/name`` (only when online or already in the local cache
 ``save_to_disk`` with ``datasets.load_from_disk``; the resulting ``Dataset`` is Arrow-backed and memory-mapped.
 
 ``data_fingerprint`` is the data-consistency check of a resume: sha256 of every local data file, keyed by its
-path relative to the dataset's root, plus a tree hash over them (``learner.checkpoint.fingerprint_diff`` names
+path relative to the dataset's root, plus a tree hash over them (``learner.checkpoint.store.fingerprint_diff`` names
 the files added, removed and changed).
 """
 

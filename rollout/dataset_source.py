@@ -20,7 +20,7 @@ from typing import Any, Callable
 import numpy as np
 import structlog
 
-from rollout.dataset_files import DatasetConfig, DatasetError, load_split
+from gyre.rollout.dataset_files import DatasetConfig, DatasetError, load_split
 
 __all__ = ["DatasetSource", "PromptBudget"]
 

@@ -56,12 +56,12 @@ from vllm.platforms import current_platform
 from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.async_llm import AsyncLLM
 
-from proto.tensor_chunks import DTYPES, VersionManifest
-from proto.trajectory import FINISH_REASONS
-from rollout.config import EngineConfig, SamplingConfig
-from rollout.types import Sample
-from rollout.weights import NcclTransportConfig
-from rollout.weights import (NCCL_BACKEND, GyreWorkerExtension, expected_shapes, register_nccl_backend,
+from gyre.proto.tensor_chunks import DTYPES, VersionManifest
+from gyre.proto.trajectory import FINISH_REASONS
+from gyre.rollout.config import EngineConfig, SamplingConfig
+from gyre.rollout.types import Sample
+from gyre.proto.weight_transport import NcclTransportConfig
+from gyre.rollout.weights import (NCCL_BACKEND, GyreWorkerExtension, expected_shapes, register_nccl_backend,
                                   write_safetensors)
 
 register_nccl_backend()  # runs in vLLM's worker process too: it imports this module for the extension class

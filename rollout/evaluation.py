@@ -22,9 +22,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from rollout.config import SamplingConfig
-from rollout.rewards.base import Group
-from rollout.rewards.scoring import score_groups
+from gyre.rollout.config import SamplingConfig
+from gyre.rollout.rewards.base import Group
+from gyre.rollout.rewards.scoring import score_groups
 
 EXACT = 1.0
 """A score at or above this is a correct answer."""

@@ -17,8 +17,8 @@ from contextlib import asynccontextmanager
 
 import structlog
 
-from faults import fault_point
-from proto.lockstep import LockstepConfig, VersionStore
+from gyre.faults import fault_point
+from gyre.proto.lockstep import LockstepConfig, VersionStore
 
 log = structlog.get_logger("rollout")
 

@@ -33,9 +33,9 @@ import numpy as np
 import structlog
 import torch
 
-from rollout.config import EngineConfig, SamplingConfig
-from rollout.types import Sample
-from rollout.weights import expected_shapes
+from gyre.rollout.config import EngineConfig, SamplingConfig
+from gyre.rollout.types import Sample
+from gyre.rollout.weights import expected_shapes
 
 log = structlog.get_logger("sim_engine")
 

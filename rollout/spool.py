@@ -39,10 +39,10 @@ from typing import Awaitable, Callable
 import pyarrow as pa
 import structlog
 
-from faults import fault_point
-from proto.durable import fsync_path as _fsync_dir
-from proto.trajectory import SchemaError, to_ipc
-from proto.trajectory_upgrade import read_ipc
+from gyre.faults import fault_point
+from gyre.utils.durable import fsync_path as _fsync_dir
+from gyre.proto.trajectory import SchemaError, to_ipc
+from gyre.proto.trajectory_upgrade import read_ipc
 
 log = structlog.get_logger("rollout.spool")
 

@@ -7,8 +7,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from rollout.env_threads import EnvThreads
-from rollout.spool import Spool
+from gyre.rollout.agents.env_threads import EnvThreads
+from gyre.rollout.spool import Spool
 
 
 ROLLOUT_PHASES = ("generate", "score", "insert", "weight_apply")

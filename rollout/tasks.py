@@ -16,11 +16,11 @@ import reasoning_gym
 import structlog
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from rollout.dataset_files import DatasetConfig
-from rollout.dataset_source import DatasetSource, PromptBudget
-from rollout.rewards.combined import RewardSet, make_reward_set
-from rollout.rewards.mixture import HUMANEVAL, Problem, TaskMixture, make_source
-from rollout.rewards.registry import RG_PREFIX, RewardConfig, extract_last_integer
+from gyre.rollout.dataset_files import DatasetConfig
+from gyre.rollout.dataset_source import DatasetSource, PromptBudget
+from gyre.rollout.rewards.combined import RewardSet, make_reward_set
+from gyre.rollout.rewards.mixture import HUMANEVAL, Problem, TaskMixture, make_source
+from gyre.rollout.rewards.registry import RG_PREFIX, RewardConfig, extract_last_integer
 
 __all__ = ["REWARD_FN_VERSION", "MixtureComponent", "Problem", "TaskConfig", "TaskSource", "UnknownTaskError",
            "extract_last_integer", "validate_task_config"]

@@ -21,9 +21,9 @@ import zlib
 from abc import ABC, abstractmethod
 from typing import AsyncContextManager, Awaitable, Callable, TypeVar
 
-from proto.lockstep import LockstepConfig
-from rollout.config import RolloutConfig
-from rollout.lockstep_gate import LockstepGate
+from gyre.proto.lockstep import LockstepConfig
+from gyre.rollout.config import RolloutConfig
+from gyre.rollout.lockstep_gate import LockstepGate
 
 T = TypeVar("T")
 

@@ -1,9 +1,7 @@
-"""The rollout side of the weights path that runs without gRPC: how versions travel (the transport configs
-``EngineConfig.weight_transport`` chooses between) and how they get into vLLM's worker processes.
+"""The rollout side of the weights path that runs without gRPC: how versions get into vLLM's worker processes.
+How they travel (the transport configs ``EngineConfig.weight_transport`` chooses between) is the contract
+``proto/weight_transport.py``.
 
-- ``GrpcTransportConfig`` / ``NcclTransportConfig``: read by the engine (``rollout/engine.py``) and by the
-  transports that follow the learner (``services.rollout.transport``; the learner's end is
-  ``services.learner.weight_server`` and ``services.learner.weight_broadcast``).
 - ``GyreWorkerExtension`` is mixed into vLLM's worker class (``worker_extension_cls``) and runs in the worker
   process: a version arrives as a safetensors file (no pickle), or over NCCL through ``register_nccl_backend``
   (vLLM is imported only there, the NCCL transport's worker-side receiver). The rest runs in the rollout
@@ -17,56 +15,10 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Annotated, Literal, Union
 
 import torch
 from safetensors import safe_open
-from pydantic import BaseModel, ConfigDict, Field
 from safetensors.torch import load_file, save_file
-
-class GrpcTransportConfig(BaseModel):
-    """Weights stream over the learner's gRPC ``WeightService.Subscribe`` (portable default)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    type: Literal["grpc"] = "grpc"
-    """Selects this transport."""
-    chunk_timeout_s: float = Field(default=30.0, gt=0)
-    """Seconds a started version may go without a chunk before the stream is abandoned and retried."""
-    backoff_s: float = Field(default=0.5, gt=0)
-    """First reconnect delay in seconds; doubles per failure up to ``max_backoff_s``."""
-    max_backoff_s: float = Field(default=10.0, gt=0)
-    """Longest reconnect delay in seconds."""
-
-
-class NcclTransportConfig(BaseModel):
-    """Manifests (version, names, shapes, checksums) over gRPC ``WeightService.Announce``, bytes over an
-    NCCL broadcast from the learner (rank 0) into the vLLM workers through vLLM's weight-transfer API.
-    Needs CUDA on the learner and every rollout; the group has a fixed size."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    type: Literal["nccl"] = "nccl"
-    """Selects this transport."""
-    master_address: str
-    """Host of the learner's rendezvous store (TCPStore) for the NCCL group."""
-    master_port: int = Field(ge=1, le=65535)
-    """Port of that store."""
-    world_size: int = Field(ge=2)
-    """Ranks in the group: 1 (learner) + the vLLM workers of every rollout service."""
-    rank_offset: int = Field(ge=1)
-    """This rollout's first worker rank in the group (the learner is rank 0)."""
-    backoff_s: float = Field(default=0.5, gt=0)
-    """First reconnect delay of the control stream in seconds (doubles up to 10 s)."""
-    broadcast_timeout_s: float = Field(default=300.0, gt=0)
-    """Seconds one version's broadcast may take; past it the engine fails loudly (``EngineFailedError``)
-    instead of hanging in NCCL, and the rollout must be restarted (its weights are undefined)."""
-
-
-WeightTransportConfig = Annotated[Union[GrpcTransportConfig, NcclTransportConfig], Field(discriminator="type")]
-"""How policy versions reach a rollout service; chosen by ``type: grpc | nccl``."""
-
-
 
 _SHM = Path("/dev/shm")
 NCCL_BACKEND = "gyre_nccl"
@@ -158,8 +110,8 @@ def load_broadcast_verified(engine, info) -> int:
     """
     from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
-    from proto.broadcast import receive_verified
-    from proto.tensor_chunks import CHECKSUM_KIND, DTYPES, ChunkError, TensorMeta
+    from gyre.proto.broadcast import receive_verified
+    from gyre.proto.tensor_chunks import CHECKSUM_KIND, DTYPES, ChunkError, TensorMeta
 
     unknown = sorted(set(info.dtype_names) - set(DTYPES))
     if unknown:  # the byte count of each broadcast is unknowable: nothing can be received, not even drained

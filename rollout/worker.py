@@ -16,20 +16,20 @@ import pyarrow as pa
 import structlog
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type
 
-from faults import fault_point
-from proto.retry import doubling
-from proto.timeline import SHARED, is_new, label
-from proto.trajectory import Trajectory, make_ids, to_table
-from rollout.config import RolloutConfig
-from rollout.episode_eval import evaluate_episodes
-from rollout.episode_runners import episode_runner
-from rollout.evaluation import EvalConfig, EvalResult, evaluate
-from rollout.spool import Spool, SpoolFlusher
-from rollout.stats import RolloutStats
-from rollout.rewards.base import Group
-from rollout.rewards.scoring import score_groups
-from rollout.tasks import TaskSource
-from rollout.versions import VersionSource, version_source
+from gyre.faults import fault_point
+from gyre.utils.retry import doubling
+from gyre.proto.timeline import SHARED, is_new, label
+from gyre.proto.trajectory import Trajectory, make_ids, to_table
+from gyre.rollout.config import RolloutConfig
+from gyre.rollout.agents.episode_eval import evaluate_episodes
+from gyre.rollout.agents.episode_runners import episode_runner
+from gyre.rollout.evaluation import EvalConfig, EvalResult, evaluate
+from gyre.rollout.spool import Spool, SpoolFlusher
+from gyre.rollout.stats import RolloutStats
+from gyre.rollout.rewards.base import Group
+from gyre.rollout.rewards.scoring import score_groups
+from gyre.rollout.tasks import TaskSource
+from gyre.rollout.versions import VersionSource, version_source
 
 log = structlog.get_logger("rollout")
 INSERT_BACKOFF_CAP_S = 30.0
@@ -80,8 +80,8 @@ class RolloutWorker:
         self._gate = (-1, 0)  # (policy version, groups started with it) for max_groups_per_version
         self._new_version = asyncio.Event()
         self.episodes = episode_runner(config, tokenizer)
-        """Multi-turn episodes when the recipe sets ``rollout.environment`` (``rollout.agent_group``) or
-        ``rollout.verifiers`` (``rollout.verifiers_env``)."""
+        """Multi-turn episodes when the recipe sets ``rollout.environment`` (``rollout.agents.agent_group``) or
+        ``rollout.verifiers`` (``rollout.agents.verifiers_env``)."""
         self.stats.env_threads = getattr(self.episodes, "threads", None)  # rollout.environment's blocking calls
 
     # ---- weights ------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ if not (os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH"
     _token.chmod(0o600)
     os.environ["RAY_AUTH_TOKEN_PATH"] = str(_token)
 
-# Experiment trackers (services.control.tracking) in tests: W&B never reaches the network, and trackio writes a
+# Experiment trackers (services.control.outputs.tracking) in tests: W&B never reaches the network, and trackio writes a
 # store of the test session's own, never the user's $HF_HOME/trackio (trackio reads TRACKIO_DIR at import).
 os.environ["WANDB_MODE"] = "offline"
 os.environ["WANDB_SILENT"] = "true"

@@ -5,8 +5,8 @@ from __future__ import annotations
 import socket
 from types import SimpleNamespace
 
-from rollout.types import Sample
-from proto.trajectory import Trajectory, make_ids, to_table
+from gyre.rollout.types import Sample
+from gyre.proto.trajectory import Trajectory, make_ids, to_table
 
 
 def make_group(prompt_index: int, n: int = 4, attempt: int = 0, version: int = 0, rewards=None,
@@ -181,7 +181,7 @@ class _Remote:
 
 
 class FakeLearnerHandle:
-    """A ``LearnerActor`` handle as ``services.control.controller`` polls it: ``describe``, ``progress``,
+    """A ``LearnerActor`` handle as ``services.control.orchestration.controller`` polls it: ``describe``, ``progress``,
     ``version``, ``run`` (each ``.remote``). It holds the metrics rows of the steps it trained so far (the
     actor keeps them all, driver or not); ``run(n)`` is recorded in ``runs``, ``finish(step)`` trains one step."""
 

@@ -1,4 +1,4 @@
-"""Read back what the experiment trackers (``services.control.tracking``) wrote, each with its library's own
+"""Read back what the experiment trackers (``services.control.outputs.tracking``) wrote, each with its library's own
 reader: TensorBoard's ``EventAccumulator``, MLflow's client, trackio's ``SQLiteStorage``, and W&B's offline run
 file (``run-*.wandb``) decoded with W&B's own protobuf ``Record`` (wandb ships no Python reader for it: the
 file is a LevelDB-style log of 32 KiB blocks, each record ``crc32 u32, length u16, type u8`` + its bytes)."""

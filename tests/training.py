@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from services.control.report import read_metrics
+from gyre.services.control.outputs.report import read_metrics
 
 
 def step_rows(run_dir: Path) -> list[dict]:

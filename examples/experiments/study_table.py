@@ -18,7 +18,7 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-from services.cli.compare import Run, find_runs, load_run
+from gyre.services.cli.compare import Run, find_runs, load_run
 
 
 def finished_runs(paths: list[str]) -> list[Run]:

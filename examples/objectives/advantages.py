@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from learner.objectives import AdvantageInputs
+from gyre.learner.algo.objectives import AdvantageInputs
 
 
 def batch_loo(inputs: AdvantageInputs) -> torch.Tensor:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from learner.objectives import LossInputs
+from gyre.learner.algo.objectives import LossInputs
 
 
 def clipped_is_pg(inputs: LossInputs) -> tuple[torch.Tensor, dict[str, float]]:

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rollout.rewards.base import RewardConfig, RewardResult
-from rollout.rewards.registry import make_reward
+from gyre.rollout.rewards.base import RewardConfig, RewardResult
+from gyre.rollout.rewards.registry import make_reward
 
 
 @dataclass(frozen=True)

@@ -52,9 +52,9 @@ import numbers
 import threading
 from typing import Any, Callable
 
-from proto import callable_spec
-from proto.callable_spec import CallableSpecError
-from rollout.rewards.base import POOL_THREADS, Group, RewardConfig, RewardResult, scoring_pool
+from gyre.utils import callable_spec
+from gyre.utils.callable_spec import CallableSpecError
+from gyre.rollout.rewards.base import POOL_THREADS, Group, RewardConfig, RewardResult, scoring_pool
 
 EXPECTED = ("'pkg.module:fn' or 'path/to/file.py:fn' naming a callable "
             "fn(completions, prompts, **kwargs) -> list[float | None], called by keyword")
@@ -71,7 +71,7 @@ def _fail(spec: str, what: str) -> RewardImportError:
 
 
 def split_spec(spec: str) -> tuple[str, str]:
-    """``"a.b:fn"`` → ``("a.b", "fn")``; ``"dir/r.py:fn"`` → ``("dir/r.py", "fn")`` (``proto.callable_spec``).
+    """``"a.b:fn"`` → ``("a.b", "fn")``; ``"dir/r.py:fn"`` → ``("dir/r.py", "fn")`` (``utils.callable_spec``).
 
     Raises:
         RewardImportError: no ``:``, an empty part, or an attribute that is not a dotted identifier.
@@ -83,7 +83,7 @@ def split_spec(spec: str) -> tuple[str, str]:
 
 
 def load_function(spec: str) -> tuple[Callable, bytes]:
-    """Import the function named by ``spec`` (``proto.callable_spec.load_callable``); returns it and the source
+    """Import the function named by ``spec`` (``utils.callable_spec.load_callable``); returns it and the source
     bytes of its file.
 
     Raises:

@@ -18,7 +18,7 @@ from itertools import accumulate
 
 import reasoning_gym
 
-from rollout.rewards.code import humaneval_question, load_humaneval
+from gyre.rollout.rewards.code import humaneval_question, load_humaneval
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,7 @@ from typing import Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from rollout.rewards.base import Group, RewardConfig, RewardResult
+from gyre.rollout.rewards.base import Group, RewardConfig, RewardResult
 
 WEIGHT_GLOBS = ("config.json", "*.safetensors", "*.bin")
 """Files whose bytes make a local folder's revision."""

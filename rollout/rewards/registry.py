@@ -38,10 +38,10 @@ from typing import Any, Callable, Literal
 import reasoning_gym
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from rollout.rewards.base import RewardConfig, RewardFn
-from rollout.rewards.code import build_program, check_problem
-from rollout.rewards.math_exact import MATH_EXACT_VERSION, math_exact_match
-from rollout.rewards.sandbox import SandboxConfig, run_python
+from gyre.rollout.rewards.base import RewardConfig, RewardFn
+from gyre.rollout.rewards.code import build_program, check_problem
+from gyre.rollout.rewards.math_exact import MATH_EXACT_VERSION, math_exact_match
+from gyre.rollout.rewards.sandbox import SandboxConfig, run_python
 
 RG_PREFIX = "reasoning_gym:"
 
@@ -168,7 +168,7 @@ def _math_exact(cfg: RewardConfig, dataset) -> RewardFn:
 
 
 def _math_verify(cfg: RewardConfig, dataset) -> RewardFn:
-    from rollout.rewards.verify_math import MathVerifyReward  # imports sympy: only when asked for
+    from gyre.rollout.rewards.verify_math import MathVerifyReward  # imports sympy: only when asked for
 
     _params(_NoParams, cfg.name, cfg.params)
     return MathVerifyReward()
@@ -217,11 +217,11 @@ def make_reward(config: RewardConfig | str | dict, dataset=None):
     """
     cfg = config if isinstance(config, RewardConfig) else RewardConfig.model_validate(config)
     if cfg.function is not None:
-        from rollout.rewards.function import FunctionReward  # its own imports: only for a function
+        from gyre.rollout.rewards.function import FunctionReward  # its own imports: only for a function
 
         return FunctionReward(cfg)
     if cfg.model is not None:
-        from rollout.rewards.model import ModelReward  # scored by the reward-model service
+        from gyre.rollout.rewards.model import ModelReward  # scored by the reward-model service
 
         return ModelReward(cfg)
     if cfg.name.startswith(RG_PREFIX):

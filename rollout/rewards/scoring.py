@@ -10,8 +10,8 @@ import asyncio
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from rollout.rewards.base import Group
-    from rollout.rewards.combined import GroupScore, RewardSet
+    from gyre.rollout.rewards.base import Group
+    from gyre.rollout.rewards.combined import GroupScore, RewardSet
 
 
 async def score_groups(items: list[tuple["RewardSet", "Group"]]) -> list["GroupScore"]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 
-from rollout.rewards.base import RewardFn
+from gyre.rollout.rewards.base import RewardFn
 
 MATH_VERIFY_VERSION = "math-verify-v1"
 

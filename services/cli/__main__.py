@@ -1,7 +1,7 @@
-"""``python -m services.cli ARGS``: the ``gyre`` command (``services.cli.main``) without the installed script."""
+"""``python -m gyre.services.cli ARGS``: the ``gyre`` command (``services.cli.main``) without the installed script."""
 
 import sys
 
-from services.cli.main import main
+from gyre.services.cli.main import main
 
 sys.exit(main())

@@ -3,7 +3,7 @@ against learner step and wall time, grouped by a recipe key, with a table of fin
 curve / step and time to a threshold per group, as Markdown and CSV beside one PNG per metric.
 
 What is read from each run directory (``runs/<name>/``, or every run of a sweep directory holding ``sweep.json``):
-``metrics.jsonl`` (``services.control.report``) and ``recipe.json``, the resolved recipe ``gyre run`` wrote, for
+``metrics.jsonl`` (``services.control.outputs.report``) and ``recipe.json``, the resolved recipe ``gyre run`` wrote, for
 ``--by`` (a dotted key: ``lockstep_lag``, ``learner.algorithm.is_weight``).
 
 Definitions (per run, then mean, sample standard deviation, min and max over the runs of a group — its seeds and
@@ -34,6 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rich.console import Console
+
+from gyre.services.control.outputs.run_dir import RunDirError, read_recipe_if_any
 
 DEFAULT_METRICS = ("reward_mean", "heldout_accuracy", "staleness_mean", "is_ratio_mean", "ppo_clip_frac",
                    "tis_clip_frac", "is_ess_frac", "approx_kl", "kl_to_ref")
@@ -124,8 +126,10 @@ def load_run(path: Path) -> Run:
                 rows.append(json.loads(line))
             except json.JSONDecodeError as exc:
                 raise CompareError(f"{path / 'metrics.jsonl'}:{i} is not JSON: {exc}") from None
-    recipe_path = path / "recipe.json"
-    recipe = json.loads(recipe_path.read_text()) if recipe_path.is_file() else None
+    try:
+        recipe = read_recipe_if_any(path)
+    except RunDirError as exc:
+        raise CompareError(str(exc)) from None
     return Run(path.name, path, [r for r in rows if isinstance(r, dict)], recipe)
 
 
@@ -263,7 +267,7 @@ def compare(paths: list[str], by: list[str], metrics: list[str], thresholds: dic
     Raises:
         CompareError: a path with no runs, a run without the ``--by`` key, a ``--metric`` no run has.
     """
-    from services.cli.compare_plot import plot_metric
+    from gyre.services.cli.compare_plot import plot_metric
 
     runs = [load_run(p) for p in find_runs(paths)]
     groups = group_runs(runs, by)

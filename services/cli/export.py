@@ -12,9 +12,9 @@ def export_checkpoint(checkpoint: Path, out_dir: Path) -> Path:
     Raises:
         learner.checkpoint.CheckpointError: missing, corrupt, or written without a learner config.
     """
-    from learner import checkpoint as ckpt
-    from learner.config import AlgorithmConfig, LearnerConfig
-    from learner.engine import LearnerEngine
+    from gyre.learner.checkpoint import store as ckpt
+    from gyre.learner.config import AlgorithmConfig, LearnerConfig
+    from gyre.learner.engine import LearnerEngine
 
     checkpoint = Path(checkpoint)
     meta = ckpt.verify(checkpoint)

@@ -48,7 +48,7 @@ from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from services.cli.run_records import RunDirError, RunRecords, load_run
+from gyre.services.cli.run_records import RunDirError, RunRecords, load_run
 
 __all__ = ["KINDS", "InvariantReport", "RunDirError", "Violation", "check_run", "check_records"]
 

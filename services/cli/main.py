@@ -20,9 +20,9 @@ from pathlib import Path
 import yaml
 from rich.console import Console
 
-from services.cli import compare, reward, sweep
-from services.control.machine_check import check_machine
-from services.control.recipe import RecipeError, load_recipe
+from gyre.services.cli import compare, reward, sweep
+from gyre.services.control.recipe.machine_check import check_machine
+from gyre.services.control.recipe.schema import RecipeError, load_recipe
 
 
 def _parse_sets(items: list[str]) -> dict:
@@ -124,12 +124,12 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
         return 2
     if args.dry_run:
-        from services.control.plan import describe
+        from gyre.services.control.recipe.plan import describe
 
         console.print(describe(recipe), highlight=False)
         return 0
-    from services.control.controller import run
-    from services.control.run_lock import RunDirBusyError
+    from gyre.services.control.orchestration.controller import run
+    from gyre.services.control.outputs.run_lock import RunDirBusyError
 
     _dump_stacks_on_sigusr2()
     try:
@@ -174,7 +174,7 @@ def _dump_stacks_on_sigusr2() -> None:
 
 
 def _ops(args: argparse.Namespace, console: Console) -> int:
-    from services.control import ops
+    from gyre.services.control.commands import ops
 
     try:
         name, conn = ops.resolve_run(args.run, args.namespace, args.run_dir, args.address)
@@ -201,8 +201,8 @@ def _ops(args: argparse.Namespace, console: Console) -> int:
 
 def _eval(args: argparse.Namespace, console: Console) -> int:
     """``gyre eval``: exit 0 with the table printed, 2 for a bad recipe, target or checkpoint."""
-    from learner.checkpoint import CheckpointError
-    from services.cli.standalone_eval import EvalTargetError, run_standalone
+    from gyre.learner.checkpoint.store import CheckpointError
+    from gyre.services.cli.standalone_eval import EvalTargetError, run_standalone
 
     try:
         overrides = _parse_sets(args.set)
@@ -216,7 +216,7 @@ def _eval(args: argparse.Namespace, console: Console) -> int:
 
 
 def _report(run_dir: Path, console: Console) -> int:
-    from services.control.report import plot_report
+    from gyre.services.control.outputs.report import plot_report
 
     try:
         paths = plot_report(run_dir / "metrics.jsonl", run_dir / "report")
@@ -231,7 +231,7 @@ def _check(run_dir: str, console: Console) -> int:
     """Print ``services.cli.invariants.check_run``'s report as JSON; 0 ok, 1 violations, 2 unreadable run dir."""
     from contextlib import redirect_stdout
 
-    from services.cli.invariants import RunDirError, check_run
+    from gyre.services.cli.invariants import RunDirError, check_run
 
     try:
         with redirect_stdout(sys.stderr):  # replay's restore logs; stdout carries only the report JSON
@@ -244,8 +244,8 @@ def _check(run_dir: str, console: Console) -> int:
 
 
 def _export(checkpoint: str, out_dir: str, console: Console) -> int:
-    from learner.checkpoint import CheckpointError
-    from services.cli.export import export_checkpoint
+    from gyre.learner.checkpoint.store import CheckpointError
+    from gyre.services.cli.export import export_checkpoint
 
     try:
         out = export_checkpoint(checkpoint, out_dir)

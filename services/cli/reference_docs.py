@@ -1,6 +1,6 @@
 """Reference pages generated from the code, so they cannot drift from it.
 
-``recipe_reference()`` renders every key of a recipe (``services.control.recipe.Recipe`` and the component configs it
+``recipe_reference()`` renders every key of a recipe (``services.control.recipe.schema.Recipe`` and the component configs it
 nests) as Markdown tables: dotted key, type, default, and the field's docstring. ``cli_reference()`` renders
 ``gyre --help`` and each subcommand's help from the argparse parser; ``objectives_reference()`` the custom-objective
 tensor contract (``learner.objectives``). The docs site calls them at build time
@@ -148,7 +148,7 @@ def _section(model: type[BaseModel], prefix: str, out: list[str], home: dict[typ
 
 def recipe_reference() -> str:
     """Markdown: one table per recipe section, every key with its type, default and docstring."""
-    from services.control.recipe import Recipe
+    from gyre.services.control.recipe.schema import Recipe
 
     out: list[str] = []
     _section(Recipe, "", out, _shallowest_keys(Recipe))
@@ -160,7 +160,7 @@ def objectives_reference() -> str:
     (``AdvantageInputs``, ``LossInputs``), each field with its docstring, and ``LossInputs.aggregate``."""
     import dataclasses
 
-    from learner.objectives import AdvantageInputs, LossInputs
+    from gyre.learner.algo.objectives import AdvantageInputs, LossInputs
 
     out: list[str] = []
     for cls in (AdvantageInputs, LossInputs):
@@ -177,7 +177,7 @@ def cli_reference() -> str:
     """Markdown: ``gyre --help`` and every subcommand's ``--help``, as the parser prints them."""
     import argparse
 
-    from services.cli.main import build_parser
+    from gyre.services.cli.main import build_parser
 
     parser = build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))

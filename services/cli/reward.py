@@ -4,7 +4,7 @@ The swap is checked here first, before anything reaches the run (``reward_swaps.
 ``check_swap`` against the task of ``{run_dir}/{run}/recipe.json``: rewards built, functions imported and their
 signatures checked, each reward fitted to its task's first held-out entry); a relative ``file.py`` becomes an
 absolute path against the current directory. The run's supervisor then applies it to every running rollout or to
-none, and journals it (``services.control.reward_swaps``). Exit 0 with the ``{task: reward_fn_version}`` now in
+none, and journals it (``services.control.commands.reward_swaps``). Exit 0 with the ``{task: reward_fn_version}`` now in
 force; 2 when the swap is refused (here or by a rollout) or the run cannot be reached.
 """
 
@@ -35,18 +35,17 @@ def add_parser(sub, ops_options) -> None:
 
 def main(args: argparse.Namespace, console: Console) -> int:
     """Check, send, wait; print the versions in force. 0 applied; 2 refused or unreachable."""
-    from services.control import ops
-    from services.control.reward_swaps import RewardSwapError, canonical_swap, check_swap, parse_swap_config
-    from rollout.tasks import TaskConfig
+    from gyre.services.control.commands import ops
+    from gyre.services.control.commands.reward_swaps import RewardSwapError, canonical_swap, check_swap, parse_swap_config
+    from gyre.services.control.outputs.run_dir import RunDirError, task_config
 
     try:
         name, conn = ops.resolve_run(args.run, args.namespace, args.run_dir, args.address)
-        recipe_path = Path(args.run_dir) / name / "recipe.json"
-        if not recipe_path.is_file():
-            raise RewardSwapError(f"no {recipe_path}: the run's resolved recipe (written by its controller) is "
-                                  "needed to check the swap against its tasks; expected --run-dir to be the run's "
-                                  "run_dir")
-        task = TaskConfig.model_validate(json.loads(recipe_path.read_text())["task"])
+        try:
+            task = task_config(Path(args.run_dir) / name)
+        except RunDirError as exc:
+            raise RewardSwapError(f"{exc}: the run's resolved recipe is needed to check the swap against its "
+                                  "tasks; expected --run-dir to be the run's run_dir") from None
         swap = canonical_swap(parse_swap_config(args.config, Path.cwd()), task, Path.cwd())
         check_swap(swap, task)
         result = ops.reward_swap(ops.connect(name, args.namespace, conn), swap, args.timeout)

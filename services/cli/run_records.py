@@ -2,7 +2,8 @@
 
 Layout of ``runs/<name>/`` (``recipe.out_dir``) that matters here::
 
-    recipe.json                 the recipe (its ``replay`` section gives the replay config)
+    recipe.json                 the recipe (its ``replay`` section gives the replay config; read by
+                                ``services.control.outputs.run_dir``)
     replay/                     replay's WAL + snapshots (or ``replay.dir`` from the recipe)
     learner_journal.jsonl       the learner's journal (``learner.run_journal``)
     rollouts/rollout-{i}.jsonl  each rollout's journal (``services.common.replay_links.acked_event``, weights)
@@ -17,16 +18,15 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from proto.journal import JournalError, read_journal
-from replay.config import ReplayConfig
-from replay.types import Counters
+from gyre.proto.journal import JournalError, read_journal
+from gyre.replay.config import ReplayConfig
+from gyre.replay.types import Counters
+from gyre.services.control.outputs.run_dir import RunDirError, replay_config
 
 LEARNER_JOURNAL = "learner_journal.jsonl"
 ROLLOUT_JOURNALS = "rollouts"
 
 
-class RunDirError(ValueError):
-    """``run_dir`` is not a run directory, or a journal or replay's state cannot be read; names the path."""
 
 
 @dataclass(frozen=True)
@@ -64,19 +64,10 @@ class RunRecords:
 
 
 def _replay_config(run_dir: Path) -> ReplayConfig:
-    recipe_path = run_dir / "recipe.json"
-    if not recipe_path.is_file():
-        raise RunDirError(f"{run_dir} is not a run directory: no recipe.json (expected runs/<name>, the recipe's "
-                          "out_dir)")
-    try:
-        section = json.loads(recipe_path.read_text()).get("replay", {})
-        cfg = ReplayConfig(**section)
-    except (ValueError, TypeError, AttributeError) as exc:
-        raise RunDirError(f"{recipe_path}: unreadable replay section: {exc}") from exc
-    replay_dir = Path(cfg.dir) if cfg.dir else run_dir / "replay"
-    if not replay_dir.is_dir():
-        raise RunDirError(f"{run_dir}: replay directory {replay_dir} does not exist")
-    return cfg.model_copy(update={"dir": str(replay_dir)})
+    cfg = replay_config(run_dir)
+    if not Path(cfg.dir).is_dir():
+        raise RunDirError(f"{run_dir}: replay directory {cfg.dir} does not exist")
+    return cfg
 
 
 def _journal(path: Path, torn: list[str]) -> list[dict]:
@@ -92,7 +83,7 @@ def _journal(path: Path, torn: list[str]) -> list[dict]:
 
 
 def _replay_state(cfg: ReplayConfig) -> tuple[dict[str, StoredGroup], set[int], dict[int, str], Counters]:
-    from replay.offline import inspect_dir
+    from gyre.replay.offline import inspect_dir
 
     try:
         buffer = inspect_dir(cfg, read_only=True)

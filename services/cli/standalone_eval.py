@@ -17,7 +17,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from rollout.evaluation import EvalResult
+from gyre.rollout.evaluation import EvalResult
 
 DEFAULT_OUT = "standalone-eval"
 """Output folder under the recipe's run directory (``{run_dir}/{name}/standalone-eval``) unless ``--out``."""
@@ -30,7 +30,7 @@ class EvalTargetError(ValueError):
 def target_kind(path: Path) -> str:
     """``"model"`` (``config.json`` + ``*.safetensors``) or ``"checkpoint"`` (a ``manifest.json`` of a learner
     checkpoint). Raises ``EvalTargetError`` naming the path and what was expected."""
-    from learner.checkpoint import MANIFEST
+    from gyre.learner.checkpoint.store import MANIFEST
 
     if (path / "config.json").is_file() and any(path.glob("*.safetensors")):
         return "model"
@@ -42,7 +42,7 @@ def target_kind(path: Path) -> str:
 
 def model_version(folder: Path) -> int:
     """The policy version of an HF folder: ``gyre_version.json``'s ``policy_version`` (an export of a run), else 0."""
-    from proto.exports import VERSION_FILE
+    from gyre.proto.exports import VERSION_FILE
 
     file = folder / VERSION_FILE
     return int(json.loads(file.read_text())["policy_version"]) if file.is_file() else 0
@@ -50,12 +50,12 @@ def model_version(folder: Path) -> int:
 
 def export_to(checkpoint: Path, out_dir: Path) -> int:
     """Verify ``checkpoint`` and export it to ``out_dir`` with ``gyre export`` in a child process; returns its
-    policy version. Raises ``learner.checkpoint.CheckpointError`` (corrupt, or the export failed, with its
+    policy version. Raises ``learner.checkpoint.store.CheckpointError`` (corrupt, or the export failed, with its
     output)."""
-    from learner.checkpoint import CheckpointError, verify
+    from gyre.learner.checkpoint.store import CheckpointError, verify
 
     meta = verify(checkpoint)
-    proc = subprocess.run([sys.executable, "-m", "services.cli", "export", str(checkpoint), str(out_dir)],
+    proc = subprocess.run([sys.executable, "-m", "gyre.services.cli", "export", str(checkpoint), str(out_dir)],
                           capture_output=True, text=True)
     if proc.returncode != 0:
         raise CheckpointError(f"exporting {checkpoint} failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}"
@@ -69,17 +69,17 @@ async def evaluate_folder(recipe, version: int, start_engine=None) -> EvalResult
     version)`` defaults to ``RolloutEngine.start`` (vLLM)."""
     from transformers import AutoTokenizer
 
-    from rollout.tasks import TaskSource
-    from rollout.worker import RolloutWorker
+    from gyre.rollout.tasks import TaskSource
+    from gyre.rollout.worker import RolloutWorker
 
     if start_engine is None:
-        from rollout.engine import RolloutEngine
+        from gyre.rollout.engine import RolloutEngine
 
         start_engine = RolloutEngine.start
     config = recipe.rollout.model_copy(update={"spool_dir": None, "lockstep": None})
     if recipe.model_rewards():  # no reward-model service here: the recipe's reward models score in this process
-        from rollout.rewards.model import set_transport
-        from rollout.rewards.model_host import LocalRewardModels
+        from gyre.rollout.rewards.model import set_transport
+        from gyre.services.reward_model.host import LocalRewardModels
 
         set_transport(LocalRewardModels())
     engine = await start_engine(config.engine, version)
@@ -100,8 +100,8 @@ def run_standalone(target: str, load, out: str | None, console, start_engine=Non
         learner.checkpoint.CheckpointError: a corrupt checkpoint, or its export failed.
         services.control.recipe.RecipeError: from ``load``.
     """
-    from services.control.evaluation import eval_table, record_eval
-    from services.control.report import MetricsWriter
+    from gyre.services.control.orchestration.evaluation import eval_table, record_eval
+    from gyre.services.control.outputs.report import MetricsWriter
 
     path = Path(target).expanduser().resolve()
     if not path.is_dir():

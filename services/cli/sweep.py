@@ -2,7 +2,7 @@
 process, ``parallel`` at a time, and ``gyre sweep status SWEEP.yaml``: what each run has done.
 
 Every cell's recipe is loaded (``load_recipe`` with its overrides) before any run starts; a cell that does not
-load is refused by index and overrides. Each run is ``python -m services.cli run BASE --set KEY=VALUE ...
+load is refused by index and overrides. Each run is ``python -m gyre.services.cli run BASE --set KEY=VALUE ...
 --resume auto`` (through ``ray job submit`` with the ``ray-job`` backend), its output appended to
 ``{sweep dir}/logs/{name}.log``, so a run that crashes fails alone and the sweep goes on. Re-running the sweep
 skips the runs that are done (from the runs' own files, ``services.cli.sweep_state``) and resumes the others
@@ -28,10 +28,10 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
-from services.cli.sweep_config import Cell, SweepConfig, SweepError, expand_cells, read_sweep
-from services.cli.sweep_procs import RUN_MARKER, kill_leftovers
-from services.cli.sweep_state import LOGS, SweepRecord, run_state
-from services.control.recipe import RecipeError, load_recipe
+from gyre.services.cli.sweep_config import Cell, SweepConfig, SweepError, expand_cells, read_sweep
+from gyre.services.cli.sweep_procs import RUN_MARKER, kill_leftovers
+from gyre.services.cli.sweep_state import LOGS, SweepRecord, run_state
+from gyre.services.control.recipe.schema import RecipeError, load_recipe
 
 REPO = Path(__file__).resolve().parents[2]
 STOP_GRACE_S = 120.0
@@ -115,11 +115,11 @@ def run_command(plan: Plan, cell: Cell, submission_id: str | None = None) -> lis
     sets = [arg for k, v in plan.overrides(cell).items() for arg in ("--set", f"{k}={_yaml_value(v)}")]
     backend = plan.config.backend
     if backend.type == "local":
-        return [sys.executable, "-m", "services.cli", "run", str(plan.base), *sets, "--resume", "auto"]
+        return [sys.executable, "-m", "gyre.services.cli", "run", str(plan.base), *sets, "--resume", "auto"]
     base = os.path.relpath(plan.base, Path(backend.working_dir).resolve())
     submit = [RAY_CLI, "job", "submit", *(["--address", backend.address] if backend.address else []),
               "--working-dir", backend.working_dir, *(["--submission-id", submission_id] if submission_id else [])]
-    return [*submit, "--", "python", "-m", "services.cli", "run", base, *sets, "--set", "ray.address=auto",
+    return [*submit, "--", "python", "-m", "gyre.services.cli", "run", base, *sets, "--set", "ray.address=auto",
             "--resume", "auto"]
 
 

@@ -42,7 +42,7 @@ class LocalBackend(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     type: Literal["local"] = "local"
-    """``local``: each run is ``python -m services.cli run BASE --set ... --resume auto`` here."""
+    """``local``: each run is ``python -m gyre.services.cli run BASE --set ... --resume auto`` here."""
 
 
 class RayJobBackend(BaseModel):

@@ -1,9 +1,9 @@
 """What a sweep's runs have done, read from the runs' own files, and the sweep's record ``sweep.json``.
 
 A run's state comes from what ``gyre run`` leaves in its directory, the way ``gyre run --resume auto`` itself
-decides (``services.control.controller.prepare_run_dir``): **done** when ``summary.json`` records a final policy
+decides (``services.control.orchestration.controller.prepare_run_dir``): **done** when ``summary.json`` records a final policy
 version ``>= learner.num_steps``; otherwise **running** while a live driver on this host holds it
-(``services.control.run_lock``'s holder record), **partial step N/M** (``N``: the highest training step in
+(``services.control.outputs.run_lock``'s holder record), **partial step N/M** (``N``: the highest training step in
 ``metrics.jsonl``), **not started** without a directory. ``sweep.json`` only adds what the runs cannot say
 themselves: the exit status of each attempt the sweep launched, so a run whose last attempt exited non-zero and
 that is not done shows as **failed**. Nothing here changes a run directory.
@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.cli.sweep_config import Cell
+from gyre.services.cli.sweep_config import Cell
 
 SWEEP_RECORD = "sweep.json"
 """The sweep's record, in the sweep directory beside its runs."""
@@ -53,7 +53,7 @@ class RunState:
 
 def finished_version(out_dir: Path, num_steps: int) -> int | None:
     """The final policy version of a run that reached ``num_steps`` (its ``summary.json``), else ``None`` —
-    ``services.control.controller.prepare_run_dir``'s test for "already finished"."""
+    ``services.control.orchestration.controller.prepare_run_dir``'s test for "already finished"."""
     try:
         summary = json.loads((Path(out_dir) / "summary.json").read_text())
     except (OSError, ValueError):

@@ -2,10 +2,10 @@
 
 Ray actors wrap one service each (its gRPC server and its core) so the controller can place, watch, restart
 and stop it. Configs cross as plain dicts (Ray control messages); data goes over gRPC. Every actor answers
-``describe()`` with a frozen record of its kind (``services.common.describe``: pid, node, role-specific gauges)
+``describe()`` with a frozen record of its kind (``services.common.service_info``: pid, node, role-specific gauges)
 for the supervisor and ``gyre status``. Addresses change when a service is restarted (a new process binds a new
 port, maybe on another node); the supervisor pushes the new one to the services that dial it, by the methods
-``services.control.topology`` names (``set_replay_address`` to the learner and every rollout,
+``services.control.orchestration.topology`` names (``set_replay_address`` to the learner and every rollout,
 ``set_weights_address`` to every rollout). Clients look the address up on every call, so a call that failed
 against the dead server is retried against the new one (``services.common.replay_links``).
 
@@ -30,6 +30,6 @@ def advertised_host(bind_host: str) -> str:
 
 def security_config(config: dict | None):
     """``SecurityConfig`` from its fields as they crossed Ray (a plain dict), or ``None`` (plaintext loopback)."""
-    from services.common.security import SecurityConfig
+    from gyre.services.common.security import SecurityConfig
 
     return SecurityConfig(**config) if config is not None else None

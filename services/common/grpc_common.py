@@ -12,7 +12,7 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from services.common.security import (SecurityConfig, TokenAuthInterceptor, TokenClientInterceptor, channel_credentials,
+from gyre.services.common.security import (SecurityConfig, TokenAuthInterceptor, TokenClientInterceptor, channel_credentials,
                                host_of, server_credentials)
 
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024

@@ -8,10 +8,10 @@ import itertools
 import grpc
 import pyarrow as pa
 
-from proto import replay_pb2, replay_pb2_grpc
-from proto.trajectory import SCHEMA_VERSION, from_ipc, to_ipc
-from services.common import grpc_common
-from services.common.security import SecurityConfig
+from gyre.proto import replay_pb2, replay_pb2_grpc
+from gyre.proto.trajectory import SCHEMA_VERSION, from_ipc, to_ipc
+from gyre.services.common import grpc_common
+from gyre.services.common.security import SecurityConfig
 
 
 TRANSIENT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED)

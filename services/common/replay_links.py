@@ -21,7 +21,7 @@ OUTAGE_POLL_S = 1.0
 
 def replay_connector(security=None) -> Callable[[str], object]:
     """``address -> ReplayClient`` with ``security`` (a ``SecurityConfig`` or ``None``: plaintext)."""
-    from services.common.replay_client import ReplayClient
+    from gyre.services.common.replay_client import ReplayClient
 
     return lambda address: ReplayClient(address, security=security)
 

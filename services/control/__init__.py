@@ -1,2 +1,3 @@
-"""Running a recipe: the controller (Ray driver), supervisor, service factory, ops state, recipe and placement
-configs, the plan, evaluations, progress line and run outputs."""
+"""Running a recipe, in four rooms: ``recipe/`` (load and validate it), ``orchestration/`` (the controller, its
+supervisor and the services it starts), ``commands/`` (operating a running run) and ``outputs/`` (what a run
+writes to its directory)."""

@@ -16,14 +16,14 @@ from pathlib import Path
 import ray
 import structlog
 
-from learner.loop import StopRequested
-from proto.exports import write_export_version
-from services.common.actor_env import advertised_host, node_ip, security_config
-from services.common.describe import LearnerInfo, LearnerRankInfo
-from services.common.logs import bind_policy_version
-from services.common.names import ServiceName
-from services.common.run_files import LEARNER_ROWS
-from services.common.replay_links import ReroutableReplay
+from gyre.learner.loop import StopRequested
+from gyre.proto.exports import write_export_version
+from gyre.services.common.actor_env import advertised_host, node_ip, security_config
+from gyre.services.common.service_info import LearnerInfo, LearnerRankInfo
+from gyre.services.common.logs import bind_policy_version
+from gyre.services.common.names import ServiceName
+from gyre.services.common.run_files import LEARNER_ROWS
+from gyre.services.common.replay_links import ReroutableReplay
 
 log = structlog.get_logger("actors")
 
@@ -53,15 +53,15 @@ class LearnerActor:
     def __init__(self, config: dict, replay_address: str, host: str | None = None,
                  checkpoint_dir: str | None = None, security: dict | None = None, run_id: str = "run",
                  metrics_port: int | None = 0, ranks: dict | None = None) -> None:
-        from learner.engine import LearnerEngine
-        from learner.loop import LearnerLoop, LearnerLoopConfig
-        from learner.versions import prepare_learner_process
-        from learner.ranks import LeaderEngine
-        from learner.publisher import WeightPublisher
-        from services.common.cpus import pin_from_env
-        from services.common.logs import configure_logging
-        from services.common.observability import LearnerMetrics, serve
-        from services.learner import weight_server
+        from gyre.learner.engine import LearnerEngine
+        from gyre.learner.loop import LearnerLoop, LearnerLoopConfig
+        from gyre.learner.versions import prepare_learner_process
+        from gyre.learner.ranks import LeaderEngine
+        from gyre.learner.publisher import WeightPublisher
+        from gyre.services.common.cpus import pin_from_env
+        from gyre.services.common.logs import configure_logging
+        from gyre.services.common.observability import LearnerMetrics, serve
+        from gyre.services.learner import weight_server
         from transformers import AutoTokenizer
 
         configure_logging(run_id, "learner")
@@ -220,11 +220,11 @@ class LearnerRankActor:
     """
 
     def __init__(self, config: dict, ranks: dict, run_id: str = "run") -> None:
-        from learner.engine import LearnerEngine
-        from learner.loop import LearnerLoopConfig
-        from learner.versions import prepare_learner_process
-        from services.common.cpus import pin_from_env
-        from services.common.logs import configure_logging
+        from gyre.learner.engine import LearnerEngine
+        from gyre.learner.loop import LearnerLoopConfig
+        from gyre.learner.versions import prepare_learner_process
+        from gyre.services.common.cpus import pin_from_env
+        from gyre.services.common.logs import configure_logging
 
         if ranks["rank"] < 1:
             raise ValueError(f"LearnerRankActor is for ranks >= 1, got rank {ranks['rank']} (rank 0 is LearnerActor)")
@@ -240,7 +240,7 @@ class LearnerRankActor:
     def follow(self) -> int:
         """Run rank 0's commands until it sends ``stop``; returns how many ran. A failed collective (rank 0 or
         another rank died) ends this process (fail-stop)."""
-        from learner.ranks import follow
+        from gyre.learner.ranks import follow
 
         self._following = True
         try:

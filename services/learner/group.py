@@ -1,6 +1,6 @@
 """The placement group of a multi-rank learner (``placement.learner.world_size > 1``).
 
-One bundle per DeepSpeed rank (``services.control.placement.LearnerPlacement.bundles``), reserved with the recipe's strategy (PACK,
+One bundle per DeepSpeed rank (``services.control.orchestration.placement.LearnerPlacement.bundles``), reserved with the recipe's strategy (PACK,
 SPREAD, STRICT_*), detached and named ``gyre:{run}:learner-pg`` so it outlives the driver and a restarted
 learner lands in the same reservation. Rank ``r`` runs in bundle ``r``; rank 0 is the ``learner`` service
 (``LearnerActor``), ranks >= 1 are ``learner-rank-{r}`` (``LearnerRankActor``; names: ``services.common.names``).

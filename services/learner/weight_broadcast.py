@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import torch
 
-from learner.publisher import WeightPublisher
-from proto.broadcast import Broadcast, require_cuda
-from proto.tensor_chunks import TensorMeta, tensor_metas
-from proto.timeline import SHARED
-from rollout.weights import NcclTransportConfig
+from gyre.learner.publisher import WeightPublisher
+from gyre.proto.broadcast import Broadcast, require_cuda
+from gyre.proto.tensor_chunks import TensorMeta, tensor_metas
+from gyre.proto.timeline import SHARED
+from gyre.proto.weight_transport import NcclTransportConfig
 
 __all__ = ["NcclWeightSender", "open_trainer_broadcast"]
 

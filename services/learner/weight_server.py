@@ -13,13 +13,13 @@ from __future__ import annotations
 import grpc
 import structlog
 
-from faults import fault_point
-from learner.publisher import WeightPublisher
-from proto import weights_pb2, weights_pb2_grpc
-from proto.tensor_chunks import CHECKSUM_KIND, iter_chunks
-from proto.trajectory import SCHEMA_VERSION
-from services.common import grpc_common
-from services.common.security import SecurityConfig
+from gyre.faults import fault_point
+from gyre.learner.publisher import WeightPublisher
+from gyre.proto import weights_pb2, weights_pb2_grpc
+from gyre.proto.tensor_chunks import CHECKSUM_KIND, iter_chunks
+from gyre.proto.trajectory import SCHEMA_VERSION
+from gyre.services.common import grpc_common
+from gyre.services.common.security import SecurityConfig
 
 log = structlog.get_logger("weights")
 SERVICE_NAME = "gyre.weights.v1.WeightService"

@@ -1,2 +1,2 @@
 """The replay service: gRPC server and its ingest stage, client, reroutable links, metrics, Ray actor, and the
-standalone process (``python -m services.replay.main``)."""
+standalone process (``python -m gyre.services.replay.main``)."""

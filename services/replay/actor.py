@@ -7,8 +7,8 @@ import os
 
 import ray
 
-from services.common.actor_env import advertised_host, node_ip, security_config
-from services.common.describe import ReplayInfo
+from gyre.services.common.actor_env import advertised_host, node_ip, security_config
+from gyre.services.common.service_info import ReplayInfo
 
 
 @ray.remote
@@ -27,13 +27,13 @@ class ReplayActor:
 
     def __init__(self, config: dict, host: str | None = None, dir: str | None = None,
                  metrics_port: int | None = 0, security: dict | None = None, run_id: str = "run") -> None:
-        from replay.buffer import TrajectoryBuffer
-        from replay.config import ReplayConfig
-        from services.common.cpus import pin_from_env
-        from services.common.logs import configure_logging
-        from services.common.observability import serve
-        from services.replay import server as replay_server
-        from services.replay.metrics import replay_registry
+        from gyre.replay.buffer import TrajectoryBuffer
+        from gyre.replay.config import ReplayConfig
+        from gyre.services.common.cpus import pin_from_env
+        from gyre.services.common.logs import configure_logging
+        from gyre.services.common.observability import serve
+        from gyre.services.replay import server as replay_server
+        from gyre.services.replay.metrics import replay_registry
 
         configure_logging(run_id, "replay")
         pin_from_env("replay")  # placement.<role>.cpus, before any compute thread starts

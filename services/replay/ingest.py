@@ -24,10 +24,10 @@ import grpc
 import pyarrow as pa
 import structlog
 
-from proto import replay_pb2
-from proto.trajectory import SCHEMA_VERSION, SchemaError
-from replay.buffer import RateLimitedError, TrajectoryBuffer
-from replay.wal import WalError
+from gyre.proto import replay_pb2
+from gyre.proto.trajectory import SCHEMA_VERSION, SchemaError
+from gyre.replay.buffer import RateLimitedError, TrajectoryBuffer
+from gyre.replay.wal import WalError
 
 log = structlog.get_logger("replay")
 END = object()

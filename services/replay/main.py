@@ -1,4 +1,4 @@
-"""Replay service without Ray: ``python -m services.replay.main --config FILE.yaml --dir DIR --port N``.
+"""Replay service without Ray: ``python -m gyre.services.replay.main --config FILE.yaml --dir DIR --port N``.
 
 ``--config`` is a YAML mapping of ``ReplayConfig`` fields (the ``replay:`` section of a recipe);
 ``--dir`` overrides its ``dir``. ``--port 0`` (the default) binds a port the OS picks; ``--port-file PATH``
@@ -15,15 +15,15 @@ from pathlib import Path
 
 import yaml
 
-from replay.buffer import TrajectoryBuffer
-from replay.config import ReplayConfig
-from services.common import port_file
-from services.replay import server as replay_server
-from services.replay.metrics import serve_metrics
+from gyre.replay.buffer import TrajectoryBuffer
+from gyre.replay.config import ReplayConfig
+from gyre.services.common import port_file
+from gyre.services.replay import server as replay_server
+from gyre.services.replay.metrics import serve_metrics
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m services.replay.main", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m gyre.services.replay.main", description=__doc__.splitlines()[0])
     parser.add_argument("--config", help="YAML file of ReplayConfig fields")
     parser.add_argument("--dir", help="WAL and snapshot directory (overrides the config's dir)")
     parser.add_argument("--host", default="127.0.0.1")

@@ -11,7 +11,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from services.common.observability import ReplayStateCollector
+from gyre.services.common.observability import ReplayStateCollector
 
 _GAUGES = {
     "size_groups": "Groups in the pool (sampleable)",

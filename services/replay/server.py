@@ -17,15 +17,15 @@ import structlog
 
 from grpc_health.v1 import health_pb2
 
-from proto import replay_pb2, replay_pb2_grpc
-from proto.trajectory import SCHEMA_VERSION, to_ipc
-from replay.buffer import TrajectoryBuffer, UnknownLeaseError
-from replay.memory import tune_malloc
-from replay.wal import WalError
-from services.common import grpc_common
-from services.common.security import SecurityConfig
-from services.replay.ingest import END, IngestStage, Stream, check_schema
-from services.replay.ingest import Abort as _Abort
+from gyre.proto import replay_pb2, replay_pb2_grpc
+from gyre.proto.trajectory import SCHEMA_VERSION, to_ipc
+from gyre.replay.buffer import TrajectoryBuffer, UnknownLeaseError
+from gyre.replay.memory import tune_malloc
+from gyre.replay.wal import WalError
+from gyre.services.common import grpc_common
+from gyre.services.common.security import SecurityConfig
+from gyre.services.replay.ingest import END, IngestStage, Stream, check_schema
+from gyre.services.replay.ingest import Abort as _Abort
 
 log = structlog.get_logger("replay")
 SERVICE_NAME = "gyre.replay.v1.ReplayService"
@@ -134,7 +134,7 @@ class ReplayServicer(replay_pb2_grpc.ReplayServiceServicer):
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"count ({request.count}) must be <= 4096")
         if not request.ttl_s >= 0:
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"ttl_s ({request.ttl_s}) must be >= 0")
-        leases = self.buffer.lease_prompts(request.consumer, request.count, request.ttl_s or None,
+        leases = self.buffer.prompts.lease(request.consumer, request.count, request.ttl_s or None,
                                            below=request.below_prompt_index or None)
         return replay_pb2.LeasePromptsResponse(
             prompts=[replay_pb2.PromptLease(prompt_index=i, attempt=a) for i, a in leases])

@@ -8,8 +8,8 @@ import os
 
 import ray
 
-from services.common.actor_env import advertised_host, node_ip, security_config
-from services.common.describe import RewardModelInfo
+from gyre.services.common.actor_env import advertised_host, node_ip, security_config
+from gyre.services.common.service_info import RewardModelInfo
 
 
 @ray.remote
@@ -28,13 +28,13 @@ class RewardModelActor:
 
     def __init__(self, config: dict, rewards: list[dict], host: str | None = None, security: dict | None = None,
                  run_id: str = "run") -> None:
-        from rollout.rewards.base import RewardConfig
-        from rollout.rewards.model import model_spec
-        from rollout.rewards.model_host import RewardModelHost
-        from services.common.cpus import pin_from_env
-        from services.common.logs import configure_logging
-        from services.reward_model.config import RewardServiceConfig
-        from services.reward_model.server import serve
+        from gyre.rollout.rewards.base import RewardConfig
+        from gyre.rollout.rewards.model import model_spec
+        from gyre.services.reward_model.host import RewardModelHost
+        from gyre.services.common.cpus import pin_from_env
+        from gyre.services.common.logs import configure_logging
+        from gyre.services.reward_model.config import RewardServiceConfig
+        from gyre.services.reward_model.server import serve
 
         configure_logging(run_id, "reward_model")
         pin_from_env("reward_model")  # placement.<role>.cpus, before any compute thread starts

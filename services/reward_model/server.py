@@ -23,13 +23,13 @@ from concurrent.futures import Future
 import grpc
 import structlog
 
-from faults import fault_point
-from proto import reward_model_pb2, reward_model_pb2_grpc
-from rollout.rewards.model import ModelSpec, RewardModelError, ScoreItem
-from rollout.rewards.model_host import RewardModelHost
-from services.common import grpc_common
-from services.common.security import SecurityConfig
-from services.reward_model.config import RewardServiceConfig
+from gyre.faults import fault_point
+from gyre.proto import reward_model_pb2, reward_model_pb2_grpc
+from gyre.rollout.rewards.model import ModelSpec, RewardModelError, ScoreItem
+from gyre.services.reward_model.host import RewardModelHost
+from gyre.services.common import grpc_common
+from gyre.services.common.security import SecurityConfig
+from gyre.services.reward_model.config import RewardServiceConfig
 
 log = structlog.get_logger("reward_model")
 SERVICE_NAME = "gyre.reward_model.v1.RewardModelService"
@@ -155,8 +155,8 @@ def _localise(spec: ModelSpec) -> ModelSpec:
 
 @functools.lru_cache(maxsize=32)
 def _local_path(key: str) -> str:
-    from rollout.rewards.base import RewardConfig
-    from rollout.rewards.model import model_spec
+    from gyre.rollout.rewards.base import RewardConfig
+    from gyre.rollout.rewards.model import model_spec
 
     raw = json.loads(key)
     params = _non_default(raw["kind"], raw["params"])
@@ -166,7 +166,7 @@ def _local_path(key: str) -> str:
 
 
 def _non_default(kind: str, params: dict) -> dict:
-    from rollout.rewards.model import PARAMS
+    from gyre.rollout.rewards.model import PARAMS
 
     defaults = PARAMS[kind]().model_dump()
     return {k: v for k, v in params.items() if defaults.get(k) != v}

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import ray
 
-from services.common.actor_env import node_ip, security_config
-from services.common.describe import RolloutInfo
-from services.common.logs import bind_policy_version
-from services.common.replay_links import TrackedReplay, replay_connector
+from gyre.services.common.actor_env import node_ip, security_config
+from gyre.services.common.service_info import RolloutInfo
+from gyre.services.common.logs import bind_policy_version
+from gyre.services.common.replay_links import TrackedReplay, replay_connector
 
 
 @ray.remote
@@ -30,15 +30,15 @@ class RolloutActor:
         rollout spools under ``{spool_dir}/{rollout_id}`` (a restarted rollout flushes what it left).
         With ``journal_dir`` it journals every acknowledged insert and applied policy version to
         ``{journal_dir}/{rollout_id}.jsonl`` (``proto.journal``; checked by ``gyre check``)."""
-        from proto.journal import Journal
-        from rollout.dataset_source import PromptBudget
-        from rollout.tasks import TaskConfig, TaskSource
-        from rollout.config import RolloutConfig
-        from rollout.versions import version_source
-        from rollout.worker import RolloutWorker
-        from services.common.cpus import pin_from_env
-        from services.common.logs import configure_logging
-        from services.common.observability import RolloutMetrics, serve
+        from gyre.proto.journal import Journal
+        from gyre.rollout.dataset_source import PromptBudget
+        from gyre.rollout.tasks import TaskConfig, TaskSource
+        from gyre.rollout.config import RolloutConfig
+        from gyre.rollout.versions import version_source
+        from gyre.rollout.worker import RolloutWorker
+        from gyre.services.common.cpus import pin_from_env
+        from gyre.services.common.logs import configure_logging
+        from gyre.services.common.observability import RolloutMetrics, serve
         from transformers import AutoTokenizer
 
         configure_logging(run_id, rollout_id)
@@ -52,9 +52,9 @@ class RolloutActor:
             cfg = cfg.model_copy(update={"spool_dir": os.path.join(cfg.spool_dir, rollout_id)})
         self.loop = asyncio.get_running_loop()
         if cfg.engine.kind == "simulated":  # benchmarks: sleeps instead of sampling (rollout.sim_engine)
-            from rollout.sim_engine import SimulatedEngine as Engine
+            from gyre.rollout.sim_engine import SimulatedEngine as Engine
         else:
-            from rollout.engine import RolloutEngine as Engine
+            from gyre.rollout.engine import RolloutEngine as Engine
         versions = version_source(cfg)  # where each group's policy version comes from (rollout.versions)
         self.engine = await Engine.start(cfg.engine, initial_version=versions.initial_engine_version)
         tokenizer = AutoTokenizer.from_pretrained(cfg.engine.model)
@@ -86,8 +86,8 @@ class RolloutActor:
         there). The first subscription bootstraps: the engine reaches the learner's newest version (or the
         newest export in ``engine.bootstrap_dir`` if the learner is unreachable, said loudly) before any
         generation starts."""
-        from services.rollout.transport import make_transport
-        from services.rollout.transport.bootstrap import BootstrapResult, bootstrap
+        from gyre.services.rollout.transport import make_transport
+        from gyre.services.rollout.transport.bootstrap import BootstrapResult, bootstrap
 
         if self.subscriber is not None and self.subscriber.address == address:
             return
@@ -100,7 +100,7 @@ class RolloutActor:
             self.bootstrapped = await self.worker.versions.first_subscription(
                 self.subscriber, lambda: bootstrap(self.engine, self.subscriber, self.engine_config), BootstrapResult)
             if self.bootstrapped.source == "disk":  # an export of unknown timeline: the learner's next offer wins
-                from proto.timeline import UNKNOWN
+                from gyre.proto.timeline import UNKNOWN
 
                 self.worker.timeline = UNKNOWN
         else:
@@ -109,8 +109,8 @@ class RolloutActor:
     async def set_reward_model_address(self, address: str) -> None:
         """Score model rewards at the reward-model service at ``address`` (a restarted one's new address; requests
         waiting meanwhile retry there). Installs the process's transport (``rollout.rewards.model``) the first time."""
-        from rollout.rewards.model import set_transport
-        from services.rollout.reward_client import GrpcRewardModels
+        from gyre.rollout.rewards.model import set_transport
+        from gyre.services.rollout.reward_client import GrpcRewardModels
 
         if getattr(self, "reward_models", None) is None:
             self.reward_models = GrpcRewardModels(address, getattr(self, "security", None))
@@ -150,7 +150,7 @@ class RolloutActor:
         return self.worker.swap_reward(config)
 
     async def prepare_reward(self, config) -> dict[str, str]:
-        """Phase one of a fleet-wide swap (``services.control.reward_swaps``): build and check ``config``'s rewards
+        """Phase one of a fleet-wide swap (``services.control.commands.reward_swaps``): build and check ``config``'s rewards
         (``TaskSource.prepare_swap``) and stage them, changing nothing; returns the ``{task: reward_fn_version}``
         a ``commit_reward`` would put in force. Raises on an invalid config or a misfit (nothing is staged)."""
         self.staged_reward = None
@@ -230,7 +230,7 @@ class RolloutActor:
         version it has; ``EvalResult.metrics["version"]`` says which). Generation goes on meanwhile; in
         lockstep the newest offered version is loaded exactly and held for the evaluation (groups needing
         another version wait for it to end)."""
-        from rollout.evaluation import EvalConfig
+        from gyre.rollout.evaluation import EvalConfig
 
         cfg = EvalConfig(**(config or {}))
         if min_version > self._version():

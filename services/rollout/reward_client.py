@@ -17,10 +17,10 @@ import grpc
 import structlog
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_delay, wait_exponential
 
-from proto import reward_model_pb2, reward_model_pb2_grpc
-from rollout.rewards.base import RewardResult
-from rollout.rewards.model import ModelSpec, ScoreItem
-from services.common import grpc_common
+from gyre.proto import reward_model_pb2, reward_model_pb2_grpc
+from gyre.rollout.rewards.base import RewardResult
+from gyre.rollout.rewards.model import ModelSpec, ScoreItem
+from gyre.services.common import grpc_common
 
 log = structlog.get_logger("rollout.reward_client")
 RETRIED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)

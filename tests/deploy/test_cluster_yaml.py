@@ -45,7 +45,7 @@ def test_local_cluster_stays_off_default_ports_and_never_stops_other_rays():
 
 
 def test_placement_example_in_cluster_yaml_is_a_valid_recipe_section(tiny_llama):
-    from services.control.recipe import load_recipe
+    from gyre.services.control.recipe.schema import load_recipe
 
     lines = (REPO / "deploy" / "cluster.yaml").read_text().splitlines()
     start = lines.index("#   placement:")

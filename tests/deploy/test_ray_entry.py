@@ -5,8 +5,8 @@ import os
 
 import pytest
 
-from services.cli import main as cli_main
-from deploy import ray_entry
+from gyre.services.cli import main as cli_main
+from gyre.deploy import ray_entry
 from tests.deploy.system import REPO
 
 

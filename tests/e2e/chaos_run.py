@@ -7,7 +7,7 @@ import threading
 import ray
 from ray._private import auto_init_hook
 
-from services.control import controller
+from gyre.services.control.orchestration import controller
 
 
 def run_with_chaos(recipe, chaos: threading.Thread, monkeypatch) -> dict:

@@ -13,10 +13,10 @@ import time
 import pytest
 import ray
 
-from services.cli.invariants import check_run
-from services.control import ops
-from services.control.factory import actor_name
-from services.control.recipe import load_recipe
+from gyre.services.cli.invariants import check_run
+from gyre.services.control.commands import ops
+from gyre.services.control.orchestration.factory import actor_name
+from gyre.services.control.recipe.schema import load_recipe
 from tests.engines import TINY_GROUP_S, sim_engine
 from tests.e2e.chaos_run import run_with_chaos
 from tests.training import assert_trained

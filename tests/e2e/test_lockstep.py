@@ -14,11 +14,11 @@ parameters. The fire log shows that each armed fault fired in the incarnation it
 import pytest
 from safetensors.torch import load_file
 
-import faults
-from services.cli.invariants import check_run
-from services.control import controller
-from services.control.factory import FIRE_LOG
-from services.control.recipe import load_recipe
+from gyre import faults
+from gyre.services.cli.invariants import check_run
+from gyre.services.control.orchestration import controller
+from gyre.services.control.orchestration.factory import FIRE_LOG
+from gyre.services.control.recipe.schema import load_recipe
 from tests.training import assert_trained
 
 pytestmark = pytest.mark.slow

@@ -12,10 +12,10 @@ import json
 import pytest
 from rich.console import Console
 
-from services.cli.invariants import check_run
-from services.control import controller
-from services.control.recipe import load_recipe
-from services.control.report import read_metrics
+from gyre.services.cli.invariants import check_run
+from gyre.services.control.orchestration import controller
+from gyre.services.control.recipe.schema import load_recipe
+from gyre.services.control.outputs.report import read_metrics
 from tests.hf_cache import TINY_ID, populate_hf_cache, use_hf_cache
 from tests.training import assert_trained
 

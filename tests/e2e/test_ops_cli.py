@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import ray
 
-from services.control.controller import init_ray
-from services.control.ops import create_state
+from gyre.services.control.orchestration.controller import init_ray
+from gyre.services.control.commands.ops import create_state
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
@@ -33,7 +33,7 @@ def _status() -> dict:
 
 
 def _gyre(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "services.cli", *args, "--namespace", NS], cwd=REPO,
+    return subprocess.run([sys.executable, "-m", "gyre.services.cli", *args, "--namespace", NS], cwd=REPO,
                           capture_output=True, text=True, timeout=180)
 
 

@@ -29,7 +29,7 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from replay.wal_read import list_segments, read_segment
+from gyre.replay.wal_read import list_segments, read_segment
 from tests.engines import sim_engine
 
 pytestmark = pytest.mark.slow
@@ -58,7 +58,7 @@ def _gyre(home: Path, *args: str) -> tuple[int, str, float]:
     """``gyre ARGS --namespace NS`` in a clean environment (``HOME`` and ``PATH`` only): (exit code, stdout +
     stderr with lines re-joined, seconds taken)."""
     t0 = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "services.cli", *args, "--namespace", NS], cwd=REPO,
+    done = subprocess.run([sys.executable, "-m", "gyre.services.cli", *args, "--namespace", NS], cwd=REPO,
                           env={"HOME": str(home), "PATH": os.environ["PATH"]}, capture_output=True, text=True,
                           timeout=120)
     return done.returncode, " ".join((done.stdout + "\n" + done.stderr).split()), time.monotonic() - t0
@@ -101,7 +101,7 @@ def test_ops_commands_reach_a_token_auth_run_from_a_clean_environment(tiny_llama
             **sim_engine()}
     with open(log, "wb") as out:
         driver = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", "run", "deploy/recipes/tiny-test.yaml",
+            [sys.executable, "-m", "gyre.services.cli", "run", "deploy/recipes/tiny-test.yaml",
              *[a for k, v in sets.items() for a in ("--set", f"{k}={v}")]],
             cwd=REPO, env=_driver_env(home), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             start_new_session=True)

@@ -21,12 +21,12 @@ import time
 import pytest
 import ray
 
-from services.cli.invariants import check_run
-from services.cli.run_records import load_run
-from services.control import ops
-from services.control.factory import actor_name
-from services.control.recipe import load_recipe
-from rollout.tasks import TaskSource
+from gyre.services.cli.invariants import check_run
+from gyre.services.cli.run_records import load_run
+from gyre.services.control.commands import ops
+from gyre.services.control.orchestration.factory import actor_name
+from gyre.services.control.recipe.schema import load_recipe
+from gyre.rollout.tasks import TaskSource
 from tests.e2e.chaos_run import run_with_chaos
 from tests.engines import TINY_GROUP_S, sim_engine
 from tests.training import assert_trained

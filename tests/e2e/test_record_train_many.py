@@ -23,14 +23,14 @@ import json
 import pytest
 from safetensors.torch import load_file
 
-from proto.journal import read_journal
-from replay.recorded import read_recording, sha256_files
-from services.cli.invariants import check_run
-from services.control import controller
-from services.control.recipe import load_recipe
+from gyre.proto.journal import read_journal
+from gyre.replay.recorded import read_recording, sha256_files
+from gyre.services.cli.invariants import check_run
+from gyre.services.control.orchestration import controller
+from gyre.services.control.recipe.schema import load_recipe
 from tests.engines import sim_engine
-from services.control.recorded import recorded_replay
-from services.control.report import read_metrics
+from gyre.services.control.recipe.recorded import recorded_replay
+from gyre.services.control.outputs.report import read_metrics
 from tests.tracking_stores import mlflow_history, mlflow_run, tensorboard_scalars, tensorboard_texts, wandb_offline_runs
 from tests.training import assert_trained
 

@@ -57,7 +57,7 @@ def _sweep_file(tmp_path: Path, tiny_llama: Path) -> Path:
 
 
 def _gyre(*args: str, timeout_s: float) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "services.cli", *args], cwd=REPO, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "gyre.services.cli", *args], cwd=REPO, capture_output=True, text=True,
                           stdin=subprocess.DEVNULL, timeout=timeout_s)
 
 
@@ -116,7 +116,7 @@ def test_a_killed_sweep_resumes_and_each_run_completes_exactly_once(tiny_llama, 
     log = tmp_path / "sweep-first.log"
     try:
         with log.open("w") as out:
-            proc = subprocess.Popen([sys.executable, "-m", "services.cli", "sweep", str(path)], cwd=REPO, stdout=out,
+            proc = subprocess.Popen([sys.executable, "-m", "gyre.services.cli", "sweep", str(path)], cwd=REPO, stdout=out,
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
         _wait_for_step(sweep_dir / VICTIM, 1, proc, log, timeout_s=1200)
         os.killpg(proc.pid, signal.SIGKILL)  # the sweep's process group; its drivers die with it (PDEATHSIG)
@@ -127,7 +127,7 @@ def test_a_killed_sweep_resumes_and_each_run_completes_exactly_once(tiny_llama, 
         left = _sweep_processes(sweep)  # the re-run must stop these before it resumes the run
         if left:
             warnings.warn(f"alive 60 s after the sweep was killed: {left}")
-        assert not [c for c in left.values() if "services.cli run" in c], f"a driver outlived the sweep: {left}"
+        assert not [c for c in left.values() if "gyre.services.cli run" in c], f"a driver outlived the sweep: {left}"
 
         status = _gyre("sweep", "status", str(path), timeout_s=300)
         still = set(left) & set(_sweep_processes(sweep))

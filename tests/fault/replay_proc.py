@@ -16,18 +16,18 @@ import grpc
 import pyarrow as pa
 import yaml
 
-from replay.config import ReplayConfig
-from replay.offline import inspect_dir
-from services.common import grpc_common, port_file
-from services.replay import server as replay_server
-from services.common.replay_client import ReplayClient
+from gyre.replay.config import ReplayConfig
+from gyre.replay.offline import inspect_dir
+from gyre.services.common import grpc_common, port_file
+from gyre.services.replay import server as replay_server
+from gyre.services.common.replay_client import ReplayClient
 from tests.fakes import group_table
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 class ReplayProcess:
-    """``python -m services.replay.main`` on ``dir`` (spawned, never forked), optionally with a fault point. It
+    """``python -m gyre.services.replay.main`` on ``dir`` (spawned, never forked), optionally with a fault point. It
     binds a port the OS picks (``--port 0``) and writes it to a file (``--port-file``): ``port`` and
     ``address`` are known once ``wait_serving`` returned."""
 
@@ -40,7 +40,7 @@ class ReplayProcess:
         env = {**os.environ, "GYRE_FAULT_POINT": fault_point or ""}
         self.log = open(directory.parent / f"{directory.name}.log", "ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "services.replay.main", "--config", str(cfg_file), "--dir", str(directory),
+            [sys.executable, "-m", "gyre.services.replay.main", "--config", str(cfg_file), "--dir", str(directory),
              "--port", "0", "--port-file", str(self.port_file)], cwd=REPO, env=env, stdout=self.log,
             stderr=subprocess.STDOUT)
 

@@ -101,7 +101,7 @@ def record_delivery(worker, log: EventLog) -> None:
 
 async def start_engine(args):
     """``(engine, tokenizer, sampling)`` for ``--engine``."""
-    from rollout.config import EngineConfig, SamplingConfig
+    from gyre.rollout.config import EngineConfig, SamplingConfig
 
     if args.engine == "fake":
         from tests.fakes import FakeTokenizer, SlowEngine
@@ -109,7 +109,7 @@ async def start_engine(args):
         return SlowEngine(["7"], delay_s=0.3), FakeTokenizer(), SamplingConfig()
     from transformers import AutoTokenizer
 
-    from rollout.engine import RolloutEngine
+    from gyre.rollout.engine import RolloutEngine
 
     config = EngineConfig(model=args.model, kv_cache_gib=0.25, max_model_len=1024)
     engine = await RolloutEngine.start(config, initial_version=0)
@@ -118,10 +118,10 @@ async def start_engine(args):
 
 
 def make_worker(args, engine, tokenizer, sampling, log: EventLog):
-    from rollout.config import RolloutConfig
-    from rollout.tasks import TaskConfig, TaskSource
-    from rollout.worker import RolloutWorker
-    from services.common.replay_client import ReplayClient
+    from gyre.rollout.config import RolloutConfig
+    from gyre.rollout.tasks import TaskConfig, TaskSource
+    from gyre.rollout.worker import RolloutWorker
+    from gyre.services.common.replay_client import ReplayClient
 
     config = RolloutConfig.model_construct(
         engine=None, sampling=sampling, group_size=GROUP_SIZE, groups_in_flight=3,

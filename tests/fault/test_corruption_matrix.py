@@ -22,13 +22,13 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
-from learner import checkpoint as ckpt
-from proto.tensor_chunks import ChunkAssembler, ChunkError, encode_tensors, iter_chunks
-from replay.buffer import TrajectoryBuffer
-from replay.config import ReplayConfig
-from replay.snapshot import list_snapshots
-from replay.wal_read import list_segments, read_segment
-from rollout.spool import Spool
+from gyre.learner.checkpoint import store as ckpt
+from gyre.proto.tensor_chunks import ChunkAssembler, ChunkError, encode_tensors, iter_chunks
+from gyre.replay.buffer import TrajectoryBuffer
+from gyre.replay.config import ReplayConfig
+from gyre.replay.snapshot import list_snapshots
+from gyre.replay.wal_read import list_segments, read_segment
+from gyre.rollout.spool import Spool
 from tests.fakes import group_table
 
 # ---- the damage -------------------------------------------------------------------------------------

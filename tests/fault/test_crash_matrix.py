@@ -34,11 +34,11 @@ import time
 
 import pytest
 
-import faults
-from services.cli.invariants import check_run
-from services.control import controller
-from services.control.factory import FIRE_LOG
-from services.control.recipe import load_recipe
+from gyre import faults
+from gyre.services.cli.invariants import check_run
+from gyre.services.control.orchestration import controller
+from gyre.services.control.orchestration.factory import FIRE_LOG
+from gyre.services.control.recipe.schema import load_recipe
 from tests.engines import TINY_GROUP_S, sim_engine
 from tests.training import assert_trained
 

@@ -14,14 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from learner import checkpoint as ckpt
+from gyre.learner.checkpoint import store as ckpt
 
 REPO = Path(__file__).resolve().parents[2]
 
 WRITER = textwrap.dedent("""
     import sys
     from pathlib import Path
-    from learner import checkpoint as ckpt
+    from gyre.learner.checkpoint import store as ckpt
     root, step = Path(sys.argv[1]), int(sys.argv[2])
     tmp = ckpt.temp_path(root, step)
     (tmp / "deepspeed").mkdir(parents=True)

@@ -8,12 +8,12 @@ import shutil
 import pytest
 import structlog
 
-from proto.trajectory import SCHEMA_VERSION
-from replay.buffer import TrajectoryBuffer
-from replay.config import ReplayConfig
-from replay.restore import RestoreError
-from replay.snapshot import list_snapshots
-from replay.wal_read import list_segments
+from gyre.proto.trajectory import SCHEMA_VERSION
+from gyre.replay.buffer import TrajectoryBuffer
+from gyre.replay.config import ReplayConfig
+from gyre.replay.restore import RestoreError
+from gyre.replay.snapshot import list_snapshots
+from gyre.replay.wal_read import list_segments
 from tests.fakes import group_table
 
 NO_AUTO = {"interval_s": None, "wal_bytes": None}

@@ -29,7 +29,7 @@ import time
 
 import pytest
 
-from services.common.replay_client import ReplayClient
+from gyre.services.common.replay_client import ReplayClient
 from tests.fault.replay_proc import Inserter, ReplayProcess, churn, stored_ids
 
 FAULT_POINTS = ["replay.snapshot.files_written", "replay.snapshot.before_rename", "replay.snapshot.after_rename",

@@ -7,10 +7,10 @@ import json
 import pyarrow as pa
 import structlog
 
-from proto.trajectory import SCHEMA_VERSION, from_table, to_ipc
-from proto.trajectory_upgrade import V3_SCHEMA
-from replay.buffer import TrajectoryBuffer
-from replay.snapshot import list_snapshots
+from gyre.proto.trajectory import SCHEMA_VERSION, from_table, to_ipc
+from gyre.proto.trajectory_upgrade import V3_SCHEMA
+from gyre.replay.buffer import TrajectoryBuffer
+from gyre.replay.snapshot import list_snapshots
 from tests.fakes import group_table
 from tests.fault.test_replay_corruption import cfg, groups_of
 

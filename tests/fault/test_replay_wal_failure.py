@@ -16,16 +16,16 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import generate_latest
 
-from proto import replay_pb2, replay_pb2_grpc
-from proto.trajectory import SCHEMA_VERSION, to_ipc
-import faults
-from replay.buffer import TrajectoryBuffer
-from replay.config import ReplayConfig
-from replay.wal import WalError
-from services.common import grpc_common
-from services.replay import server as replay_server
-from services.common.replay_client import ReplayClient, ReplayUnavailableError
-from services.replay.metrics import registry_for
+from gyre.proto import replay_pb2, replay_pb2_grpc
+from gyre.proto.trajectory import SCHEMA_VERSION, to_ipc
+from gyre import faults
+from gyre.replay.buffer import TrajectoryBuffer
+from gyre.replay.config import ReplayConfig
+from gyre.replay.wal import WalError
+from gyre.services.common import grpc_common
+from gyre.services.replay import server as replay_server
+from gyre.services.common.replay_client import ReplayClient, ReplayUnavailableError
+from gyre.services.replay.metrics import registry_for
 from tests.fakes import group_table
 
 REPO = Path(__file__).resolve().parents[2]
@@ -130,9 +130,9 @@ def test_grpc_status_of_a_refused_insert_is_unavailable(served):
 
 _SCRIPT = """
 import sys
-from replay.buffer import TrajectoryBuffer
-from replay.config import ReplayConfig
-from replay.wal import WalError
+from gyre.replay.buffer import TrajectoryBuffer
+from gyre.replay.config import ReplayConfig
+from gyre.replay.wal import WalError
 from tests.fakes import group_table
 buf = TrajectoryBuffer(ReplayConfig(dir=sys.argv[1], snapshot={"interval_s": None, "wal_bytes": None}))
 print("accepted:", buf.insert(group_table(0)).accepted)

@@ -8,12 +8,12 @@ reward is the weighted sum, under the reward model's revision as part of ``rewar
 
 import pytest
 
-from replay.recorded import read_recording
-from rollout.rewards.base import RewardConfig
-from rollout.rewards.model import model_spec
-from services.cli.invariants import check_run
-from services.control import controller
-from services.control.recipe import load_recipe
+from gyre.replay.recorded import read_recording
+from gyre.rollout.rewards.base import RewardConfig
+from gyre.rollout.rewards.model import model_spec
+from gyre.services.cli.invariants import check_run
+from gyre.services.control.orchestration import controller
+from gyre.services.control.recipe.schema import load_recipe
 from tests.engines import TINY_GROUP_S, sim_engine
 from tests.fault.test_crash_matrix import armed_fires, fires
 from tests.training import assert_trained

@@ -12,7 +12,7 @@ import math
 import pyarrow as pa
 from hypothesis import strategies as st
 
-from proto.trajectory import SCHEMA_VERSION_KEY, TRAJECTORY_SCHEMA
+from gyre.proto.trajectory import SCHEMA_VERSION_KEY, TRAJECTORY_SCHEMA
 from tests.fakes import group_table
 
 MAX_BATCH_BYTES = 64 * 1024

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import grpc
 
-from proto import replay_pb2, replay_pb2_grpc
-from proto.trajectory import SCHEMA_VERSION, to_ipc
-from replay.buffer import TrajectoryBuffer
-from replay.config import ReplayConfig
-from services.common import grpc_common
-from services.replay import server as replay_server
+from gyre.proto import replay_pb2, replay_pb2_grpc
+from gyre.proto.trajectory import SCHEMA_VERSION, to_ipc
+from gyre.replay.buffer import TrajectoryBuffer
+from gyre.replay.config import ReplayConfig
+from gyre.services.common import grpc_common
+from gyre.services.replay import server as replay_server
 from tests.fakes import group_table
 from tests.fuzz.bad_trajectories import MAX_BATCH_BYTES
 

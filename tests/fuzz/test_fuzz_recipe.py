@@ -13,7 +13,7 @@ import pytest
 import yaml
 from hypothesis import given, strategies as st
 
-from services.control.recipe import Recipe, RecipeError, load_recipe
+from gyre.services.control.recipe.schema import Recipe, RecipeError, load_recipe
 from tests.tiny_model import SMOLLM2_DIR
 
 REPO = Path(__file__).resolve().parents[2]

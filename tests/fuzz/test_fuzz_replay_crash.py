@@ -17,10 +17,10 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from proto import replay_pb2, replay_pb2_grpc
-from proto.trajectory import SCHEMA_VERSION, to_ipc
-from services.common import grpc_common
-from services.replay import server as replay_server
+from gyre.proto import replay_pb2, replay_pb2_grpc
+from gyre.proto.trajectory import SCHEMA_VERSION, to_ipc
+from gyre.services.common import grpc_common
+from gyre.services.replay import server as replay_server
 from tests.fakes import group_table
 from tests.fuzz.bad_trajectories import raw_ipc
 from tests.fuzz.replay_harness import NAMED_CODES
@@ -30,9 +30,9 @@ SERVER = textwrap.dedent("""
     import resource
     import sys
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # no core file if a poison payload crashes it
-    from replay.buffer import TrajectoryBuffer
-    from replay.config import ReplayConfig
-    from services.replay import server as replay_server
+    from gyre.replay.buffer import TrajectoryBuffer
+    from gyre.replay.config import ReplayConfig
+    from gyre.services.replay import server as replay_server
     server, port = replay_server.serve(TrajectoryBuffer(ReplayConfig(max_batch_bytes=65536)))
     print(f"PORT={port}", flush=True)
     sys.stdin.read()  # serve until the test closes stdin

@@ -15,8 +15,8 @@ import pyarrow as pa
 import pytest
 from hypothesis import given, strategies as st
 
-from proto import replay_pb2
-from proto.trajectory import SCHEMA_VERSION, to_ipc
+from gyre.proto import replay_pb2
+from gyre.proto.trajectory import SCHEMA_VERSION, to_ipc
 from tests.fakes import group_table
 from tests.fuzz.bad_trajectories import bad_payloads, raw_ipc
 from tests.fuzz.replay_harness import ReplayUnderTest, assert_rejected

@@ -17,13 +17,13 @@ import torch
 from google.protobuf.message import DecodeError
 from hypothesis import assume, given, strategies as st
 
-from learner.publisher import WeightPublisher
-from proto import weights_pb2, weights_pb2_grpc
-from proto.tensor_chunks import (CHUNK_CHECKSUMS, DTYPES, ChunkAssembler, ChunkError, TensorChunk, encode_tensors,
+from gyre.learner.publisher import WeightPublisher
+from gyre.proto import weights_pb2, weights_pb2_grpc
+from gyre.proto.tensor_chunks import (CHUNK_CHECKSUMS, DTYPES, ChunkAssembler, ChunkError, TensorChunk, encode_tensors,
                                  iter_chunks)
-from services.common import grpc_common
-from services.learner import weight_server
-from services.rollout.transport.subscriber import parse_chunk
+from gyre.services.common import grpc_common
+from gyre.services.learner import weight_server
+from gyre.services.rollout.transport.subscriber import parse_chunk
 
 def chunk_of(msg: weights_pb2.WeightChunk) -> TensorChunk:
     """The ``TensorChunk`` a parsed ``WeightChunk`` message stands for (field by field)."""

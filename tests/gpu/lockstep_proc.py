@@ -17,7 +17,7 @@ import os
 import signal
 from pathlib import Path
 
-from learner.versions import LockstepPublishing
+from gyre.learner.versions import LockstepPublishing
 
 
 def main() -> None:
@@ -35,11 +35,11 @@ def main() -> None:
 
     import torch
 
-    from learner import checkpoint as ckpt
-    from learner.ckpt_request import CheckpointRequest
-    from learner.config import AlgorithmConfig, LearnerConfig
-    from learner.engine import LearnerEngine
-    from proto.lockstep import weights_sha256
+    from gyre.learner.checkpoint import store as ckpt
+    from gyre.learner.checkpoint.request import CheckpointRequest
+    from gyre.learner.config import AlgorithmConfig, LearnerConfig
+    from gyre.learner.engine import LearnerEngine
+    from gyre.proto.lockstep import weights_sha256
     from tests.gpu.test_learner_cuda import SHAPE, _batch
 
     algo = AlgorithmConfig()

@@ -76,8 +76,8 @@ def build_llama(out_dir: Path, shape: dict, seed: int = 0) -> Path:
 
 def _batch(shape: dict, seed: int, learner_version: int, algo):
     """Whole GRPO groups of random tokens; rewards alternate within each group, so every advantage is != 0."""
-    from learner.batch import build_train_batch
-    from proto.trajectory import Trajectory, make_ids, to_table
+    from gyre.learner.batch import build_train_batch
+    from gyre.proto.trajectory import Trajectory, make_ids, to_table
 
     gen = torch.Generator().manual_seed(seed)
     vocab, rows = shape["vocab"], []
@@ -124,8 +124,8 @@ def test_learner_trains_on_cuda(model_dir, zero_stage, checkpointing):
     import deepspeed
     import transformers
 
-    from learner.config import AlgorithmConfig, LearnerConfig
-    from learner.engine import LearnerEngine
+    from gyre.learner.config import AlgorithmConfig, LearnerConfig
+    from gyre.learner.engine import LearnerEngine
 
     algo = AlgorithmConfig()
     cfg = LearnerConfig(model=str(model_dir), zero_stage=zero_stage, dtype="bf16", micro_batch_size=SHAPE["micro"],

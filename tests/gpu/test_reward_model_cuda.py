@@ -44,12 +44,12 @@ def build_classifier(out):
 
 
 def test_classifier_reward_model_on_cuda(tmp_path):
-    from rollout.rewards.base import RewardConfig
-    from rollout.rewards.model import ScoreItem, model_spec
-    from rollout.rewards.model_host import ClassifierScorer, RewardModelHost
-    from services.reward_model.config import RewardServiceConfig
-    from services.reward_model.server import serve
-    from services.rollout.reward_client import GrpcRewardModels
+    from gyre.rollout.rewards.base import RewardConfig
+    from gyre.rollout.rewards.model import ScoreItem, model_spec
+    from gyre.services.reward_model.host import ClassifierScorer, RewardModelHost
+    from gyre.services.reward_model.config import RewardServiceConfig
+    from gyre.services.reward_model.server import serve
+    from gyre.services.rollout.reward_client import GrpcRewardModels
 
     folder = build_classifier(tmp_path / "rm")
     spec = model_spec(RewardConfig(model=str(folder)))

@@ -7,7 +7,7 @@ step; optionally SIGKILL itself mid-run, or resume from the newest verified chec
 Writes the final fp32 parameters to OUT (safetensors). ``--sabotage`` deliberately breaks the resume
 (drops the optimizer state or re-seeds the RNG after loading) so the test can show it would notice.
 ``--async-save`` writes every checkpoint in the background (``learner.async_save``) while training goes on.
-``--kl-adaptive`` trains with a KL term under the adaptive controller (``learner.kl_control``) and also writes
+``--kl-adaptive`` trains with a KL term under the adaptive controller (``learner.algo.kl_control``) and also writes
 ``OUT.kl.json``: ``[[step, kl_coef used, kl_to_ref], ...]`` of the steps this process trained, and the
 controller's final value; ``--sabotage kl`` then drops the controller's restored state (back to ``kl_coef``).
 """
@@ -22,13 +22,13 @@ import signal
 import torch
 from safetensors.torch import save_file
 
-from learner import checkpoint as ckpt
-from learner.async_save import BackgroundSaver
-from learner.batch import build_train_batch
-from learner.ckpt_request import CheckpointRequest
-from learner.config import AlgorithmConfig, LearnerConfig
-from learner.kl_control import KLController
-from learner.engine import LearnerEngine
+from gyre.learner.checkpoint import store as ckpt
+from gyre.learner.checkpoint.async_save import BackgroundSaver
+from gyre.learner.batch import build_train_batch
+from gyre.learner.checkpoint.request import CheckpointRequest
+from gyre.learner.config import AlgorithmConfig, LearnerConfig
+from gyre.learner.algo.kl_control import KLController
+from gyre.learner.engine import LearnerEngine
 from tests.integration.test_learner_engine import _table
 
 ALGO = AlgorithmConfig()

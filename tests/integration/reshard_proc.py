@@ -24,10 +24,10 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
-from learner.batch import build_train_batch
-from learner.ckpt_request import CheckpointRequest
-from learner.config import AlgorithmConfig, LearnerConfig
-from learner.engine import LearnerEngine
+from gyre.learner.batch import build_train_batch
+from gyre.learner.checkpoint.request import CheckpointRequest
+from gyre.learner.config import AlgorithmConfig, LearnerConfig
+from gyre.learner.engine import LearnerEngine
 from tests.integration.test_learner_engine import _table
 
 ALGO = AlgorithmConfig()

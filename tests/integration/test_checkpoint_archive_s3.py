@@ -15,9 +15,9 @@ import pytest
 from moto.server import ThreadedMotoServer
 from structlog.testing import capture_logs
 
-from learner import checkpoint as ckpt
-from learner.archive import ArchiveConfig, archive_checkpoint, fetch_checkpoint, list_archived
-from learner.mirror import resolve_resume
+from gyre.learner.checkpoint import store as ckpt
+from gyre.learner.checkpoint.archive import ArchiveConfig, archive_checkpoint, fetch_checkpoint, list_archived
+from gyre.learner.checkpoint.mirror import resolve_resume
 
 REPO = Path(__file__).resolve().parents[2]
 FILES = ("deepspeed/zero/model.pt", "deepspeed/optim.pt", "rng_rank0.json", "metadata.json")
@@ -121,7 +121,7 @@ def test_a_process_killed_before_the_manifest_upload_leaves_an_archive_that_does
         tmp_path, endpoint, s3, key_file):
     cfg = config(endpoint, s3[1], encrypt=True, key_file=key_file)
     src = save(tmp_path / "ckpt", 5)
-    code = ("import sys; from learner.archive import ArchiveConfig, archive_checkpoint; "
+    code = ("import sys; from gyre.learner.checkpoint.archive import ArchiveConfig, archive_checkpoint; "
             "archive_checkpoint(sys.argv[1], ArchiveConfig.model_validate_json(sys.argv[2]))")
     env = {**os.environ, "GYRE_FAULT_POINT": "learner.archive.before_manifest"}
     proc = subprocess.run([sys.executable, "-c", code, str(src), cfg.model_dump_json()], cwd=REPO, env=env,

@@ -14,8 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rollout.config import EngineConfig, SamplingConfig
-from rollout.engine import RolloutEngine, StaleVersionError, WeightMismatchError
+from gyre.rollout.config import EngineConfig, SamplingConfig
+from gyre.rollout.engine import RolloutEngine, StaleVersionError, WeightMismatchError
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [100, 2000, 30000, 12, 45, 999]]
 
@@ -235,7 +235,7 @@ class TwoTurnEnv:
         return [{"role": "user", "content": f"What is {problem}?"}]
 
     async def step(self, completion):
-        from rollout.environment import EnvStep
+        from gyre.rollout.agents.environment import EnvStep
 
         self.turns += 1
         if self.turns == 1:  # between the turns: the learner's next policy arrives
@@ -266,8 +266,8 @@ class Spy:
 def test_two_turn_episode_is_token_exact_with_mask_and_spans_across_a_weight_update(running, original, vllm_model):
     from transformers import AutoTokenizer
 
-    from rollout.environment import EpisodeConfig
-    from rollout.episode import TurnRenderer, run_episode
+    from gyre.rollout.agents.environment import EpisodeConfig
+    from gyre.rollout.agents.episode import TurnRenderer, run_episode
 
     engine = running.engine
     tok = AutoTokenizer.from_pretrained(vllm_model)
@@ -297,7 +297,7 @@ def test_two_turn_episode_is_token_exact_with_mask_and_spans_across_a_weight_upd
     assert (s1.version_span_versions, s2.version_span_versions) == ([v], [v + 1])
     assert ep.version_span_starts == [0, len(s1.token_ids) + len(obs)]
     assert ep.version_span_versions == [v, v + 1]
-    from proto.trajectory import Trajectory, from_table, to_table
+    from gyre.proto.trajectory import Trajectory, from_table, to_table
 
     row = Trajectory(trajectory_id="0-0-0", group_id="0-0", prompt_index=0, sample_index=0, attempt=0, task="t",
                      prompt_token_ids=ep.prompt_token_ids, response_token_ids=ep.token_ids,

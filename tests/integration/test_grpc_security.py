@@ -16,16 +16,16 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from learner.publisher import WeightPublisher
-from proto import replay_pb2, replay_pb2_grpc, weights_pb2, weights_pb2_grpc
-from proto.trajectory import SCHEMA_VERSION, to_ipc
-from replay.buffer import TrajectoryBuffer
-from replay.config import ReplayConfig
-from services.common import grpc_common
-from services.common.security import SecurityConfig
-from services.learner import weight_server
-from services.replay import server as replay_server
-from services.rollout.transport.subscriber import WeightSubscriber
+from gyre.learner.publisher import WeightPublisher
+from gyre.proto import replay_pb2, replay_pb2_grpc, weights_pb2, weights_pb2_grpc
+from gyre.proto.trajectory import SCHEMA_VERSION, to_ipc
+from gyre.replay.buffer import TrajectoryBuffer
+from gyre.replay.config import ReplayConfig
+from gyre.services.common import grpc_common
+from gyre.services.common.security import SecurityConfig
+from gyre.services.learner import weight_server
+from gyre.services.replay import server as replay_server
+from gyre.services.rollout.transport.subscriber import WeightSubscriber
 from tests.fakes import group_table
 
 TOKEN = "tok-" + "a1b2c3d4" * 4

@@ -10,17 +10,17 @@ import pyarrow as pa
 import pytest
 import torch
 
-from learner.publisher import WeightPublisher
-from proto import replay_pb2, replay_pb2_grpc
-from proto.trajectory import SCHEMA_VERSION, to_ipc
-from replay.buffer import TrajectoryBuffer
-from replay.config import ReplayConfig
-from services.common import grpc_common
-from services.learner import weight_server
-from services.replay import server as replay_server
-from services.common.replay_client import ReplayClient
-from services.replay.metrics import serve_metrics
-from services.rollout.transport.subscriber import WeightSubscriber
+from gyre.learner.publisher import WeightPublisher
+from gyre.proto import replay_pb2, replay_pb2_grpc
+from gyre.proto.trajectory import SCHEMA_VERSION, to_ipc
+from gyre.replay.buffer import TrajectoryBuffer
+from gyre.replay.config import ReplayConfig
+from gyre.services.common import grpc_common
+from gyre.services.learner import weight_server
+from gyre.services.replay import server as replay_server
+from gyre.services.common.replay_client import ReplayClient
+from gyre.services.replay.metrics import serve_metrics
+from gyre.services.rollout.transport.subscriber import WeightSubscriber
 from tests.fakes import group_table
 
 

@@ -10,7 +10,7 @@ import time
 import pytest
 import ray
 
-from learner import checkpoint as ckpt
+from gyre.learner.checkpoint import store as ckpt
 
 
 def _alive(pid: int) -> bool:
@@ -30,9 +30,9 @@ def _wait(cond, timeout_s: float, what: str) -> None:
 
 @pytest.mark.slow
 def test_sigusr1_checkpoints_and_sigterm_checkpoints_then_exits(tiny_llama, tmp_path):
-    from services.control.controller import actor_env, init_ray
-    from services.learner.actor import LearnerActor
-    from services.replay.actor import ReplayActor
+    from gyre.services.control.orchestration.controller import actor_env, init_ray
+    from gyre.services.learner.actor import LearnerActor
+    from gyre.services.replay.actor import ReplayActor
 
     init_ray("local", num_cpus=2, include_dashboard=False, log_to_driver=False,
              object_store_memory=128 * 1024**2)

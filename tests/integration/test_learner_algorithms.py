@@ -9,14 +9,14 @@ import math
 import pytest
 import torch
 
-from learner.advantages import group_advantages
-from learner.algorithms import token_logprobs
-from learner.batch import build_train_batch
-from learner.ckpt_request import CheckpointRequest
-from learner.config import AlgorithmConfig, LearnerConfig
-from learner.engine import LearnerEngine
-from learner.step_start import eval_mode, step_targets
-from proto.trajectory import Trajectory, make_ids, to_table
+from gyre.learner.algo.advantages import group_advantages
+from gyre.learner.algo.logprobs import token_logprobs
+from gyre.learner.batch import build_train_batch
+from gyre.learner.checkpoint.request import CheckpointRequest
+from gyre.learner.config import AlgorithmConfig, LearnerConfig
+from gyre.learner.engine import LearnerEngine
+from gyre.learner.step_start import eval_mode, step_targets
+from gyre.proto.trajectory import Trajectory, make_ids, to_table
 
 STEP_KEYS = {
     "loss", "grad_norm", "tokens_per_s", "is_ratio_mean", "is_ratio_max", "ppo_clip_frac", "tis_clip_frac",

@@ -3,7 +3,7 @@
 The background save must capture the state of the step it was taken at, even though training goes
 on and rewrites parameters and optimizer moments while the files are written; it must produce the
 same files as a synchronous save of that state, and resuming from it must continue bit-identically.
-The overlap is forced, not hoped for: the background writer (``learner.ckpt_engine.write_captured``,
+The overlap is forced, not hoped for: the background writer (``learner.checkpoint.engine.write_captured``,
 wrapped by the test) waits for an event the test sets only after the next training step returned, so
 the step runs while the save is in flight on every run.
 """
@@ -15,10 +15,10 @@ from concurrent.futures import Future
 
 import torch
 
-from learner import checkpoint as ckpt
-from learner.async_save import BackgroundSaver
-from learner.batch import build_train_batch
-from learner.ckpt_request import CheckpointRequest
+from gyre.learner.checkpoint import store as ckpt
+from gyre.learner.checkpoint.async_save import BackgroundSaver
+from gyre.learner.batch import build_train_batch
+from gyre.learner.checkpoint.request import CheckpointRequest
 from tests.integration.test_learner_engine import ALGO, _engine, _table
 
 
@@ -37,7 +37,7 @@ def _manifest_files(path) -> dict[str, dict]:
 
 
 def test_async_save_holds_its_step_while_training_continues(tiny_llama, tmp_path, monkeypatch):
-    import learner.ckpt_engine as ckpt_engine
+    import gyre.learner.checkpoint.engine as ckpt_engine
 
     engine = _engine(tiny_llama, dtype="fp32")
     _step(engine, 0)
@@ -85,7 +85,7 @@ def test_async_save_holds_its_step_while_training_continues(tiny_llama, tmp_path
 
 
 def test_a_failed_background_write_surfaces_from_the_future(tiny_llama, tmp_path, monkeypatch):
-    import learner.async_save as async_save
+    import gyre.learner.checkpoint.async_save as async_save
 
     engine = _engine(tiny_llama)
     _step(engine, 0)

@@ -11,12 +11,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from learner.batch import build_train_batch
-from learner.ckpt_request import CheckpointRequest
-from learner.checkpoint import CheckpointError
-from learner.config import AlgorithmConfig, LearnerConfig
-from learner.engine import LearnerEngine
-from proto.trajectory import Trajectory, make_ids, to_table
+from gyre.learner.batch import build_train_batch
+from gyre.learner.checkpoint.request import CheckpointRequest
+from gyre.learner.checkpoint.store import CheckpointError
+from gyre.learner.config import AlgorithmConfig, LearnerConfig
+from gyre.learner.engine import LearnerEngine
+from gyre.proto.trajectory import Trajectory, make_ids, to_table
 
 ALGO = AlgorithmConfig()
 
@@ -112,7 +112,7 @@ def test_checkpoint_roundtrip_restores_weights_and_version(trained, tmp_path):
 
 
 def test_gyre_export_of_a_checkpoint_has_the_engines_logits(trained, tmp_path, capsys):
-    from services.cli import main as cli
+    from gyre.services.cli import main as cli
 
     engine, _, _ = trained
     path = engine.save_checkpoint(CheckpointRequest(tmp_path / "ckpt"))

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from learner.config import LearnerConfig
-from learner.ds_setup import build_ds_config
+from gyre.learner.config import LearnerConfig
+from gyre.learner.ds_setup import build_ds_config
 from tests.integration.test_learner_async_save import _step, _weights
 from tests.integration.test_learner_engine import _engine
 
@@ -39,7 +39,7 @@ def test_offloaded_optimizer_takes_the_same_step(tiny_llama):
 
 
 def test_step_reports_micro_batches_and_comm_time(tiny_llama):
-    from learner.batch import build_train_batch
+    from gyre.learner.batch import build_train_batch
     from tests.integration.test_learner_engine import ALGO, _table
 
     engine = _engine(tiny_llama, micro_batch_size=2)

@@ -9,10 +9,10 @@ import math
 
 import torch
 
-from learner.batch import build_train_batch
-from learner.config import AlgorithmConfig, LearnerConfig
-from learner.engine import LearnerEngine
-from proto.trajectory import Trajectory, make_ids, to_table
+from gyre.learner.batch import build_train_batch
+from gyre.learner.config import AlgorithmConfig, LearnerConfig
+from gyre.learner.engine import LearnerEngine
+from gyre.proto.trajectory import Trajectory, make_ids, to_table
 
 FNS = "tests.unit.learner.objective_fns"
 

@@ -16,9 +16,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from learner import ranks
-from learner.batch import TrainBatch
-from learner.ckpt_request import CheckpointRequest
+from gyre.learner import ranks
+from gyre.learner.batch import TrainBatch
+from gyre.learner.checkpoint.request import CheckpointRequest
 from tests.fakes import PortThief
 from tests.rendezvous import rank_store
 

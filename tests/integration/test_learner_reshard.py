@@ -1,5 +1,5 @@
 """Resharding: a checkpoint written by data-parallel world size 1 resumes on world size 2 and back
-(CPU, gloo), through DeepSpeed's universal checkpoint (``learner.reshard``), and training continues as
+(CPU, gloo), through DeepSpeed's universal checkpoint (``learner.checkpoint.reshard``), and training continues as
 if uninterrupted.
 
 Every rank is a fresh ``python`` process (``reshard_proc``) on the tiny Llama with attention dropout 0.1,
@@ -24,8 +24,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from learner import checkpoint as ckpt
-from learner import reshard
+from gyre.learner.checkpoint import store as ckpt
+from gyre.learner.checkpoint import reshard
 from tests.rendezvous import rank_store
 
 REPO = Path(__file__).resolve().parents[2]

@@ -4,7 +4,7 @@ with parameters bit-identical to an uninterrupted run fed the same batches.
 Every run is a fresh ``python`` process (``learner_resume_proc``; never a fork), on the tiny Llama with
 attention dropout 0.1 so that training consumes the torch RNG, fp32 ZeRO-2 on CPU (gloo). The
 sabotage cases prove the comparison would catch a resume that drops optimizer state, RNG or the KL
-controller's state (``learner.kl_control``, trained with ``--kl-adaptive``).
+controller's state (``learner.algo.kl_control``, trained with ``--kl-adaptive``).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from learner import checkpoint as ckpt
+from gyre.learner.checkpoint import store as ckpt
 
 pytestmark = pytest.mark.slow  # learner processes killed and resumed (~3 min): `make test`, not `make test-fast`
 

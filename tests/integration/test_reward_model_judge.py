@@ -3,9 +3,9 @@ from the judge's own greedy reply, and a reply the parser finds no score in is a
 
 import pytest
 
-from rollout.rewards.base import RewardConfig
-from rollout.rewards.model import ScoreItem, model_spec
-from rollout.rewards.model_host import RewardModelHost
+from gyre.rollout.rewards.base import RewardConfig
+from gyre.rollout.rewards.model import ScoreItem, model_spec
+from gyre.services.reward_model.host import RewardModelHost
 
 PROMPT = [{"role": "user", "content": "What is 2 + 3? Give only the final number."}]
 SMALL = {"max_tokens": 8, "max_model_len": 256, "kv_cache_gib": 0.25}

@@ -9,17 +9,17 @@ import shutil
 import pytest
 import torch
 
-from proto import reward_model_pb2
-from rollout.rewards.base import Group, RewardConfig
-from rollout.rewards.combined import make_reward_set
-from rollout.rewards import model as rm
-from rollout.rewards.model import RewardModelError, ScoreItem, model_spec
-from rollout.rewards.math_exact import MATH_EXACT_VERSION
-from rollout.rewards.model_host import RewardModelHost
-from rollout.rewards.scoring import score_groups
-from services.reward_model.config import RewardServiceConfig
-from services.reward_model.server import parse_request, serve
-from services.rollout.reward_client import GrpcRewardModels
+from gyre.proto import reward_model_pb2
+from gyre.rollout.rewards.base import Group, RewardConfig
+from gyre.rollout.rewards.combined import make_reward_set
+from gyre.rollout.rewards import model as rm
+from gyre.rollout.rewards.model import RewardModelError, ScoreItem, model_spec
+from gyre.rollout.rewards.math_exact import MATH_EXACT_VERSION
+from gyre.services.reward_model.host import RewardModelHost
+from gyre.rollout.rewards.scoring import score_groups
+from gyre.services.reward_model.config import RewardServiceConfig
+from gyre.services.reward_model.server import parse_request, serve
+from gyre.services.rollout.reward_client import GrpcRewardModels
 
 PROMPT = [{"role": "user", "content": "What is 2 + 3? Give only the final number."}]
 
@@ -170,7 +170,7 @@ def test_a_judge_reply_that_does_not_parse_is_an_error_not_a_zero():
 
 
 def rm_host_judge():
-    from rollout.rewards.model_host import JudgeScorer
+    from gyre.services.reward_model.host import JudgeScorer
 
     return JudgeScorer
 
@@ -180,7 +180,7 @@ def test_a_swap_to_a_new_revision_is_loaded_beside_the_old_one(service, tiny_cla
     keep the old revision's scores, later ones get the new revision's, from one service without a restart."""
     from safetensors.torch import load_file, save_file
 
-    from rollout.tasks import TaskConfig, TaskSource
+    from gyre.rollout.tasks import TaskConfig, TaskSource
 
     address, _, host = service
     new = shutil.copytree(tiny_classifier, tmp_path / "rm-v2")

@@ -13,7 +13,7 @@ Every generated group must be stored in replay exactly once, nothing else may be
 ``test_replay_outage_with_real_vllm_loses_and_duplicates_nothing`` is the issue's test: the worker generates
 with the real vLLM engine (``rollout.engine.RolloutEngine`` on CPU, the tiny random Llama of
 ``tests/tiny_model.py`` and its real tokenizer), the real ``ReplayClient`` and the real spool; replay is
-``python -m services.replay.main`` with an fsync'd WAL, so whatever it acknowledged before the kill is
+``python -m gyre.services.replay.main`` with an fsync'd WAL, so whatever it acknowledged before the kill is
 restored. Groups are long enough (``ignore_eos``, ``MAX_NEW_TOKENS``) that some are in flight when replay dies;
 the outage lasts until those have finished into the spool and the flusher has failed to deliver at least once
 (no fixed sleeps). ``test_replay_outage_with_fake_engine_...`` runs the same scenario on
@@ -37,9 +37,9 @@ from pathlib import Path
 
 import yaml
 
-from services.common import grpc_common, port_file
-from services.replay import server as replay_server
-from services.common.replay_client import ReplayClient
+from gyre.services.common import grpc_common, port_file
+from gyre.services.replay import server as replay_server
+from gyre.services.common.replay_client import ReplayClient
 from tests.fault.replay_proc import REPO
 from tests.fault.rollout_proc import GROUP_SIZE, MAX_NEW_TOKENS, Events, WorkerProcess
 
@@ -55,7 +55,7 @@ def start_replay(tmp_path: Path, port: int, log, procs: list) -> tuple[subproces
     cfg, bound = tmp_path / "replay.yaml", tmp_path / "replay.port"
     cfg.write_text(yaml.safe_dump(REPLAY))
     bound.unlink(missing_ok=True)
-    procs.append(subprocess.Popen([sys.executable, "-m", "services.replay.main", "--config", str(cfg),
+    procs.append(subprocess.Popen([sys.executable, "-m", "gyre.services.replay.main", "--config", str(cfg),
                                    "--dir", str(tmp_path / "replay"), "--port", str(port), "--port-file", str(bound)],
                                   cwd=REPO, stdout=log, stderr=subprocess.STDOUT))
     port = port_file.wait(bound, procs[-1], 60.0)

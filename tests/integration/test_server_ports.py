@@ -5,7 +5,7 @@ server fails."""
 
 from bench.replay import replay_config
 from bench.replay_parts import Server
-from services.common.replay_client import ReplayClient
+from gyre.services.common.replay_client import ReplayClient
 from tests.fakes import PortThief
 from tests.fault.replay_proc import ReplayProcess
 

@@ -1,4 +1,4 @@
-"""The verifiers adapter (``rollout.verifiers_env``) with real vLLM, the tiny Llama and a verifiers v1 environment
+"""The verifiers adapter (``rollout.agents.verifiers_env``) with real vLLM, the tiny Llama and a verifiers v1 environment
 written here: a scripted user's two turns, with the learner's next policy arriving between them."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import textwrap
 
 import pytest
 
-from rollout.config import SamplingConfig
-from rollout.engine import RolloutEngine
+from gyre.rollout.config import SamplingConfig
+from gyre.rollout.engine import RolloutEngine
 from tests.integration.test_engine import Running, Spy, engine_config, perturbed
 
 pytest.importorskip("verifiers.v1")
@@ -76,8 +76,8 @@ def running(tiny_llama, vllm_worker_process):
 def runner_for(tiny_llama, **kw):
     from transformers import AutoTokenizer
 
-    from rollout.environment import VerifiersConfig
-    from rollout.verifiers_env import VerifiersRunner
+    from gyre.rollout.agents.environment import VerifiersConfig
+    from gyre.rollout.agents.verifiers_env import VerifiersRunner
 
     tok = AutoTokenizer.from_pretrained(tiny_llama)
     return VerifiersRunner(VerifiersConfig(taskset="gyre_vf_two_turn", **kw), str(tiny_llama), tok), tok
@@ -86,7 +86,7 @@ def runner_for(tiny_llama, **kw):
 def test_verifiers_episode_is_token_exact_across_a_weight_update(running, taskset, tiny_llama):
     from safetensors.torch import load_file
 
-    from proto.trajectory import from_table, to_table
+    from gyre.proto.trajectory import from_table, to_table
 
     runner, tok = runner_for(tiny_llama)
     original = sorted(load_file(tiny_llama / "model.safetensors").items())
@@ -154,13 +154,13 @@ def test_a_group_plays_its_prompt_index_task_and_a_full_context_ends_it(running,
 def test_the_worker_streams_verifiers_episode_groups_into_replay(running, taskset, tiny_llama):
     from transformers import AutoTokenizer
 
-    from proto.trajectory import from_table
-    from replay.buffer import TrajectoryBuffer
-    from replay.config import ReplayConfig
-    from rollout.config import RolloutConfig
-    from rollout.environment import VerifiersConfig
-    from rollout.verifiers_env import VerifiersRunner
-    from rollout.worker import RolloutWorker
+    from gyre.proto.trajectory import from_table
+    from gyre.replay.buffer import TrajectoryBuffer
+    from gyre.replay.config import ReplayConfig
+    from gyre.rollout.config import RolloutConfig
+    from gyre.rollout.agents.environment import VerifiersConfig
+    from gyre.rollout.agents.verifiers_env import VerifiersRunner
+    from gyre.rollout.worker import RolloutWorker
     from tests.fakes import FakeReplay, until
     from tests.unit.rollout.test_rollout_worker import TASK
 
@@ -191,7 +191,7 @@ def test_the_worker_streams_verifiers_episode_groups_into_replay(running, taskse
     tok = AutoTokenizer.from_pretrained(tiny_llama)
     assert all("hello" in tok.decode(r.prompt_token_ids) for r in rows)  # only task 0 is trained on
     # held-out evaluation plays the held-out task (1: "red", "blue") once greedily, and 2 sampled episodes
-    from rollout.evaluation import EvalConfig
+    from gyre.rollout.evaluation import EvalConfig
 
     result = running.run(worker.evaluate(EvalConfig(n_samples=2, max_new_tokens=6)))
     m = result.metrics

@@ -16,14 +16,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from learner.publisher import WeightPublisher
-from rollout.config import EngineConfig, SamplingConfig
-from rollout.engine import RolloutEngine
-from services.common import port_file
-from services.learner import weight_server
-from services.rollout.transport import make_transport
-from proto.exports import write_export_version
-from services.rollout.transport.bootstrap import bootstrap
+from gyre.learner.publisher import WeightPublisher
+from gyre.rollout.config import EngineConfig, SamplingConfig
+from gyre.rollout.engine import RolloutEngine
+from gyre.services.common import port_file
+from gyre.services.learner import weight_server
+from gyre.services.rollout.transport import make_transport
+from gyre.proto.exports import write_export_version
+from gyre.services.rollout.transport.bootstrap import bootstrap
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPT = [1, 2, 3, 4, 5]
@@ -34,9 +34,9 @@ PROMPT = [1, 2, 3, 4, 5]
 LEARNER = r"""
 import os, sys, time, torch
 from safetensors.torch import load_file
-from learner.publisher import WeightPublisher
-from services.common import port_file
-from services.learner import weight_server
+from gyre.learner.publisher import WeightPublisher
+from gyre.services.common import port_file
+from gyre.services.learner import weight_server
 model, version, port, marker = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 gen = torch.Generator().manual_seed(version)
 named = [(n, (t.float() + 0.05 * torch.randn(t.shape, generator=gen)).to(torch.bfloat16))

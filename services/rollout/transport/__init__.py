@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from rollout.weights import GrpcTransportConfig, NcclTransportConfig
-from services.common.security import SecurityConfig
-from services.rollout.transport.base import OnVersion, Payload, TransportUnavailableError, WeightTransport
+from gyre.proto.weight_transport import GrpcTransportConfig, NcclTransportConfig
+from gyre.services.common.security import SecurityConfig
+from gyre.services.rollout.transport.base import OnVersion, Payload, TransportUnavailableError, WeightTransport
 
 __all__ = ["OnVersion", "Payload", "TransportUnavailableError", "WeightTransport", "make_transport"]
 
@@ -19,7 +19,7 @@ def make_transport(config: GrpcTransportConfig | NcclTransportConfig, address: s
         TransportUnavailableError: ``type: nccl`` on a machine without CUDA.
     """
     if config.type == "nccl":
-        from services.rollout.transport.nccl import NcclTransport
+        from gyre.services.rollout.transport.nccl import NcclTransport
         return NcclTransport(config, address, on_version, have_version, name, security, have_timeline=have_timeline)
-    from services.rollout.transport.grpc_transport import GrpcTransport
+    from gyre.services.rollout.transport.grpc_transport import GrpcTransport
     return GrpcTransport(config, address, on_version, have_version, name, security, have_timeline=have_timeline)

@@ -7,8 +7,8 @@ from typing import Callable, Union
 
 import torch
 
-from proto.broadcast import TransportUnavailableError
-from proto.tensor_chunks import VersionManifest
+from gyre.proto.broadcast import TransportUnavailableError
+from gyre.proto.tensor_chunks import VersionManifest
 
 __all__ = ["OnVersion", "Payload", "TransportUnavailableError", "WeightTransport"]
 

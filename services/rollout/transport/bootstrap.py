@@ -16,9 +16,9 @@ from pathlib import Path
 
 import structlog
 
-from proto.exports import load_export, newest_export
-from rollout.config import EngineConfig
-from services.rollout.transport.base import WeightTransport
+from gyre.proto.exports import load_export, newest_export
+from gyre.rollout.config import EngineConfig
+from gyre.services.rollout.transport.base import WeightTransport
 
 log = structlog.get_logger("weights")
 @dataclass(frozen=True)
@@ -67,7 +67,7 @@ async def bootstrap(engine, transport: WeightTransport, config: EngineConfig) ->
         return BootstrapResult(engine.version, "learner", latest)
     disk = newest_export(Path(config.bootstrap_dir)) if config.bootstrap_dir else None
     if disk is not None and disk[0] > engine.version:
-        from rollout.engine import StaleVersionError
+        from gyre.rollout.engine import StaleVersionError
 
         version, folder = disk
         try:

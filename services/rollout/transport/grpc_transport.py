@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from rollout.weights import GrpcTransportConfig
-from services.common.security import SecurityConfig
-from services.rollout.transport.base import OnVersion, WeightTransport
-from services.rollout.transport.subscriber import WeightSubscriber, latest_version
+from gyre.proto.weight_transport import GrpcTransportConfig
+from gyre.services.common.security import SecurityConfig
+from gyre.services.rollout.transport.base import OnVersion, WeightTransport
+from gyre.services.rollout.transport.subscriber import WeightSubscriber, latest_version
 
 
 class GrpcTransport(WeightTransport):

@@ -22,16 +22,16 @@ from __future__ import annotations
 import grpc
 import structlog
 
-from proto import weights_pb2, weights_pb2_grpc
-from proto.broadcast import require_cuda
-from proto.retry import reconnect_forever
-from proto.tensor_chunks import CHECKSUM_KIND, ChunkError, TensorMeta, VersionManifest
-from proto.timeline import SHARED, is_new
-from rollout.weights import NcclTransportConfig
-from services.common import grpc_common
-from services.common.security import SecurityConfig
-from services.rollout.transport.base import OnVersion, WeightTransport
-from services.rollout.transport.subscriber import StreamThread, latest_version
+from gyre.proto import weights_pb2, weights_pb2_grpc
+from gyre.proto.broadcast import require_cuda
+from gyre.utils.retry import reconnect_forever
+from gyre.proto.tensor_chunks import CHECKSUM_KIND, ChunkError, TensorMeta, VersionManifest
+from gyre.proto.timeline import SHARED, is_new
+from gyre.proto.weight_transport import NcclTransportConfig
+from gyre.services.common import grpc_common
+from gyre.services.common.security import SecurityConfig
+from gyre.services.rollout.transport.base import OnVersion, WeightTransport
+from gyre.services.rollout.transport.subscriber import StreamThread, latest_version
 
 log = structlog.get_logger("weights")
 __all__ = ["NcclTransport", "to_manifest"]

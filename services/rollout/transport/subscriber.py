@@ -11,12 +11,12 @@ from google.protobuf.message import DecodeError
 import structlog
 import torch
 
-from proto import weights_pb2, weights_pb2_grpc
-from proto.retry import reconnect_forever
-from proto.tensor_chunks import ChunkAssembler, ChunkError, TensorChunk
-from proto.timeline import SHARED, is_new
-from services.common import grpc_common
-from services.common.security import SecurityConfig
+from gyre.proto import weights_pb2, weights_pb2_grpc
+from gyre.utils.retry import reconnect_forever
+from gyre.proto.tensor_chunks import ChunkAssembler, ChunkError, TensorChunk
+from gyre.proto.timeline import SHARED, is_new
+from gyre.services.common import grpc_common
+from gyre.services.common.security import SecurityConfig
 
 log = structlog.get_logger("weights")
 
@@ -52,7 +52,7 @@ class WeightSubscriber(StreamThread):
 
     Every chunk must arrive within ``chunk_timeout_s`` seconds of the previous one once a version
     started; a stalled or broken stream is cancelled and retried with exponential backoff
-    (``backoff_s`` up to ``max_backoff_s``: ``proto.retry.reconnect_forever``), so a dead learner never hangs
+    (``backoff_s`` up to ``max_backoff_s``: ``utils.retry.reconnect_forever``), so a dead learner never hangs
     the rollout; ``stop()`` ends a backoff wait at once. Versions only move forward within a timeline: a
     version is delivered when it is newer than the last delivered one or of another timeline
     (``proto.timeline.is_new``: the learner rewound), else ignored.

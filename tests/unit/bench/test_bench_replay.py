@@ -5,7 +5,7 @@ import pytest
 
 from bench.replay import GROUPS, SnapshotRound, replay_config, snapshot_rates, snapshot_rounds
 from bench.replay_parts import Server, requests, snapshot_bytes, stream
-from services.common.replay_client import ReplayClient
+from gyre.services.common.replay_client import ReplayClient
 
 
 def test_snapshot_rounds_measure_the_bytes_each_snapshot_wrote(tmp_path):

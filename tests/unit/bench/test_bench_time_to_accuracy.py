@@ -57,7 +57,7 @@ def test_ratios_compare_sync_and_trl_against_gyre_async():
 def recipes():
     if not (SMOLLM2 / "config.json").is_file():
         pytest.skip(f"{SMOLLM2} not prepared (make model)")
-    from services.control.recipe import load_recipe
+    from gyre.services.control.recipe.schema import load_recipe
 
     return {arm: load_recipe(RECIPE, arm_overrides(str(SMOLLM2), "/tmp/gyre-tta-test", arm, QUICK))
             for arm in ARMS}
@@ -93,7 +93,7 @@ def test_arm_overrides_refuse_an_unknown_arm():
 
 
 def test_the_trl_reward_is_gyres_reward_for_the_prompt_index(recipes):
-    from rollout.tasks import TaskSource
+    from gyre.rollout.tasks import TaskSource
 
     from bench.tta_trl import GyreReward, prompt_dataset
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from learner.advantages import group_advantages
-from learner.losses import policy_loss
+from gyre.learner.algo.advantages import group_advantages
+from gyre.learner.algo.losses import policy_loss
 
 SEEN: list = []
 """The inputs ``recording_grpo`` was called with, in order."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from learner.advantages import (
+from gyre.learner.algo.advantages import (
     dr_grpo_advantages,
     gae,
     outcome_advantages,

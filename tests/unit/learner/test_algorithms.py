@@ -1,4 +1,4 @@
-"""Hand-computed checks of learner.algorithms (GRPO advantages, decoupled PPO + TIS loss) and of the
+"""Hand-computed checks of learner.algo (GRPO advantages, decoupled PPO + TIS loss) and of the
 per-step metrics of learner.step_metrics (ESS, staleness histogram, explained variance, merging)."""
 
 from __future__ import annotations
@@ -8,9 +8,11 @@ import math
 import pytest
 import torch
 
-from learner.algorithms import grpo_advantages, policy_loss, token_logprobs
-from learner.config import AlgorithmConfig
-from learner.step_metrics import explained_variance, kish_ess_fraction, merge_metrics, staleness_histogram
+from gyre.learner.algo.advantages import grpo_advantages
+from gyre.learner.algo.logprobs import token_logprobs
+from gyre.learner.algo.losses import policy_loss
+from gyre.learner.config import AlgorithmConfig
+from gyre.learner.step_metrics import explained_variance, kish_ess_fraction, merge_metrics, staleness_histogram
 
 CFG = AlgorithmConfig(clip_eps_low=0.2, clip_eps_high=0.2, tis_cap=2.0, adv_eps=1e-6)
 LN = math.log

@@ -8,7 +8,7 @@ from collections import OrderedDict
 
 import torch
 
-from learner.async_save import BackgroundSaver, snapshot
+from gyre.learner.checkpoint.async_save import BackgroundSaver, snapshot
 
 
 def test_snapshot_copies_tensors_and_rebuilds_containers():

@@ -7,9 +7,9 @@ import dataclasses
 import pytest
 import torch
 
-from learner.batch import build_train_batch
-from learner.config import AlgorithmConfig
-from proto.trajectory import Trajectory, make_ids, to_table
+from gyre.learner.batch import build_train_batch
+from gyre.learner.config import AlgorithmConfig
+from gyre.proto.trajectory import Trajectory, make_ids, to_table
 
 PAD = 0
 CFG = AlgorithmConfig()

@@ -1,6 +1,6 @@
 """learner.mirror (double-written checkpoints, resume across tiers), learner.archive over file://,
 ArchiveConfig validation and the learner.crypto chunk format. No DeepSpeed: checkpoints are a few files
-committed with the real ``learner.checkpoint.commit``."""
+committed with the real ``learner.checkpoint.store.commit``."""
 
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ import pytest
 from pydantic import ValidationError
 from structlog.testing import capture_logs
 
-from learner import checkpoint as ckpt
-from learner import crypto
-from learner.archive import ArchiveConfig, archive_checkpoint, fetch_checkpoint, list_archived, prune_archive
-from learner.mirror import CheckpointTiersConfig, copy_commit, mirror_checkpoint, resolve_resume
+from gyre.learner.checkpoint import store as ckpt
+from gyre.learner.checkpoint import crypto
+from gyre.learner.checkpoint.archive import ArchiveConfig, archive_checkpoint, fetch_checkpoint, list_archived, prune_archive
+from gyre.learner.checkpoint.mirror import CheckpointTiersConfig, copy_commit, mirror_checkpoint, resolve_resume
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -73,7 +73,7 @@ def test_mirror_refuses_a_primary_that_went_bad_and_leaves_no_dir(roots):
 def test_a_crash_before_the_mirror_rename_leaves_only_an_ignored_temp_dir(roots):
     root, mirror = roots
     save(root, 7)
-    code = (f"from learner.mirror import mirror_checkpoint; "
+    code = (f"from gyre.learner.checkpoint.mirror import mirror_checkpoint; "
             f"mirror_checkpoint({str(root / 'global_step_7')!r}, {str(mirror)!r}, 2)")
     env = {**os.environ, "GYRE_FAULT_POINT": "learner.mirror.before_rename"}
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, timeout=120)

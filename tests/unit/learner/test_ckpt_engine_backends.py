@@ -9,12 +9,13 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from learner import ckpt_engine, ranks
-from learner.checkpoint import verify
-from learner.ckpt_request import CheckpointRequest
-from learner.config import AlgorithmConfig, LearnerConfig
-from learner.ds_setup import ensure_distributed
-from learner.kl_control import KLController
+from gyre.learner import ranks
+from gyre.learner.checkpoint import engine as ckpt_engine
+from gyre.learner.checkpoint.store import verify
+from gyre.learner.checkpoint.request import CheckpointRequest
+from gyre.learner.config import AlgorithmConfig, LearnerConfig
+from gyre.learner.ds_setup import ensure_distributed
+from gyre.learner.algo.kl_control import KLController
 from tests.tiny_model import SMOLLM2_DIR
 
 

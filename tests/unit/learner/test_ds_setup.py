@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from learner.ds_setup import ensure_distributed
+from gyre.learner.ds_setup import ensure_distributed
 
 REPO = Path(__file__).resolve().parents[3]
 TORCH_DIST_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE")
@@ -23,7 +23,7 @@ WORLD_OF_ONE = """
 import torch.distributed as dist
 from tests.fakes import PortThief
 thief = PortThief().install()
-from learner.ds_setup import ensure_distributed
+from gyre.learner.ds_setup import ensure_distributed
 ensure_distributed()
 print("world", dist.get_world_size(), "rank", dist.get_rank(), "taken", thief.taken)
 """

@@ -10,13 +10,13 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from learner.advantages import group_advantages, masked_group_advantages
-from learner.algorithms import token_logprobs
-from learner.batch import build_train_batch, reward_error_metrics
-from learner.config import AlgorithmConfig
-from learner.losses import loss_normaliser, policy_loss
-from learner.step_start import step_targets
-from proto.trajectory import to_table
+from gyre.learner.algo.advantages import group_advantages, masked_group_advantages
+from gyre.learner.algo.logprobs import token_logprobs
+from gyre.learner.batch import build_train_batch, reward_error_metrics
+from gyre.learner.config import AlgorithmConfig
+from gyre.learner.algo.losses import loss_normaliser, policy_loss
+from gyre.learner.step_start import step_targets
+from gyre.proto.trajectory import to_table
 from tests.unit.learner.test_batch import PAD, _traj
 from tests.unit.learner.test_overlong import _FakeLearner
 

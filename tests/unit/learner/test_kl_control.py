@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from learner.checkpoint import CheckpointMetadata
-from learner.config import AlgorithmConfig
-from learner.kl_control import KLControlConfig, KLController, check_horizon
+from gyre.learner.checkpoint.store import CheckpointMetadata
+from gyre.learner.config import AlgorithmConfig
+from gyre.learner.algo.kl_control import KLControlConfig, KLController, check_horizon
 
 ADAPTIVE = KLControlConfig(type="adaptive", target_kl=0.1, horizon=100)
 
@@ -108,9 +108,9 @@ def test_checkpoints_without_the_state_or_from_another_controller_start_at_kl_co
 def test_kl_in_the_reward_uses_the_controllers_current_value_not_kl_coef():
     import torch
 
-    from learner.batch import build_train_batch
-    from learner.step_start import step_targets
-    from proto.trajectory import to_table
+    from gyre.learner.batch import build_train_batch
+    from gyre.learner.step_start import step_targets
+    from gyre.proto.trajectory import to_table
     from tests.unit.learner.test_overlong import PAD, _FakeLearner, _rows
 
     algo = AlgorithmConfig(advantage="gae", gamma=1.0, lam=1.0, kl_coef=0.1, kl_placement="reward",

@@ -12,9 +12,9 @@ import itertools
 import pytest
 import torch
 
-from learner.advantages import gae, group_advantages, kl_shaped_rewards
-from learner.config import KL_LOSS_GRADIENT, AlgorithmConfig
-from learner.losses import kl_penalty, policy_loss
+from gyre.learner.algo.advantages import gae, group_advantages, kl_shaped_rewards
+from gyre.learner.config import KL_LOSS_GRADIENT, AlgorithmConfig
+from gyre.learner.algo.losses import kl_penalty, policy_loss
 
 THETA = torch.tensor([0.3, -1.2, 0.8, 0.0, -0.4])
 """Logits of the policy ``pi = softmax(THETA)`` (the leaf the gradients are taken of)."""

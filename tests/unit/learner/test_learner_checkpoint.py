@@ -11,8 +11,8 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
-from learner import checkpoint as ckpt
-from proto.trajectory import SCHEMA_VERSION
+from gyre.learner.checkpoint import store as ckpt
+from gyre.proto.trajectory import SCHEMA_VERSION
 
 
 def save(root: Path, step: int, payload: bytes = b"weights", **meta) -> Path:
@@ -139,7 +139,7 @@ def test_rng_roundtrip_restores_torch_numpy_python(tmp_path):
 
 
 def test_a_missing_checkpoint_path_is_named_as_missing(tmp_path):
-    from learner.checkpoint import CheckpointError, verify
+    from gyre.learner.checkpoint.store import CheckpointError, verify
 
     with pytest.raises(CheckpointError, match="does not exist or is not a directory"):
         verify(tmp_path / "global_step_7")

@@ -1,11 +1,11 @@
 """The learner's run journal (``learner.run_journal``) as written by ``LearnerLoop``."""
 
-from learner import checkpoint as ckpt
-from learner.config import LearnerConfig
-from learner.loop import LearnerLoop, LearnerLoopConfig
-from learner.publisher import WeightPublisher
-from learner.run_journal import LearnerJournal
-from proto.journal import read_journal
+from gyre.learner.checkpoint import store as ckpt
+from gyre.learner.config import LearnerConfig
+from gyre.learner.loop import LearnerLoop, LearnerLoopConfig
+from gyre.learner.publisher import WeightPublisher
+from gyre.learner.run_journal import LearnerJournal
+from gyre.proto.journal import read_journal
 from tests.fakes import FakeReplay
 from tests.tiny_model import SMOLLM2_DIR
 from tests.unit.learner.test_learner_loop import CommittingEngine, filled_buffer, make_loop

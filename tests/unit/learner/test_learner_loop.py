@@ -5,12 +5,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from learner.ckpt_request import CheckpointRequest, commit_request
-from learner.config import LearnerConfig
-from learner.loop import LearnerLoop, LearnerLoopConfig, NoDataError
-from learner.publisher import WeightPublisher
-from replay.buffer import TrajectoryBuffer
-from replay.config import ReplayConfig
+from gyre.learner.checkpoint.request import CheckpointRequest, commit_request
+from gyre.learner.config import LearnerConfig
+from gyre.learner.loop import LearnerLoop, LearnerLoopConfig, NoDataError
+from gyre.learner.publisher import WeightPublisher
+from gyre.replay.buffer import TrajectoryBuffer
+from gyre.replay.config import ReplayConfig
 from tests.fakes import FakeReplay, group_table
 from tests.tiny_model import SMOLLM2_DIR
 
@@ -38,7 +38,7 @@ class FakeLearnerEngine:
         return {"loss": 0.5, "reward_mean": float(batch.rewards.mean())}
 
     def load_checkpoint(self, path, fingerprint="", force=False):
-        from learner.checkpoint import verify
+        from gyre.learner.checkpoint.store import verify
 
         meta = verify(path)
         self.step, self.version = meta.step, meta.policy_version
@@ -121,7 +121,7 @@ def test_no_batch_within_timeout_is_a_clear_error():
 
 
 def test_restore_acks_the_checkpoints_pending_leases_and_skips_unknown_ones():
-    from learner.checkpoint import CheckpointMetadata
+    from gyre.learner.checkpoint.store import CheckpointMetadata
 
     buf = filled_buffer()
     lease_id, _ = buf.sample(2, 0)
@@ -135,7 +135,7 @@ def test_sigusr1_checkpoints_and_continues_sigterm_checkpoints_and_stops():
     import os
     import signal
 
-    from learner.loop import StopRequested
+    from gyre.learner.loop import StopRequested
 
     buf = filled_buffer(6)
     loop, _ = make_loop(buf, save_interval=100)
@@ -157,7 +157,7 @@ def test_sigusr1_checkpoints_and_continues_sigterm_checkpoints_and_stops():
 
 
 def test_resume_auto_loads_the_newest_verified_checkpoint_and_acks_its_pending_leases(tmp_path):
-    from learner import checkpoint as ckpt
+    from gyre.learner.checkpoint import store as ckpt
 
     buf = filled_buffer()
     lease_id, _ = buf.sample(2, 0)
@@ -178,7 +178,7 @@ def test_resume_auto_loads_the_newest_verified_checkpoint_and_acks_its_pending_l
 def test_resume_from_an_older_checkpoint_rejoins_replay_so_training_goes_on(tmp_path):
     """The learner trained to version 5, checkpointed at 3 and crashed: replay must follow it back to 3
     (else groups generated at version 3 are dropped as stale: a stall) and free the lease it took after."""
-    from learner import checkpoint as ckpt
+    from gyre.learner.checkpoint import store as ckpt
 
     buf = TrajectoryBuffer(ReplayConfig(max_staleness=1))
     buf.insert(group_table(0, version=4))
@@ -272,7 +272,7 @@ class CommittingEngine(FakeLearnerEngine):
     stores_group_ids = False
 
     def save_checkpoint(self, request: CheckpointRequest):
-        from learner import checkpoint as ckpt
+        from gyre.learner.checkpoint import store as ckpt
 
         call = checked(request)
         root, leases = call.root, list(call.pending_lease_ids)
@@ -289,8 +289,8 @@ class CommittingEngine(FakeLearnerEngine):
 def test_checkpoints_are_mirrored_before_the_ack_and_archived_after(tmp_path):
     import shutil
 
-    from learner import checkpoint as ckpt
-    from learner.archive import list_archived
+    from gyre.learner.checkpoint import store as ckpt
+    from gyre.learner.checkpoint.archive import list_archived
 
     buf = filled_buffer(6)
     archive = {"url": f"file://{tmp_path / 'archive'}", "keep_last_n": 2}
@@ -331,7 +331,7 @@ def test_a_failing_mirror_is_logged_and_training_goes_on(tmp_path):
 def test_rejoin_waits_for_replay_and_never_releases_a_lease_the_checkpoint_trained_on(tmp_path):
     """Replay is down when the restarted learner first steps: the ack fails, so nothing is released (the
     lease the checkpoint covers must be acked, not returned to the pool); the next attempt does both."""
-    from learner import checkpoint as ckpt
+    from gyre.learner.checkpoint import store as ckpt
 
     buf = filled_buffer()
     trained, _ = buf.sample(2, 0, consumer="learner")  # committed in the checkpoint, ack lost in the crash
@@ -358,9 +358,9 @@ def test_an_archive_upload_slower_than_training_still_finds_its_checkpoint(tmp_p
     # primary now keeps a checkpoint until its upload ended; a later commit's prune takes it.
     import threading
 
-    from learner import archive as archive_mod
-    from learner import checkpoint as ckpt
-    from learner.archive import list_archived
+    from gyre.learner.checkpoint import archive as archive_mod
+    from gyre.learner.checkpoint import store as ckpt
+    from gyre.learner.checkpoint.archive import list_archived
 
     gate, real = threading.Event(), archive_mod.archive_checkpoint
 
@@ -380,5 +380,5 @@ def test_an_archive_upload_slower_than_training_still_finds_its_checkpoint(tmp_p
     gate.set()
     loop.wait_for_uploads(60)
     assert loop.tier_failures == 0 and list_archived(loop.config.archive) == [1, 2, 3]
-    assert loop._archive.pending() == frozenset()  # the next commit's prune may take global_step_1 now
-    assert [p.name for p in ckpt.prune(tmp_path / "primary", 2, loop._archive.pending())] == ["global_step_1"]
+    assert loop.checkpoints.archive.pending() == frozenset()  # the next commit's prune may take global_step_1 now
+    assert [p.name for p in ckpt.prune(tmp_path / "primary", 2, loop.checkpoints.archive.pending())] == ["global_step_1"]

@@ -6,11 +6,11 @@ bounds, nothing on disk, a fresh random timeline per incarnation."""
 
 from pathlib import Path
 
-from learner.versions import LockstepPublishing, StreamedPublishing
-from proto.lockstep import LockstepConfig, VersionStore
-from proto.timeline import SHARED
-from replay.buffer import TrajectoryBuffer
-from replay.config import ReplayConfig
+from gyre.learner.versions import LockstepPublishing, StreamedPublishing
+from gyre.proto.lockstep import LockstepConfig, VersionStore
+from gyre.proto.timeline import SHARED
+from gyre.replay.buffer import TrajectoryBuffer
+from gyre.replay.config import ReplayConfig
 from tests.fakes import group_table
 from tests.unit.learner.test_learner_loop import FakeLearnerEngine, make_loop
 

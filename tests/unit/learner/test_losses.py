@@ -11,8 +11,8 @@ import torch
 
 from pydantic import ValidationError
 
-from learner.config import AlgorithmConfig
-from learner.losses import kl_penalty, loss_normaliser, policy_loss, row_token_scale, token_entropy, value_loss
+from gyre.learner.config import AlgorithmConfig
+from gyre.learner.algo.losses import kl_penalty, loss_normaliser, policy_loss, row_token_scale, token_entropy, value_loss
 
 LN = math.log
 

@@ -1,5 +1,5 @@
 """Custom objectives (``learner.objectives``): ``learner.algorithm.advantage`` / ``loss`` as import paths, checked
-on a synthetic batch when the config loads (``learner.objective_check``), and called where the built-ins are.
+on a synthetic batch when the config loads (``learner.algo.objective_check``), and called where the built-ins are.
 The engine step itself (bit-identical parameters) is ``tests/integration/test_learner_objectives.py``."""
 
 from __future__ import annotations
@@ -12,16 +12,16 @@ import torch
 
 from examples.objectives.advantages import batch_loo
 from examples.objectives.losses import clipped_is_pg
-from learner.batch import build_train_batch
-from learner.config import AlgorithmConfig, LearnerConfig
-from learner.kl_control import KLController
-from learner.loop_config import LearnerLoopConfig
-from learner.losses import policy_loss
-from learner.objective_check import check_objectives, synthetic_advantage_inputs
-from learner.objectives import LossInputs, ObjectiveError, custom_policy_loss
-from learner.step_start import step_targets
-from proto.trajectory import Trajectory, make_ids, to_table
-from services.control.recipe import RecipeError, load_recipe
+from gyre.learner.batch import build_train_batch
+from gyre.learner.config import AlgorithmConfig, LearnerConfig
+from gyre.learner.algo.kl_control import KLController
+from gyre.learner.loop_config import LearnerLoopConfig
+from gyre.learner.algo.losses import policy_loss
+from gyre.learner.algo.objective_check import check_objectives, synthetic_advantage_inputs
+from gyre.learner.algo.objectives import LossInputs, ObjectiveError, custom_policy_loss
+from gyre.learner.step_start import step_targets
+from gyre.proto.trajectory import Trajectory, make_ids, to_table
+from gyre.services.control.recipe.schema import RecipeError, load_recipe
 from tests.unit.learner import objective_fns
 
 FNS = "tests.unit.learner.objective_fns"
@@ -194,7 +194,7 @@ class _FakeLearner:
         return self.engine(input_ids), None
 
     def _ref_logprobs(self, input_ids, attention_mask):
-        from learner.algorithms import token_logprobs
+        from gyre.learner.algo.logprobs import token_logprobs
         return token_logprobs(self.ref_model(input_ids), input_ids)
 
 
@@ -248,8 +248,8 @@ def test_the_example_clipped_is_pg_loss_is_its_formula():
 def test_the_docs_render_every_field_of_the_contract():
     import dataclasses
 
-    from learner.objectives import AdvantageInputs
-    from services.cli.reference_docs import objectives_reference
+    from gyre.learner.algo.objectives import AdvantageInputs
+    from gyre.services.cli.reference_docs import objectives_reference
 
     page = objectives_reference()
     for cls in (AdvantageInputs, LossInputs):

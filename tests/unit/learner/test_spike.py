@@ -1,4 +1,4 @@
-"""Loss-spike checkpoints (``learner.spike``): the Hampel rule on a planted spike, the shortened interval and its
+"""Loss-spike checkpoints (``learner.checkpoint.spike``): the Hampel rule on a planted spike, the shortened interval and its
 hold, the detector's checkpoint state, and the learner loop saving earlier than ``save_interval`` after a spike."""
 
 from __future__ import annotations
@@ -8,13 +8,13 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from learner import checkpoint as ckpt
-from learner.config import LearnerConfig
-from learner.loop import LearnerLoop, LearnerLoopConfig
-from learner.publisher import WeightPublisher
-from learner.spike import SpikeDetector, SpikeSaveConfig, spike_threshold
-from replay.buffer import TrajectoryBuffer
-from replay.config import ReplayConfig
+from gyre.learner.checkpoint import store as ckpt
+from gyre.learner.config import LearnerConfig
+from gyre.learner.loop import LearnerLoop, LearnerLoopConfig
+from gyre.learner.publisher import WeightPublisher
+from gyre.learner.checkpoint.spike import SpikeDetector, SpikeSaveConfig, spike_threshold
+from gyre.replay.buffer import TrajectoryBuffer
+from gyre.replay.config import ReplayConfig
 from tests.fakes import FakeReplay, group_table
 from tests.tiny_model import SMOLLM2_DIR
 from tests.unit.learner.test_learner_loop import FakeLearnerEngine

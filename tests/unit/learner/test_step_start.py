@@ -9,9 +9,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from learner.algorithms import token_logprobs
-from learner.config import AlgorithmConfig
-from learner.step_start import eval_mode, mini_batch_rows, proximal_logprobs
+from gyre.learner.algo.logprobs import token_logprobs
+from gyre.learner.config import AlgorithmConfig
+from gyre.learner.step_start import eval_mode, mini_batch_rows, proximal_logprobs
 
 
 def _llama(attention_dropout: float) -> LlamaForCausalLM:

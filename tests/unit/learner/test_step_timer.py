@@ -4,8 +4,8 @@ import time
 
 import pytest
 
-import learner.loop
-from learner.step_timer import PHASES, PREFIX, StepTimer
+from gyre.learner import loop as learner_loop
+from gyre.learner.step_timer import PHASES, PREFIX, StepTimer
 from tests.fakes import FakeClock, FakeReplay
 from tests.unit.learner.test_learner_loop import FakeLearnerEngine, filled_buffer, make_loop
 
@@ -50,13 +50,13 @@ class SlowReplay(FakeReplay):
 def test_each_phase_lands_in_its_bucket_and_the_parts_sum_to_the_step(monkeypatch):
     clock = FakeClock(100.0)
     monkeypatch.setattr(time, "perf_counter", clock)
-    build = learner.loop.build_train_batch
+    build = learner_loop.build_train_batch
 
     def slow_build(*args, **kw):  # building the batch is none of the named phases: "other"
         clock.advance(SECONDS["other"])
         return build(*args, **kw)
 
-    monkeypatch.setattr(learner.loop, "build_train_batch", slow_build)
+    monkeypatch.setattr(learner_loop, "build_train_batch", slow_build)
     buf = filled_buffer()
     loop, _ = make_loop(buf, save_interval=1)
     loop.engine, loop.replay = TimedEngine(clock), SlowReplay(buf, clock)

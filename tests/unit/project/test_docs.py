@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel
 
-from services.cli.main import build_parser
-from services.cli.reference_docs import _docstrings, _models_in, cli_reference, field_docstrings, recipe_reference
-from services.control.recipe import Recipe
+from gyre.services.cli.main import build_parser
+from gyre.services.cli.reference_docs import _docstrings, _models_in, cli_reference, field_docstrings, recipe_reference
+from gyre.services.control.recipe.schema import Recipe
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -90,3 +90,49 @@ def test_readme_is_a_screenful_and_shows_the_two_commands():
     assert "make run" in readme and "make test" in readme
     for link in re.findall(r"\]\(((?:docs/)[^)#]+)", readme):
         assert (REPO / link).exists(), link
+
+
+LAYOUT_ROOTS = ("gyre", "proto", "utils", "faults", "replay", "rollout", "learner", "services", "deploy", "bench")
+"""The folders whose source files the architecture page's Layout names, one by one."""
+
+
+def layout_names(page: str) -> dict[str, set[str]]:
+    """Folder (``services/control/recipe``) → the words its entry in the ``## Layout`` code block holds. A line
+    that starts (after its indent) with ``name/`` opens that folder's entry, nested under the nearest less
+    indented open folder; the lines after it, until the next folder line, continue the entry."""
+    block = page.split("## Layout", 1)[1].split("```", 2)[1]
+    entries: dict[str, set[str]] = {}
+    stack: list[tuple[int, str]] = []
+    current = None
+    for line in block.splitlines():
+        m = re.match(r"^(\s*)([\w.-]+)/(?:\s|$)", line)
+        indent = len(line) - len(line.lstrip())
+        if m and (current is None or indent <= stack[-1][0] + 2):
+            while stack and stack[-1][0] >= indent:
+                stack.pop()
+            current = "/".join([s for _, s in stack] + [m.group(2)])
+            stack.append((indent, m.group(2)))
+            entries.setdefault(current, set())
+            line = line[m.end():]
+        if current is not None:
+            entries[current] |= set(re.findall(r"[\w.-]+", line))
+    return entries
+
+
+def test_layout_reads_nested_folders_and_their_continuation_lines():
+    page = ("## Layout\n\n```\nproto/      trajectory, gen\n            journal\nservices/   intro\n  common/   logs\n"
+            "    deep/ names\n  cli/      main (`gyre`)\n```\n")
+    assert layout_names(page) == {"proto": {"trajectory", "gen", "journal"}, "services": {"intro"},
+                                  "services/common": {"logs"}, "services/common/deep": {"names"},
+                                  "services/cli": {"main", "gyre"}}
+
+
+def test_the_architecture_layout_names_every_source_file():
+    entries = layout_names((REPO / "docs" / "concepts" / "architecture.md").read_text())
+    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "--", *LAYOUT_ROOTS],
+                            cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
+    sources = [Path(f) for f in listed if f.endswith(".py") and "_pb2" not in f and not Path(f).name.startswith("__")]
+    assert len(sources) > 150, f"only {len(sources)} source files listed: the check reads nothing"
+    missing = [str(f) for f in sources if f.stem not in entries.get(str(f.parent), set())]
+    assert not missing, ("source files the Layout of docs/concepts/architecture.md does not name in their folder's "
+                         "entry (add each, with what it holds):\n  " + "\n  ".join(missing))

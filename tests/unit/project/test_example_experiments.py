@@ -8,8 +8,8 @@ import importlib.util
 import json
 from pathlib import Path
 
-from services.cli.sweep import plan_sweep
-from services.cli.sweep_config import read_sweep
+from gyre.services.cli.sweep import plan_sweep
+from gyre.services.cli.sweep_config import read_sweep
 
 STUDY = "examples/experiments/lag-study.yaml"
 RECORD_ONCE = "examples/experiments/record-once-study.yaml"

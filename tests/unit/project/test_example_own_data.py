@@ -7,10 +7,10 @@ import asyncio
 import importlib.util
 from pathlib import Path
 
-from rollout.rewards.function import Group
-from rollout.rewards.scoring import score_groups
-from rollout.tasks import TaskSource
-from services.control.recipe import load_recipe
+from gyre.rollout.rewards.function import Group
+from gyre.rollout.rewards.scoring import score_groups
+from gyre.rollout.tasks import TaskSource
+from gyre.services.control.recipe.schema import load_recipe
 
 EXAMPLE = Path("examples/own-data")
 

@@ -11,8 +11,14 @@ itself at module level nor through a gyre module it imports at module level (pac
 included). Imports inside functions are allowed (a core may offer an optional Ray/gRPC path).
 
 The services' layering (same page): under ``services/``, ``common/`` imports no service package, a service
-(``replay/``, ``learner/``, ``rollout/``, ``reward_model/``) imports no other service's package, control imports
-the services and the CLI imports control, never the other way round (``SERVICE_LAYERS``; every import counts).
+(``replay/``, ``learner/``, ``rollout/``, ``reward_model/``) imports no other service's package and no core but its
+own (``SERVICE_CORES``), control imports the services and the CLI imports control, never the other way round
+(``SERVICE_LAYERS``; every import counts). Below them, the cores and the ground packages (``proto/``, ``utils/``,
+``faults/``) import nothing of ``services/`` (``GROUND``).
+
+Every module is named by gyre's import name (``gyre.learner.engine``); a bare ``import learner`` or
+``from proto import ...`` anywhere in the repository (``tests/``, ``bench/`` and ``examples/`` included) is
+refused: it would load a second copy of a module, or proto-plus's ``proto``.
 """
 
 from __future__ import annotations
@@ -22,8 +28,10 @@ import functools
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[3]
-PACKAGES = ("services", "proto", "faults", "learner", "rollout", "replay", "deploy", "bench")
+PACKAGES = ("services", "proto", "utils", "faults", "learner", "rollout", "replay", "deploy")
+"""The folders ``setup.py`` maps under ``gyre``: module ``gyre.<folder>.<...>``."""
 CORES = ("replay", "rollout", "learner")
+GROUND = ("proto", "utils", "faults") + CORES
 TRANSPORTS = ("grpc", "ray")
 CORE_TRANSPORT_EXCEPTIONS: dict[str, str] = {}
 """core module -> why it may import a transport at module level. Empty: no core module does today."""
@@ -31,13 +39,14 @@ CORE_TRANSPORT_EXCEPTIONS: dict[str, str] = {}
 
 @functools.cache
 def module_files() -> dict[str, Path]:
-    """Dotted module name -> its file, for every gyre source module (a package under its own name)."""
-    out = {}
-    for package in PACKAGES:
+    """Dotted module name -> its file, for every gyre source module (``gyre.<folder>...``; ``bench/`` modules, run
+    from a checkout and not installed, under their own ``bench.<...>``)."""
+    out = {"gyre": REPO / "gyre" / "__init__.py"}
+    for package, prefix in [(p, ("gyre",)) for p in PACKAGES] + [("bench", ())]:
         for path in sorted((REPO / package).rglob("*.py")):
             if "_pb2" in path.name:
                 continue
-            parts = path.relative_to(REPO).with_suffix("").parts
+            parts = prefix + path.relative_to(REPO).with_suffix("").parts
             out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return out
 
@@ -182,7 +191,8 @@ def test_core_modules_import_no_grpc_or_ray_at_import_time():
     direct = {m: {name.split(".")[0] for name, top in all_imports()[m] if top} & set(TRANSPORTS) for m in modules}
     assert any(direct.values()), "no gyre module imports grpc or ray at module level: the check reads nothing"
     bad = {}
-    for module in sorted(m for m in modules if m.split(".")[0] in CORES and m not in CORE_TRANSPORT_EXCEPTIONS):
+    for module in sorted(m for m in modules if m.split(".")[:2] in [["gyre", c] for c in CORES]
+                         and m not in CORE_TRANSPORT_EXCEPTIONS):
         if chain := transport_chain(module, graph, direct):
             bad[module] = " -> ".join(chain)
     assert not bad, ("core modules (replay/, rollout/, learner/) that import grpc or ray when imported (import it "
@@ -200,41 +210,108 @@ SERVICE_LAYERS: dict[str, set[str]] = {
 shared plumbing and imports no service; a service (replay, learner, rollout, reward_model) imports only itself and
 ``common``, never another service's package; control imports the services, the CLI imports control."""
 
+SERVICE_CORES: dict[str, set[str]] = {
+    "common": set(), "replay": {"replay"}, "learner": {"learner"}, "rollout": {"rollout"},
+    "reward_model": {"rollout.rewards"}, "control": set(CORES), "cli": set(CORES),
+}
+"""``services/`` package -> the core (sub)packages it may import: a service wraps its own core (the reward-model
+service scores the rewards of ``rollout/rewards/``); a contract two services share lives in ``proto/``; control and
+the CLI assemble every core."""
+
+
+def _within(target: str, roots) -> bool:
+    return any(target == f"gyre.{r}" or target.startswith(f"gyre.{r}.") for r in roots)
+
 
 def layering_violations(imports: dict[str, list[tuple[str, bool]]], modules) -> list[str]:
-    """``"a imports b"`` for every import (any level, deferred ones included) from one ``services/`` package into
-    another that ``SERVICE_LAYERS`` does not allow; a ``services/`` package missing from the table is reported too."""
+    """``"a imports b"`` for every import (any level, deferred ones included) that the layering forbids: from one
+    ``services/`` package into another that ``SERVICE_LAYERS`` does not allow, from a ``services/`` package into a
+    core outside its ``SERVICE_CORES``, and from a ``GROUND`` package into ``services/``. A ``services/`` package
+    missing from the tables is reported too."""
     bad = []
     for module in sorted(imports):
         parts = module.split(".")
-        if parts[0] != "services" or len(parts) < 2:
+        ground = len(parts) >= 2 and parts[0] == "gyre" and parts[1] in GROUND
+        service = parts[:2] == ["gyre", "services"] and len(parts) >= 3
+        if not (ground or service):
             continue
-        allowed = SERVICE_LAYERS.get(parts[1])
-        if allowed is None:
-            bad.append(f"{module}: services.{parts[1]} has no row in SERVICE_LAYERS")
+        if service and (parts[2] not in SERVICE_LAYERS or parts[2] not in SERVICE_CORES):
+            bad.append(f"{module}: services.{parts[2]} has no row in SERVICE_LAYERS / SERVICE_CORES")
             continue
         for name, _top in imports[module]:
             target = _resolve(name, modules)
-            if target is None or not target.startswith("services."):
+            if target is None:
                 continue
-            if target.split(".")[1] not in allowed:
+            if ground and _within(target, ["services"]):
+                bad.append(f"{module} imports {target}")
+            elif service and _within(target, ["services"]) and target.count(".") >= 2 \
+                    and target.split(".")[2] not in SERVICE_LAYERS[parts[2]]:
+                bad.append(f"{module} imports {target}")
+            elif service and _within(target, CORES) and not _within(target, SERVICE_CORES[parts[2]]):
                 bad.append(f"{module} imports {target}")
     return sorted(set(bad))
 
 
-def test_layering_finds_a_planted_cross_service_import():
-    modules = dict.fromkeys(["services", "services.common.x", "services.learner.a", "services.replay.b",
-                             "services.control.c"])
-    imports = {"services.common.x": [("services.replay.b", False)],
-               "services.learner.a": [("services.replay.b.Thing", True), ("services.common.x", True)],
-               "services.replay.b": [("services.common.x", True)],
-               "services.control.c": [("services.learner.a", True), ("services.replay.b", True)]}
-    assert layering_violations(imports, modules) == ["services.common.x imports services.replay.b",
-                                                     "services.learner.a imports services.replay.b"]
+def test_layering_finds_planted_cross_service_core_and_ground_imports():
+    modules = dict.fromkeys(["gyre.services", "gyre.services.common.x", "gyre.services.learner.a",
+                             "gyre.services.replay.b", "gyre.services.control.c", "gyre.rollout.weights",
+                             "gyre.rollout.rewards.base", "gyre.services.reward_model.d", "gyre.proto.e",
+                             "gyre.learner.f"])
+    imports = {"gyre.services.common.x": [("gyre.services.replay.b", False)],
+               "gyre.services.learner.a": [("gyre.services.replay.b.Thing", True), ("gyre.services.common.x", True),
+                                           ("gyre.rollout.weights.NcclTransportConfig", True), ("gyre.learner.f", True)],
+               "gyre.services.replay.b": [("gyre.services.common.x", True)],
+               "gyre.services.control.c": [("gyre.services.learner.a", True), ("gyre.services.replay.b", True),
+                                           ("gyre.rollout.weights", True)],
+               "gyre.services.reward_model.d": [("gyre.rollout.rewards.base", True), ("gyre.rollout.weights", False)],
+               "gyre.proto.e": [("gyre.services.common.x", False)],
+               "gyre.learner.f": [("gyre.services.learner.a.run", True), ("gyre.proto.e", True)]}
+    assert layering_violations(imports, modules) == [
+        "gyre.learner.f imports gyre.services.learner.a",
+        "gyre.proto.e imports gyre.services.common.x",
+        "gyre.services.common.x imports gyre.services.replay.b",
+        "gyre.services.learner.a imports gyre.rollout.weights",
+        "gyre.services.learner.a imports gyre.services.replay.b",
+        "gyre.services.reward_model.d imports gyre.rollout.weights"]
 
 
-def test_no_service_imports_another_services_package():
+def test_no_service_imports_another_services_package_or_core():
     bad = layering_violations(all_imports(), module_files())
-    assert not bad, ("imports across services/ packages that the layering forbids (SERVICE_LAYERS): move what two "
-                     "services share into services/common/ (or a core package if it is pure logic):\n"
-                     + "\n".join(f"  {b}" for b in bad))
+    assert not bad, ("imports the layering forbids (SERVICE_LAYERS, SERVICE_CORES, GROUND): move what two services "
+                     "share into services/common/, a contract two of them share into proto/, and what a core needs "
+                     "from a service behind a callable it is given:\n" + "\n".join(f"  {b}" for b in bad))
+
+
+BARE_ROOTS = ("tests", "bench", "examples", "docs")
+"""Folders outside the installed packages whose Python must import gyre by its import name too."""
+
+
+def bare_imports(path: Path, root: Path = REPO) -> list[str]:
+    """``"file:line: import ..."`` for every import in ``path`` of one of ``PACKAGES`` without ``gyre.``."""
+    tree = ast.parse(path.read_text(), str(path))
+    bad = []
+    for node in ast.walk(tree):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            names = [node.module]
+        names = [n for n in names if n.split(".")[0] in PACKAGES]
+        bad += [f"{path.relative_to(root)}:{node.lineno}: {n}" for n in names]
+    return bad
+
+
+def test_bare_imports_finds_a_planted_one(tmp_path):
+    planted = tmp_path / "m.py"
+    planted.write_text("import gyre.proto.trajectory\nfrom proto import replay_pb2\nimport learner.engine as e\n"
+                       "from gyre.services.cli import main\ndef f():\n    from services.cli import main\n")
+    assert [b.split(": ", 1)[1] for b in bare_imports(planted, tmp_path)] == ["proto", "learner.engine", "services.cli"]
+
+
+def test_every_import_of_gyre_code_uses_the_gyre_name():
+    files = [p for p in module_files().values()]
+    files += [p for root in BARE_ROOTS for p in sorted((REPO / root).rglob("*.py"))]
+    assert len(files) > 400, f"only {len(files)} Python files found under {REPO}: the check reads nothing"
+    bad = [b for p in files if "_pb2" not in p.name for b in bare_imports(p)]
+    assert not bad, ("imports of gyre's packages without the gyre. prefix (a second copy of the module, or proto-plus's "
+                     "`proto`): write `from gyre.<package> import ...`:\n" + "\n".join(f"  {b}" for b in bad))

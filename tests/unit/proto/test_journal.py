@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from proto.journal import Journal, JournalError, read_journal
+from gyre.proto.journal import Journal, JournalError, read_journal
 
 
 def test_append_writes_one_json_line_per_event_and_reads_back(tmp_path):
@@ -64,9 +64,9 @@ def test_lines_are_plain_json(tmp_path):
 
 
 def test_a_rollouts_replay_link_journals_each_acknowledged_insert(tmp_path):
-    from replay.buffer import TrajectoryBuffer
-    from replay.config import ReplayConfig
-    from services.common.replay_links import TrackedReplay
+    from gyre.replay.buffer import TrajectoryBuffer
+    from gyre.replay.config import ReplayConfig
+    from gyre.services.common.replay_links import TrackedReplay
     from tests.fakes import FakeReplay, group_table
 
     buf = TrajectoryBuffer(ReplayConfig(max_staleness=0))

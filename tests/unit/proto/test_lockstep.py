@@ -7,10 +7,10 @@ import os
 import pytest
 import torch
 
-from proto.lockstep import LockstepConfig, VersionMismatchError, VersionStore, weights_sha256
-from replay.buffer import TrajectoryBuffer
-from replay.config import ReplayConfig
-from rollout.lockstep_gate import LockstepGate
+from gyre.proto.lockstep import LockstepConfig, VersionMismatchError, VersionStore, weights_sha256
+from gyre.replay.buffer import TrajectoryBuffer
+from gyre.replay.config import ReplayConfig
+from gyre.rollout.lockstep_gate import LockstepGate
 from tests.fakes import group_table
 
 NO_AUTO = {"interval_s": None, "wal_bytes": None}
@@ -105,7 +105,7 @@ def test_gate_shares_a_version_switches_when_idle_and_rewinds_for_a_reissued_pro
 
 
 def test_recipe_hands_lockstep_to_rollout_and_learner(tmp_path, tiny_llama):
-    from services.control.recipe import Recipe
+    from gyre.services.control.recipe.schema import Recipe
 
     base = {"name": "ls", "model": str(tiny_llama), "run_dir": str(tmp_path), "seed": 3,
             "rollout": {}, "learner": {"groups_per_step": 2}, "replay": {"max_staleness": 1}}
@@ -150,9 +150,9 @@ def test_a_rewritten_version_must_match_the_stored_one_and_later_versions_wait_a
 
 
 def test_a_resumed_lockstep_learner_checks_its_predecessors_versions_before_rollouts_see_them(tmp_path):
-    from learner.config import LearnerConfig
-    from learner.loop import LearnerLoop, LearnerLoopConfig
-    from learner.publisher import WeightPublisher
+    from gyre.learner.config import LearnerConfig
+    from gyre.learner.loop import LearnerLoop, LearnerLoopConfig
+    from gyre.learner.publisher import WeightPublisher
     from tests.fakes import FakeReplay
     from tests.tiny_model import SMOLLM2_DIR
 
@@ -179,9 +179,9 @@ def test_a_resumed_lockstep_learner_checks_its_predecessors_versions_before_roll
 
 
 def test_lockstep_learner_process_runs_deterministic_kernels(monkeypatch, tmp_path):
-    from learner.config import LearnerConfig
-    from learner.loop_config import LearnerLoopConfig
-    from learner.versions import prepare_learner_process
+    from gyre.learner.config import LearnerConfig
+    from gyre.learner.loop_config import LearnerLoopConfig
+    from gyre.learner.versions import prepare_learner_process
     from tests.tiny_model import SMOLLM2_DIR
 
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)

@@ -3,7 +3,7 @@ import dataclasses
 import pytest
 import torch
 
-from proto.tensor_chunks import ChunkAssembler, ChunkError, encode_tensors, iter_chunks
+from gyre.proto.tensor_chunks import ChunkAssembler, ChunkError, encode_tensors, iter_chunks
 
 
 def named():

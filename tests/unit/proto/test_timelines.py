@@ -9,12 +9,12 @@ import time
 import pyarrow as pa
 import torch
 
-from learner.publisher import WeightPublisher
-from proto.timeline import SHARED, is_new
-from replay.buffer import TrajectoryBuffer
-from replay.config import ReplayConfig
-from services.learner import weight_server
-from services.rollout.transport.subscriber import WeightSubscriber
+from gyre.learner.publisher import WeightPublisher
+from gyre.proto.timeline import SHARED, is_new
+from gyre.replay.buffer import TrajectoryBuffer
+from gyre.replay.config import ReplayConfig
+from gyre.services.learner import weight_server
+from gyre.services.rollout.transport.subscriber import WeightSubscriber
 from tests.fakes import FakeEngine, FakeReplay, SlowEngine, until
 from tests.unit.rollout.test_rollout_worker import make_worker
 
@@ -96,7 +96,7 @@ def test_worker_switches_timeline_down_cancelling_dead_groups_then_moves_forward
 def test_final_evaluation_waits_for_the_learners_timeline_not_its_number():
     """Crash after the last publish: the rollout holds version 3 of the dead timeline, the resumed learner
     ends on version 3 of its own. Waiting for "version 3" must not accept the dead weights."""
-    from services.rollout.actor import RolloutActor
+    from gyre.services.rollout.actor import RolloutActor
 
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
@@ -119,8 +119,8 @@ def test_final_evaluation_waits_for_the_learners_timeline_not_its_number():
 
 
 def test_learner_publishes_version_0_shared_and_later_versions_under_its_incarnation(tmp_path):
-    from learner.config import LearnerConfig
-    from learner.loop import LearnerLoop, LearnerLoopConfig
+    from gyre.learner.config import LearnerConfig
+    from gyre.learner.loop import LearnerLoop, LearnerLoopConfig
     from tests.tiny_model import SMOLLM2_DIR
 
     class Engine:  # what publish_current reads
@@ -166,9 +166,9 @@ def test_worker_labels_each_trajectory_with_the_timeline_of_the_weights_that_sam
 
 
 def test_resumed_learner_rejoins_with_its_timeline_and_counts_dead_rows_it_still_gets(tmp_path):
-    from learner.config import LearnerConfig
-    from learner.loop import LearnerLoop, LearnerLoopConfig
-    from learner.step_metrics import dead_timeline_rows
+    from gyre.learner.config import LearnerConfig
+    from gyre.learner.loop import LearnerLoop, LearnerLoopConfig
+    from gyre.learner.step_metrics import dead_timeline_rows
     from tests.fakes import group_table
     from tests.tiny_model import SMOLLM2_DIR
 

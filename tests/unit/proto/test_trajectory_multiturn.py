@@ -8,8 +8,8 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from proto.trajectory import SCHEMA_VERSION, SchemaError, from_ipc, from_table, to_ipc, to_table
-from proto.trajectory_upgrade import V3_SCHEMA, read_ipc, upgrade
+from gyre.proto.trajectory import SCHEMA_VERSION, SchemaError, from_ipc, from_table, to_ipc, to_table
+from gyre.proto.trajectory_upgrade import V3_SCHEMA, read_ipc, upgrade
 from tests.fakes import make_group
 
 

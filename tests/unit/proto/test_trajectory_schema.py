@@ -4,7 +4,7 @@ import math
 import pyarrow as pa
 import pytest
 
-from proto.trajectory import (SCHEMA_VERSION, SCHEMA_VERSION_KEY, TRAJECTORY_SCHEMA, SchemaError, from_ipc,
+from gyre.proto.trajectory import (SCHEMA_VERSION, SCHEMA_VERSION_KEY, TRAJECTORY_SCHEMA, SchemaError, from_ipc,
                               from_table, to_ipc, to_table)
 from tests.fakes import make_group
 
@@ -66,7 +66,7 @@ def test_wrong_dtype_rejected():
 def test_bad_version_spans_name_row_group_and_spans(starts, versions, what):
     """The invariants the staleness gate reads spans[0] / spans[-1] by: an insert breaking them is refused
     (replay's ``split_groups`` validates every insert with ``validate_table``)."""
-    from replay.groups import split_groups
+    from gyre.replay.groups import split_groups
 
     rows = make_group(7, n=3, spans=([0, 2], [3, 3]), response_len=4)
     rows[2] = dataclasses.replace(rows[2], version_span_starts=starts, version_span_versions=versions)

@@ -10,13 +10,13 @@ import grpc
 import pyarrow as pa
 import pytest
 
-from proto import replay_pb2
-from proto.trajectory import SCHEMA_VERSION, to_ipc
-from replay.buffer import TrajectoryBuffer
-from replay.config import ReplayConfig
-from replay.groups import split_batch, split_groups
-from replay.wal_read import list_segments, read_segment
-from services.replay.ingest import END, Abort, IngestStage, Received, Stream
+from gyre.proto import replay_pb2
+from gyre.proto.trajectory import SCHEMA_VERSION, to_ipc
+from gyre.replay.buffer import TrajectoryBuffer
+from gyre.replay.config import ReplayConfig
+from gyre.replay.groups import split_batch, split_groups
+from gyre.replay.wal_read import list_segments, read_segment
+from gyre.services.replay.ingest import END, Abort, IngestStage, Received, Stream
 from tests.fakes import FakeClock, group_table
 from tests.unit.replay.test_replay_durability import contents
 

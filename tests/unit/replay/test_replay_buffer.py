@@ -1,9 +1,9 @@
 import pyarrow as pa
 import pytest
 
-from replay.buffer import TrajectoryBuffer, UnknownLeaseError
-from replay.config import ReplayConfig
-from replay.ledger import PromptLedger
+from gyre.replay.buffer import TrajectoryBuffer, UnknownLeaseError
+from gyre.replay.config import ReplayConfig
+from gyre.replay.ledger import PromptLedger
 from tests.fakes import FakeClock, group_table
 
 

@@ -7,12 +7,12 @@ import threading
 import pyarrow as pa
 import pytest
 
-from replay import snapshot as snapshot_mod
-from replay.buffer import TrajectoryBuffer
-from replay.config import ReplayConfig, WalConfig
-from replay.records import Record, encode
-from replay.wal import Wal, WalError
-from replay.wal_read import list_segments, read_segment
+from gyre.replay import snapshot as snapshot_mod
+from gyre.replay.buffer import TrajectoryBuffer
+from gyre.replay.config import ReplayConfig, WalConfig
+from gyre.replay.records import Record, encode
+from gyre.replay.wal import Wal, WalError
+from gyre.replay.wal_read import list_segments, read_segment
 from tests.fakes import FakeClock, group_table
 
 NO_AUTO = {"interval_s": None, "wal_bytes": None}
@@ -179,7 +179,7 @@ def test_snapshot_does_not_block_inserts_and_samples(tmp_path, monkeypatch):
 def test_failed_fsync_fails_the_log_for_good(tmp_path, monkeypatch):
     buf = TrajectoryBuffer(config(tmp_path))
     buf.insert(group_table(0))
-    import replay.wal as wal_mod
+    import gyre.replay.wal as wal_mod
 
     def broken(fd):
         raise OSError(5, "Input/output error")

@@ -8,8 +8,8 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from replay.files import HashingFile, read_verified, run_in_background
-from replay.types import SnapshotError
+from gyre.replay.files import HashingFile, read_verified, run_in_background
+from gyre.replay.types import SnapshotError
 
 
 def test_hashing_file_hashes_exactly_what_arrow_wrote(tmp_path):

@@ -9,15 +9,15 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from proto.trajectory import SchemaError, validate_table
-from replay import files as files_mod
-from replay import memory
-from replay.buffer import TrajectoryBuffer
-from replay.config import ReplayConfig, WalConfig
-from replay.files import ForegroundGate
-from replay.records import Record, encode, encode_parts
-from replay.wal import Wal
-from replay.wal_read import read_segment
+from gyre.proto.trajectory import SchemaError, validate_table
+from gyre.replay import files as files_mod
+from gyre.replay import memory
+from gyre.replay.buffer import TrajectoryBuffer
+from gyre.replay.config import ReplayConfig, WalConfig
+from gyre.replay.files import ForegroundGate
+from gyre.replay.records import Record, encode, encode_parts
+from gyre.replay.wal import Wal
+from gyre.replay.wal_read import read_segment
 from tests.fakes import group_table
 
 NO_AUTO = {"interval_s": None, "wal_bytes": None}
@@ -38,7 +38,7 @@ def test_records_appended_as_pieces_read_back_even_when_writev_writes_a_few_byte
         tmp_path, monkeypatch, durability):
     real = os.writev
     calls = []
-    monkeypatch.setattr("replay.wal.os.writev",
+    monkeypatch.setattr("gyre.replay.wal.os.writev",
                         lambda fd, bufs: calls.append(len(bufs)) or real(fd, [bytes(memoryview(bufs[0])[:7])]))
     records = [Record("insert", {}, pa.py_buffer(bytes(range(256)) * 40)), Record("ack", {"lease_ids": ["a"]}),
                Record("insert", {}, pa.py_buffer(b"x" * 1001))]
@@ -58,7 +58,7 @@ def test_records_appended_as_pieces_read_back_even_when_writev_writes_a_few_byte
 # ---- validation -----------------------------------------------------------------------------------------
 def test_a_table_with_the_exact_schema_skips_the_field_by_field_check(monkeypatch):
     table = group_table(0)
-    monkeypatch.setattr("proto.trajectory._check_columns",
+    monkeypatch.setattr("gyre.proto.trajectory._check_columns",
                         lambda t: (_ for _ in ()).throw(AssertionError("field-by-field check ran")))
     validate_table(table)
     with pytest.raises(AssertionError, match="field-by-field"):

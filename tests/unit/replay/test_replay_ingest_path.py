@@ -12,15 +12,15 @@ import google_crc32c
 import pyarrow as pa
 import pytest
 
-from proto.trajectory import to_ipc
-from replay import files as files_mod
-from replay.buffer import TrajectoryBuffer
-from replay.config import ReplayConfig, WalConfig
-from replay.files import HashingFile, ForegroundGate
-from replay.records import RECORD_SCHEMAS, WAL_FORMAT_VERSION, CorruptRecordError, Record, encode
-from replay.wal import Wal, segment_path
-from replay.wal_read import read_segment
-from services.replay.ingest import aligned as _aligned
+from gyre.proto.trajectory import to_ipc
+from gyre.replay import files as files_mod
+from gyre.replay.buffer import TrajectoryBuffer
+from gyre.replay.config import ReplayConfig, WalConfig
+from gyre.replay.files import HashingFile, ForegroundGate
+from gyre.replay.records import RECORD_SCHEMAS, WAL_FORMAT_VERSION, CorruptRecordError, Record, encode
+from gyre.replay.wal import Wal, segment_path
+from gyre.replay.wal_read import read_segment
+from gyre.services.replay.ingest import aligned as _aligned
 from tests.fakes import group_table
 
 NO_AUTO = {"interval_s": None, "wal_bytes": None}
@@ -40,7 +40,7 @@ def test_aligned_copies_only_a_misaligned_payload():
 def test_fsync_runs_on_the_waiting_thread_without_a_syncer(tmp_path, monkeypatch):
     fsynced_on = []
     real = os.fsync
-    monkeypatch.setattr("replay.wal.os.fsync", lambda fd: (fsynced_on.append(threading.get_ident()), real(fd)))
+    monkeypatch.setattr("gyre.replay.wal.os.fsync", lambda fd: (fsynced_on.append(threading.get_ident()), real(fd)))
     wal = Wal(tmp_path, WalConfig(), next_lsn=10)
     assert not [t for t in threading.enumerate() if t.name == "wal-sync"]
     lsn = wal.append([encode(Record("ack", {"lease_ids": ["a"]}))])
@@ -57,7 +57,7 @@ def test_a_failed_fsync_fails_the_log_once_and_for_good(tmp_path, monkeypatch):
     failures = []
     wal = Wal(tmp_path, WalConfig(), next_lsn=0, on_fail=failures.append)
     lsn = wal.append([encode(Record("ack", {"lease_ids": ["a"]}))])
-    monkeypatch.setattr("replay.wal.os.fsync", lambda fd: (_ for _ in ()).throw(OSError(5, "Input/output error")))
+    monkeypatch.setattr("gyre.replay.wal.os.fsync", lambda fd: (_ for _ in ()).throw(OSError(5, "Input/output error")))
     with pytest.raises(OSError, match="Input/output error"):
         wal.wait(lsn)
     with pytest.raises(OSError, match="failed: .*Input/output error"):
@@ -120,7 +120,7 @@ def test_a_flipped_byte_in_a_format_1_segment_names_its_crc32_check(tmp_path):
 
 
 def test_decode_rejects_a_batch_of_the_other_format():
-    from replay.records import decode
+    from gyre.replay.records import decode
     batch = pa.ipc.open_stream(pa.py_buffer(RECORD_SCHEMAS[2].serialize().to_pybytes()
                                             + encode(Record("ack", {"lease_ids": []})).to_pybytes())).read_next_batch()
     assert decode(batch).kind == "ack"
@@ -207,7 +207,7 @@ MAPPED_THEN_REMOVED = """
 import hashlib, sys
 from pathlib import Path
 import pyarrow as pa
-from replay.files import remove_gently
+from gyre.replay.files import remove_gently
 path, data = Path(sys.argv[1]), bytes(range(256)) * 1024
 path.write_bytes(data)
 with pa.memory_map(str(path)) as mm:
@@ -242,7 +242,7 @@ def test_mapped_here_sees_a_mapping_also_after_a_rename(tmp_path):
 
 
 def test_groups_file_in_many_batches_restores_the_same_groups(tmp_path, monkeypatch):
-    from replay import snapshot as snapshot_mod
+    from gyre.replay import snapshot as snapshot_mod
     monkeypatch.setattr(snapshot_mod, "_GROUPS_PER_BATCH", 2)
     config = ReplayConfig(dir=str(tmp_path), seed=0, snapshot=NO_AUTO)
     buf = TrajectoryBuffer(config)
@@ -259,7 +259,7 @@ def test_groups_file_in_many_batches_restores_the_same_groups(tmp_path, monkeypa
 
 
 def test_an_insert_is_foreground_work_except_while_the_rate_limiter_holds_it(tmp_path):
-    from replay.rate_limiter import RateLimitedError
+    from gyre.replay.rate_limiter import RateLimitedError
     config = ReplayConfig(dir=str(tmp_path), seed=0, snapshot=NO_AUTO,
                           rate_limiter={"samples_per_insert": 1.0, "error_buffer": 1.0, "min_size_to_sample": 1})
     buf = TrajectoryBuffer(config)

@@ -3,10 +3,10 @@
 import pyarrow as pa
 import pytest
 
-from proto.trajectory import SchemaError
-from replay.buffer import TrajectoryBuffer, UnknownLeaseError
-from replay.config import ReplayConfig
-from replay.ledger import PromptLedger
+from gyre.proto.trajectory import SchemaError
+from gyre.replay.buffer import TrajectoryBuffer, UnknownLeaseError
+from gyre.replay.config import ReplayConfig
+from gyre.replay.ledger import PromptLedger
 from tests.fakes import FakeClock, group_table, make_group
 
 

@@ -11,12 +11,12 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from replay import files
-from replay.config import WalConfig
-from replay.files import HashingFile, drop_cached
-from replay.records import Record, encode_parts
-from replay.wal import Wal
-from replay.wal_read import list_segments, read_segment
+from gyre.replay import files
+from gyre.replay.config import WalConfig
+from gyre.replay.files import HashingFile, drop_cached
+from gyre.replay.records import Record, encode_parts
+from gyre.replay.wal import Wal
+from gyre.replay.wal_read import list_segments, read_segment
 
 PAGE = mmap.PAGESIZE
 
@@ -158,7 +158,7 @@ def test_the_wal_leaves_the_page_cache_once_fsynced_and_replays_the_same(tmp_pat
 def test_without_fsync_the_log_is_dropped_only_once_close_fsyncd_it(tmp_path, monkeypatch, durability):
     """Dropping dirty pages would only start their writeback on the appending thread: not before close."""
     fds = []
-    monkeypatch.setattr("replay.wal.drop_cached", lambda fd, offset=0, length=0: fds.append((offset, length)))
+    monkeypatch.setattr("gyre.replay.wal.drop_cached", lambda fd, offset=0, length=0: fds.append((offset, length)))
     wal = Wal(tmp_path / "wal", WalConfig(durability=durability, segment_bytes=1 << 20), next_lsn=0)
     for _ in range(9):
         wal.wait(wal.append([insert(os.urandom(256 * 1024))]))

@@ -8,9 +8,9 @@ import time
 import pytest
 from pydantic import ValidationError
 
-from replay.buffer import TrajectoryBuffer
-from replay.config import RateLimiterConfig, ReplayConfig
-from replay.rate_limiter import RateLimitedError, RateLimiter
+from gyre.replay.buffer import TrajectoryBuffer
+from gyre.replay.config import RateLimiterConfig, ReplayConfig
+from gyre.replay.rate_limiter import RateLimitedError, RateLimiter
 from tests.fakes import group_table
 
 

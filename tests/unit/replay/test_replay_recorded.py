@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from replay.buffer import TrajectoryBuffer
-from replay.config import ReplayConfig
-from replay.recorded import (RECORDING_MANIFEST, RecordingError, read_manifest, read_recording, recorded_replay_config,
+from gyre.replay.buffer import TrajectoryBuffer
+from gyre.replay.config import ReplayConfig
+from gyre.replay.recorded import (RECORDING_MANIFEST, RecordingError, read_manifest, read_recording, recorded_replay_config,
                              sha256_files, write_replay_dir)
-from replay.snapshot import list_snapshots
-from replay.wal_read import list_segments
+from gyre.replay.snapshot import list_snapshots
+from gyre.replay.wal_read import list_segments
 from tests.fakes import group_table
 
 NO_AUTO = {"interval_s": None, "wal_bytes": None}

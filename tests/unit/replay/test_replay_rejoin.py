@@ -3,8 +3,8 @@ and replay's learner version follows the checkpoint down, so fresh groups are no
 
 import pytest
 
-from replay.buffer import TrajectoryBuffer
-from replay.config import ReplayConfig
+from gyre.replay.buffer import TrajectoryBuffer
+from gyre.replay.config import ReplayConfig
 from tests.fakes import group_table
 
 NO_AUTO = {"interval_s": None, "wal_bytes": None}

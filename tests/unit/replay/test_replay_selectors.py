@@ -5,9 +5,9 @@ from collections import Counter
 
 import pytest
 
-from replay.buffer import TrajectoryBuffer
-from replay.config import ReplayConfig
-from replay.selectors import FifoSelector, PrioritizedSelector, RecencySelector, UniformSelector, make_selector
+from gyre.replay.buffer import TrajectoryBuffer
+from gyre.replay.config import ReplayConfig
+from gyre.replay.selectors import FifoSelector, PrioritizedSelector, RecencySelector, UniformSelector, make_selector
 from tests.fakes import FakeClock, group_table
 
 

@@ -12,9 +12,9 @@ import datasets
 import pandas as pd
 import pytest
 
-from rollout.dataset_files import DatasetConfig, DatasetError
-from rollout.dataset_source import DatasetSource, PromptBudget
-from rollout.tasks import TaskConfig, TaskSource
+from gyre.rollout.dataset_files import DatasetConfig, DatasetError
+from gyre.rollout.dataset_source import DatasetSource, PromptBudget
+from gyre.rollout.tasks import TaskConfig, TaskSource
 from tests.tiny_model import REPO, SMOLLM2_DIR
 
 ROWS = [{"problem": f"What is {i} + 1?", "solution": str(i + 1), "level": i % 3} for i in range(12)]
@@ -97,7 +97,7 @@ def test_prompt_index_maps_to_the_same_row_in_every_instance_and_process_and_eac
     epochs = [rows[e * n:(e + 1) * n] for e in range(3)]
     assert all(sorted(ep) == sorted(epochs[0]) and len(set(ep)) == n for ep in epochs)  # every row once per epoch
     assert epochs[0] != epochs[1] != epochs[2]  # reshuffled per epoch
-    code = (f"from rollout.dataset_files import DatasetConfig\nfrom rollout.dataset_source import DatasetSource\n"
+    code = (f"from gyre.rollout.dataset_files import DatasetConfig\nfrom gyre.rollout.dataset_source import DatasetSource\n"
             f"s = DatasetSource('mine', DatasetConfig(path={str(path)!r}, columns={{'prompt': 'problem'}}), 3, 7, 2)\n"
             f"print([s.row_of(i) for i in range({3 * n})])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
@@ -201,10 +201,10 @@ def test_dataset_config_refuses_ambiguous_forms():
 def test_a_rollout_worker_generates_dataset_prompts_from_their_messages_and_counts_skipped_ones(tmp_path):
     import asyncio
 
-    from replay.buffer import TrajectoryBuffer
-    from replay.config import ReplayConfig
-    from rollout.config import RolloutConfig, SamplingConfig
-    from rollout.worker import RolloutWorker
+    from gyre.replay.buffer import TrajectoryBuffer
+    from gyre.replay.config import ReplayConfig
+    from gyre.rollout.config import RolloutConfig, SamplingConfig
+    from gyre.rollout.worker import RolloutWorker
     from tests.fakes import FakeEngine, FakeReplay, FakeTokenizer, until
 
     rows = ROWS + [{"problem": "y" * 300, "solution": "0", "level": 7}]

@@ -10,15 +10,15 @@ import time
 import pytest
 from transformers import AutoTokenizer
 
-from proto.trajectory import from_table, to_table
-from replay.buffer import TrajectoryBuffer
-from replay.config import ReplayConfig
-from rollout.agent_group import EnvironmentLoadError, EpisodeRunner
-from rollout.config import RolloutConfig, SamplingConfig
-from rollout.environment import EnvironmentConfig, EnvStep, EpisodeConfig
-from rollout.episode import TurnRenderer, run_episode
-from rollout.types import Sample
-from rollout.worker import RolloutWorker
+from gyre.proto.trajectory import from_table, to_table
+from gyre.replay.buffer import TrajectoryBuffer
+from gyre.replay.config import ReplayConfig
+from gyre.rollout.agents.agent_group import EnvironmentLoadError, EpisodeRunner
+from gyre.rollout.config import RolloutConfig, SamplingConfig
+from gyre.rollout.agents.environment import EnvironmentConfig, EnvStep, EpisodeConfig
+from gyre.rollout.agents.episode import TurnRenderer, run_episode
+from gyre.rollout.types import Sample
+from gyre.rollout.worker import RolloutWorker
 from tests.fakes import FakeReplay, until
 from tests.unit.rollout.test_rollout_worker import TASK
 
@@ -164,8 +164,8 @@ def test_blocking_steps_abandoned_at_their_budget_leave_the_default_executor_fre
 def test_past_max_stuck_calls_new_calls_are_refused_until_a_stuck_one_returns(tok):
     """A rollout bounds the blocking calls it abandoned: at ``max_stuck_calls`` still running, new episodes break at
     once (``episode-env_stuck``) without an environment being made; counted in the rollout's stats and metrics."""
-    from rollout.stats import RolloutStats
-    from services.common.observability import RolloutMetrics
+    from gyre.rollout.stats import RolloutStats
+    from gyre.services.common.observability import RolloutMetrics
 
     run = EpisodeRunner(EnvironmentConfig(factory="tests.unit.rollout.test_episodes:Stuck", max_turns=2,
                                           time_budget_s=0.3, max_stuck_calls=2), tok)
@@ -328,7 +328,7 @@ def test_the_worker_streams_episode_groups_with_masks_and_counts_them(tok):
 
 
 def test_evaluation_runs_one_greedy_episode_per_held_out_problem_and_reports_tool_use(tok):
-    from rollout.evaluation import EvalConfig
+    from gyre.rollout.evaluation import EvalConfig
 
     config = RolloutConfig.model_construct(
         engine=type("E", (), {"max_model_len": 1024})(), sampling=SAMPLING, group_size=2, groups_in_flight=2,
@@ -350,12 +350,12 @@ def test_evaluation_runs_one_greedy_episode_per_held_out_problem_and_reports_too
 def test_the_tool_use_example_recipe_loads_and_its_environment_starts(tok):
     from pathlib import Path
 
-    from services.control.recipe import load_recipe
+    from gyre.services.control.recipe.schema import load_recipe
 
     repo = Path(__file__).resolve().parents[3]
     recipe = load_recipe(repo / "examples/tool-use/recipe.yaml", dry_run=True)
     env_cfg = recipe.rollout.environment
-    assert env_cfg.factory == "rollout.tools:ToolEnvironment" and env_cfg.max_turns == 3
+    assert env_cfg.factory == "gyre.rollout.agents.tools:ToolEnvironment" and env_cfg.max_turns == 3
     runner = EpisodeRunner(env_cfg, tok)
     first = runner._make().reset(type("P", (), {"question": "What is 1 + 2?"})())
     assert [m["role"] for m in first] == ["system"] + ["user", "assistant", "tool", "assistant"] * 2 + ["user"]

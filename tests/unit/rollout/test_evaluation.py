@@ -7,9 +7,9 @@ import math
 
 import pytest
 
-from rollout.evaluation import EvalConfig, evaluate, mean_at_k, pass_at_k, select_sets, summarize
-from rollout.tasks import TaskConfig, TaskSource
-from rollout.types import Sample
+from gyre.rollout.evaluation import EvalConfig, evaluate, mean_at_k, pass_at_k, select_sets, summarize
+from gyre.rollout.tasks import TaskConfig, TaskSource
+from gyre.rollout.types import Sample
 from tests.fakes import FakeTokenizer
 
 TINY = {"min_terms": 2, "max_terms": 2, "max_digits": 1, "operators": ["+"], "allow_parentheses": False,

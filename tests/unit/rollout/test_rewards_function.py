@@ -7,11 +7,11 @@ import textwrap
 
 import pytest
 
-from rollout.rewards.combined import make_reward_set
-from rollout.rewards.function import Group, RewardImportError
-from rollout.rewards.scoring import score_groups
-from rollout.tasks import TaskConfig, TaskSource
-from rollout.stats import merge_reward_means
+from gyre.rollout.rewards.combined import make_reward_set
+from gyre.rollout.rewards.function import Group, RewardImportError
+from gyre.rollout.rewards.scoring import score_groups
+from gyre.rollout.tasks import TaskConfig, TaskSource
+from gyre.rollout.stats import merge_reward_means
 from tests.fakes import FakeEngine
 from tests.unit.rollout.test_rewards_hotswap import TINY, make_worker
 

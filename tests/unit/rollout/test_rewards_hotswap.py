@@ -4,11 +4,11 @@ import asyncio
 
 import pytest
 
-from rollout.config import RolloutConfig, SamplingConfig
-from rollout.evaluation import EvalConfig
-from rollout.rewards.registry import RewardFn, UnknownRewardError, known_rewards, register_reward
-from rollout.tasks import TaskConfig, TaskSource
-from rollout.worker import RolloutWorker
+from gyre.rollout.config import RolloutConfig, SamplingConfig
+from gyre.rollout.evaluation import EvalConfig
+from gyre.rollout.rewards.registry import RewardFn, UnknownRewardError, known_rewards, register_reward
+from gyre.rollout.tasks import TaskConfig, TaskSource
+from gyre.rollout.worker import RolloutWorker
 from tests.fakes import FakeEngine, FakeTokenizer
 
 TINY = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1, "operators": ["+"],

@@ -4,8 +4,8 @@ and the single-task stream exactly as before the mixture existed."""
 import pytest
 from pydantic import ValidationError
 
-from rollout.rewards.mixture import unit_hash
-from rollout.tasks import TaskConfig, TaskSource, UnknownTaskError, validate_task_config
+from gyre.rollout.rewards.mixture import unit_hash
+from gyre.rollout.tasks import TaskConfig, TaskSource, UnknownTaskError, validate_task_config
 
 TINY = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1, "operators": ["+"],
         "allow_parentheses": False, "allow_negation": False}

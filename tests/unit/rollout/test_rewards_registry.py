@@ -5,10 +5,10 @@ import time
 
 import pytest
 
-from rollout.rewards.math_exact import extract_final_answer, math_exact_match, normalize
-from rollout.rewards.registry import (RewardConfig, RewardFn, UnknownRewardError, known_rewards, make_reward,
+from gyre.rollout.rewards.math_exact import extract_final_answer, math_exact_match, normalize
+from gyre.rollout.rewards.registry import (RewardConfig, RewardFn, UnknownRewardError, known_rewards, make_reward,
                                       register_reward)
-from rollout.rewards.base import score_many
+from gyre.rollout.rewards.base import score_many
 
 
 class Raising(RewardFn):

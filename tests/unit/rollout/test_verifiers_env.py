@@ -15,15 +15,15 @@ import pytest
 from pydantic import ValidationError
 from transformers import AutoTokenizer
 
-from rollout.config import RolloutConfig, SamplingConfig
-from rollout.environment import VerifiersConfig
-from rollout.episode import TurnRenderer
-from rollout.generate_endpoint import Call, GenerateEndpoint
-from rollout.types import Sample
+from gyre.rollout.config import RolloutConfig, SamplingConfig
+from gyre.rollout.agents.environment import VerifiersConfig
+from gyre.rollout.agents.episode import TurnRenderer
+from gyre.rollout.agents.generate_endpoint import Call, GenerateEndpoint
+from gyre.rollout.types import Sample
 
 pytest.importorskip("verifiers.v1")
 
-from rollout.verifiers_env import (  # noqa: E402 - after the skip
+from gyre.rollout.agents.verifiers_env import (  # noqa: E402 - after the skip
     LOCAL_AGENT, VerifiersLoadError, VerifiersRunner, assemble, env_config, episode_end, score)
 
 SAMPLING = SamplingConfig(temperature=0.7, max_new_tokens=8)
@@ -187,7 +187,7 @@ def tok(tiny_llama):
 def test_bridge_renderer_appends_the_templates_rendering_of_new_messages(tok):
     from renderers.configs import DefaultRendererConfig
 
-    from rollout.verifiers_renderer import TemplateBridgeRenderer
+    from gyre.rollout.agents.verifiers_renderer import TemplateBridgeRenderer
 
     r = TemplateBridgeRenderer(tok, DefaultRendererConfig())
     prompt = r.render_ids([{"role": "user", "content": "hi"}], add_generation_prompt=True)
@@ -284,7 +284,7 @@ def test_bad_verifiers_configs_name_the_bad_value(config, words, taskset, tok, t
 
 def test_recipe_sets_at_most_one_episode_source(tiny_llama):
     base = {"engine": {"model": str(tiny_llama)}, "verifiers": {"taskset": "t"},
-            "environment": {"factory": "rollout.tools:ToolEnvironment"}}
+            "environment": {"factory": "gyre.rollout.agents.tools:ToolEnvironment"}}
     with pytest.raises(ValidationError, match="rollout.environment and rollout.verifiers are both set"):
         RolloutConfig.model_validate(base)
     with pytest.raises(ValidationError, match="rollout.verifiers.taskset is empty"):
@@ -293,7 +293,7 @@ def test_recipe_sets_at_most_one_episode_source(tiny_llama):
 
 
 def test_a_verifiers_recipe_needs_held_out_tasks_to_evaluate():
-    from services.control.recipe import RecipeError, load_recipe
+    from gyre.services.control.recipe.schema import RecipeError, load_recipe
 
     vf = {"rollout.verifiers": {"taskset": "t"}}
     with pytest.raises(RecipeError, match="rollout.verifiers.heldout is 0, so there is no held-out task"):
@@ -307,7 +307,7 @@ def test_a_verifiers_recipe_needs_held_out_tasks_to_evaluate():
 
 
 def test_verifiers_is_imported_only_by_recipes_that_use_it():
-    assert "rollout.verifiers_env" in sys.modules  # this test module imported it; a plain worker does not:
+    assert "gyre.rollout.agents.verifiers_env" in sys.modules  # this test module imported it; a plain worker does not:
     import subprocess
 
     out = subprocess.run([sys.executable, "-c", "import rollout.worker, sys; print('verifiers' in sys.modules)"],
@@ -318,7 +318,7 @@ def test_verifiers_is_imported_only_by_recipes_that_use_it():
 def test_the_verifiers_example_recipe_loads_and_its_taskset_scores_retries(tok, tiny_llama):
     from pathlib import Path
 
-    from services.control.recipe import load_recipe
+    from gyre.services.control.recipe.schema import load_recipe
 
     repo = Path(__file__).resolve().parents[3]
     recipe = load_recipe(repo / "examples/verifiers/recipe.yaml", dry_run=True)

@@ -5,11 +5,11 @@ import asyncio
 import pytest
 from pydantic import ValidationError
 
-from replay.buffer import TrajectoryBuffer
-from replay.config import ReplayConfig
-from rollout.config import EngineConfig, RolloutConfig, SamplingConfig
-from rollout.tasks import TaskConfig, TaskSource
-from rollout.worker import RolloutWorker
+from gyre.replay.buffer import TrajectoryBuffer
+from gyre.replay.config import ReplayConfig
+from gyre.rollout.config import EngineConfig, RolloutConfig, SamplingConfig
+from gyre.rollout.tasks import TaskConfig, TaskSource
+from gyre.rollout.worker import RolloutWorker
 from tests.fakes import FakeEngine, FakeReplay, FakeTokenizer, SlowEngine, until
 
 TASK = TaskSource(TaskConfig(params={"min_terms": 2, "max_terms": 2, "max_digits": 1, "operators": ["+"],

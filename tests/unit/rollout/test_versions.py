@@ -5,13 +5,13 @@ import zlib
 
 import torch
 
-from proto.lockstep import LockstepConfig, VersionStore
-from proto.timeline import SHARED
-from replay.buffer import TrajectoryBuffer
-from replay.config import ReplayConfig
-from rollout.config import RolloutConfig, SamplingConfig
-from rollout.versions import LockstepVersions, StreamedVersions, version_source
-from rollout.worker import RolloutWorker
+from gyre.proto.lockstep import LockstepConfig, VersionStore
+from gyre.proto.timeline import SHARED
+from gyre.replay.buffer import TrajectoryBuffer
+from gyre.replay.config import ReplayConfig
+from gyre.rollout.config import RolloutConfig, SamplingConfig
+from gyre.rollout.versions import LockstepVersions, StreamedVersions, version_source
+from gyre.rollout.worker import RolloutWorker
 from tests.fakes import FakeEngine, FakeReplay, FakeTokenizer, until
 from tests.unit.rollout.test_rollout_worker import TASK
 

@@ -8,10 +8,10 @@ import google_crc32c
 import pytest
 import torch
 
-from proto import weights_pb2
-from proto.tensor_chunks import (CHUNK_CHECKSUM_KIND, ChunkAssembler, ChunkError, encode_tensors, iter_chunks)
-from services.learner.weight_server import serialize_chunk
-from services.rollout.transport.subscriber import parse_chunk
+from gyre.proto import weights_pb2
+from gyre.proto.tensor_chunks import (CHUNK_CHECKSUM_KIND, ChunkAssembler, ChunkError, encode_tensors, iter_chunks)
+from gyre.services.learner.weight_server import serialize_chunk
+from gyre.services.rollout.transport.subscriber import parse_chunk
 
 
 def named(v: float = 0.0):

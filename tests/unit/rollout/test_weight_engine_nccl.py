@@ -14,11 +14,11 @@ import torch
 from safetensors.torch import load_file
 from vllm.v1.engine.async_llm import AsyncLLM
 
-from proto.tensor_chunks import VersionManifest, tensor_metas
-from rollout.config import EngineConfig
-from rollout.weights import NcclTransportConfig
-from rollout.engine import EngineFailedError, RolloutEngine, WeightMismatchError
-from rollout.weights import load_broadcast_verified
+from gyre.proto.tensor_chunks import VersionManifest, tensor_metas
+from gyre.rollout.config import EngineConfig
+from gyre.proto.weight_transport import NcclTransportConfig
+from gyre.rollout.engine import EngineFailedError, RolloutEngine, WeightMismatchError
+from gyre.rollout.weights import load_broadcast_verified
 
 
 class RecordingLLM:
@@ -144,7 +144,7 @@ def test_worker_side_loads_only_after_every_checksum_passed(monkeypatch):
     assert load_broadcast_verified(engine_with([t for _, t in named]), info) == 2
     assert events == ["init", ("load", ["a", "b"]), "finalize"]
     events.clear()
-    from proto.tensor_chunks import ChunkError
+    from gyre.proto.tensor_chunks import ChunkError
     with pytest.raises(ChunkError, match="'b': checksum"):
         load_broadcast_verified(engine_with([named[0][1], named[1][1] + 1]), info)
     assert events == []  # nothing loaded
@@ -164,7 +164,7 @@ def test_worker_side_loads_only_after_every_checksum_passed(monkeypatch):
 
 
 def test_a_manifest_from_the_past_is_refused_but_its_broadcast_is_drained(tiny_llama):
-    from rollout.engine import StaleVersionError
+    from gyre.rollout.engine import StaleVersionError
 
     llm = RecordingLLM()
     engine, loop = _engine(tiny_llama, llm)  # at version 3

@@ -14,20 +14,20 @@ import torch.distributed as dist
 from pydantic import ValidationError
 from safetensors.torch import save_file
 
-from learner.publisher import WeightPublisher
-from proto import weights_pb2, weights_pb2_grpc
-from proto.broadcast import receive_verified, torch_distributed_broadcast
-from proto.tensor_chunks import ChunkError, TensorMeta, device_checksum, tensor_metas
-from rollout.config import EngineConfig
-from rollout.weights import GrpcTransportConfig, NcclTransportConfig
-from services.common import grpc_common
-from services.learner import weight_server
-from services.rollout.transport import TransportUnavailableError, make_transport
-from proto.exports import newest_export, write_export_version
-from services.rollout.transport.grpc_transport import GrpcTransport
-from services.learner.weight_broadcast import NcclWeightSender
-from services.rollout.transport.nccl import NcclTransport
-from services.rollout.transport.subscriber import WeightSubscriber, parse_chunk
+from gyre.learner.publisher import WeightPublisher
+from gyre.proto import weights_pb2, weights_pb2_grpc
+from gyre.proto.broadcast import receive_verified, torch_distributed_broadcast
+from gyre.proto.tensor_chunks import ChunkError, TensorMeta, device_checksum, tensor_metas
+from gyre.rollout.config import EngineConfig
+from gyre.proto.weight_transport import GrpcTransportConfig, NcclTransportConfig
+from gyre.services.common import grpc_common
+from gyre.services.learner import weight_server
+from gyre.services.rollout.transport import TransportUnavailableError, make_transport
+from gyre.proto.exports import newest_export, write_export_version
+from gyre.services.rollout.transport.grpc_transport import GrpcTransport
+from gyre.services.learner.weight_broadcast import NcclWeightSender
+from gyre.services.rollout.transport.nccl import NcclTransport
+from gyre.services.rollout.transport.subscriber import WeightSubscriber, parse_chunk
 
 NCCL_CFG = NcclTransportConfig(master_address="127.0.0.1", master_port=29500, world_size=2, rank_offset=1,
                                backoff_s=0.1)
@@ -244,7 +244,7 @@ def test_newest_export_picks_the_highest_recorded_version(tmp_path):
 
 @pytest.mark.parametrize("size", [0, 1, 127, 128, 300, 70_000])
 def test_hand_appended_data_field_parses_like_protobufs_own_encoding(size):
-    from proto.tensor_chunks import TensorChunk
+    from gyre.proto.tensor_chunks import TensorChunk
     data = bytes(range(256)) * (size // 256) + bytes(range(size % 256))
     c = TensorChunk(version=7, name="w", dtype="bfloat16", shape=(size // 2,), offset=64, data=memoryview(data),
                     nbytes=size + 64, last_of_tensor=True, checksum=123, last_of_version=True, num_tensors=2)
@@ -255,7 +255,7 @@ def test_hand_appended_data_field_parses_like_protobufs_own_encoding(size):
 
 
 def test_parse_chunk_finds_data_wherever_protobuf_put_it_and_refuses_garbage():
-    from services.rollout.transport.subscriber import parse_chunk
+    from gyre.services.rollout.transport.subscriber import parse_chunk
     msg = weights_pb2.WeightChunk(version=3, name="b.bias", dtype="float32", shape=[2, 3], offset=8,
                                   data=bytes(range(24)), nbytes=32, last_of_tensor=True, checksum=2**32 - 1,
                                   checksum_kind="crc32c")
@@ -301,7 +301,7 @@ class _FakeTransport:
 
 def _boot(engine, transport, tmp_path, wait_s=0.5, bootstrap_dir=None):
     import asyncio
-    from services.rollout.transport.bootstrap import bootstrap
+    from gyre.services.rollout.transport.bootstrap import bootstrap
     cfg = SimpleNamespace(bootstrap_wait_s=wait_s, bootstrap_dir=bootstrap_dir)
     return asyncio.run(bootstrap(engine, transport, cfg))
 

@@ -4,7 +4,7 @@ working-dir copy imports gyre from there) and DeepSpeed's op cache under the che
 import os
 from pathlib import Path
 
-from services.control.controller import actor_env
+from gyre.services.control.orchestration.controller import actor_env
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -21,3 +21,4 @@ def test_actors_import_gyre_from_the_checkout_root(monkeypatch):
 def test_a_driver_pythonpath_is_kept_after_the_checkout(monkeypatch):
     monkeypatch.setenv("PYTHONPATH", "/opt/extra")
     assert actor_env()["PYTHONPATH"].split(os.pathsep) == [str(REPO), "/opt/extra"]
+

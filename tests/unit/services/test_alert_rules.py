@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from replay.buffer import TrajectoryBuffer
-from replay.config import ReplayConfig
-from rollout.spool import Spool
-from rollout.stats import RolloutStats
-from services.common.observability import LearnerMetrics, RolloutMetrics
-from services.replay.metrics import replay_registry
+from gyre.replay.buffer import TrajectoryBuffer
+from gyre.replay.config import ReplayConfig
+from gyre.rollout.spool import Spool
+from gyre.rollout.stats import RolloutStats
+from gyre.services.common.observability import LearnerMetrics, RolloutMetrics
+from gyre.services.replay.metrics import replay_registry
 from tests.fakes import group_table
 from tests.unit.services.test_observability import learner_row
 

@@ -13,8 +13,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from services.cli import main as cli
-from services.control import controller
+from gyre.services.cli import main as cli
+from gyre.services.control.orchestration import controller
 
 SLEEP_S = 2.0
 """How long the stand-in driver loop waits for the SIGINT it sent itself to stop it."""

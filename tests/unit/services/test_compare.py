@@ -8,9 +8,9 @@ import math
 import pytest
 from rich.console import Console
 
-from services.cli.compare import (CompareError, compare, compare_table, find_runs, group_runs, load_run,
+from gyre.services.cli.compare import (CompareError, compare, compare_table, find_runs, group_runs, load_run,
                                   markdown_table, parse_thresholds, run_stats)
-from services.cli.main import main as gyre_main
+from gyre.services.cli.main import main as gyre_main
 
 
 def _run(root, name, rewards, step_s, lag=0, determinism="lockstep", seed=0, evals=None, **extra_rows):
@@ -78,7 +78,7 @@ def test_a_step_trained_twice_counts_once_with_its_last_value_and_both_durations
 
 
 def test_threshold_of_a_lower_is_better_metric_is_reached_from_above():
-    from services.cli.compare import Point
+    from gyre.services.cli.compare import Point
 
     pts = [Point(1, 1.0, 0.9), Point(2, 2.0, 0.3), Point(3, 3.0, 0.1)]
     assert run_stats(pts, "approx_kl", 0.3) == {"final": 0.1, "best": 0.1, "auc": pytest.approx(0.4),

@@ -6,9 +6,9 @@ import pytest
 
 from rich.console import Console
 
-from learner.checkpoint import fingerprint_diff
-from services.control.controller import archive_previous_run, prepare_run_dir, task_fingerprint
-from services.control.recipe import load_recipe
+from gyre.learner.checkpoint.store import fingerprint_diff
+from gyre.services.control.orchestration.controller import archive_previous_run, prepare_run_dir, task_fingerprint
+from gyre.services.control.recipe.schema import load_recipe
 from tests.tiny_model import SMOLLM2_DIR
 
 
@@ -62,7 +62,7 @@ def test_resume_none_archives_the_old_run_dir(tmp_path):
 
 
 def _fake_ray(monkeypatch, errors):
-    from services.control import controller
+    from gyre.services.control.orchestration import controller
 
     calls = []
 
@@ -106,7 +106,7 @@ def test_supervised_calls_again_after_the_service_died_at_most_attempts_times(mo
     from ray.exceptions import RayActorError
     from structlog.testing import capture_logs
 
-    from services.control import controller
+    from gyre.services.control.orchestration import controller
 
     monkeypatch.setattr(controller.ray, "get", lambda ref: ref)
 

@@ -10,10 +10,10 @@ import textwrap
 
 import pytest
 
-from services.common.cpus import CPUS_ENV, CpuSetError, cpu_env, format_cpus, parse_cpus
-from services.control.plan import describe
-from services.control.recipe import RecipeError, load_recipe
-from services.control.supervisor import ServiceFactory
+from gyre.services.common.cpus import CPUS_ENV, CpuSetError, cpu_env, format_cpus, parse_cpus
+from gyre.services.control.recipe.plan import describe
+from gyre.services.control.recipe.schema import RecipeError, load_recipe
+from gyre.services.control.orchestration.supervisor import ServiceFactory
 from tests.unit.services.test_fault_arming import BASE_ENV, FakeActorClass, env_of
 
 DEFAULT = "deploy/recipes/smollm2-arith.yaml"
@@ -82,7 +82,7 @@ def test_each_instance_gets_its_cpuset_in_its_environment():
 
 PIN = textwrap.dedent("""
     import json, os, threading, time
-    from services.common.cpus import pin_from_env
+    from gyre.services.common.cpus import pin_from_env
     stop = threading.Event()
     early = threading.Thread(target=stop.wait, daemon=True)  # a thread started before pinning (Ray's, gRPC's)
     early.start()

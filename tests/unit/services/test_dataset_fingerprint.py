@@ -10,11 +10,11 @@ import os
 import pytest
 from structlog.testing import capture_logs
 
-from learner import checkpoint as ckpt
-from rollout.dataset_files import DatasetConfig, data_fingerprint
-from services.control.controller import task_fingerprint
-from services.control.plan import describe
-from services.control.recipe import RecipeError, load_recipe
+from gyre.learner.checkpoint import store as ckpt
+from gyre.rollout.dataset_files import DatasetConfig, data_fingerprint
+from gyre.services.control.orchestration.controller import task_fingerprint
+from gyre.services.control.recipe.plan import describe
+from gyre.services.control.recipe.schema import RecipeError, load_recipe
 from tests.tiny_model import REPO
 from tests.unit.learner.test_learner_checkpoint import save
 

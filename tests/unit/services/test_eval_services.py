@@ -1,4 +1,4 @@
-"""The controller's side of evaluation (``services.control.evaluation``), the recipe's ``eval:`` section and
+"""The controller's side of evaluation (``services.control.orchestration.evaluation``), the recipe's ``eval:`` section and
 ``gyre eval`` (``services.cli.standalone_eval``) with a scripted engine in place of vLLM."""
 
 import io
@@ -8,14 +8,14 @@ from types import SimpleNamespace
 import pytest
 from rich.console import Console
 
-from rollout.evaluation import EvalConfig, EvalResult
-from rollout.types import Sample
-from services.cli import main as cli
-from services.cli.standalone_eval import run_standalone
-from services.control.evaluation import PeriodicEval, eval_line, eval_table, first_due, record_eval, write_completions
-from services.control.progress import RunProgress
-from services.control.recipe import RecipeError, load_recipe
-from services.control.report import REPORT_PANELS, expand_keys, panel_points, plot_report, read_metrics
+from gyre.rollout.evaluation import EvalConfig, EvalResult
+from gyre.rollout.types import Sample
+from gyre.services.cli import main as cli
+from gyre.services.cli.standalone_eval import run_standalone
+from gyre.services.control.orchestration.evaluation import PeriodicEval, eval_line, eval_table, first_due, record_eval, write_completions
+from gyre.services.control.orchestration.progress import RunProgress
+from gyre.services.control.recipe.schema import RecipeError, load_recipe
+from gyre.services.control.outputs.report import REPORT_PANELS, expand_keys, panel_points, plot_report, read_metrics
 from tests.tiny_model import SMOLLM2_DIR
 
 TINY = "deploy/recipes/tiny-test.yaml"
@@ -231,7 +231,7 @@ def test_gyre_eval_refuses_what_it_cannot_evaluate(tmp_path, capsys):
 def test_gyre_eval_scores_a_reward_model_in_its_own_process(tmp_path, tiny_classifier):
     """No service runs for ``gyre eval``: the recipe's reward model is loaded in the process, so the held-out rows
     carry its score (without the local transport every row would be a ``reward_error``)."""
-    from rollout.rewards import model as rm
+    from gyre.rollout.rewards import model as rm
 
     engine = FakeEngine()
 

@@ -7,11 +7,11 @@ import time
 
 import pytest
 
-import faults
-from services.common.logs import LOG_DIR_ENV
-from services.control import supervisor
-from services.control.recipe import RecipeError, load_recipe
-from services.control.supervisor import ServiceFactory
+from gyre import faults
+from gyre.services.common.logs import LOG_DIR_ENV
+from gyre.services.control.orchestration import supervisor
+from gyre.services.control.recipe.schema import RecipeError, load_recipe
+from gyre.services.control.orchestration.supervisor import ServiceFactory
 
 RECIPE = "deploy/recipes/tiny-test.yaml"
 BASE_ENV = {"PYTHONPATH": "/repo", "TOKENIZERS_PARALLELISM": "false"}
@@ -140,7 +140,7 @@ def test_a_name_still_held_by_a_killed_actor_is_retried_as_the_same_incarnation(
 
 
 def test_creating_gives_up_on_a_name_held_past_the_patience_and_raises_other_errors_at_once(monkeypatch):
-    from services.control import factory as factory_module
+    from gyre.services.control.orchestration import factory as factory_module
 
     monkeypatch.setattr(factory_module, "NAME_TAKEN_POLL_S", 0.01)
     monkeypatch.setattr(factory_module, "NAME_TAKEN_PATIENCE_S", 0.1)

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-import faults
+from gyre import faults
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from rollout import install_check
-from rollout.config import EngineConfig
-from services.cli import main as cli
-from services.control.machine_check import check_machine
-from services.control.recipe import RecipeError, load_recipe
+from gyre.rollout import install_check
+from gyre.rollout.config import EngineConfig
+from gyre.services.cli import main as cli
+from gyre.services.control.recipe.machine_check import check_machine
+from gyre.services.control.recipe.schema import RecipeError, load_recipe
 
 REPO = Path(__file__).resolve().parents[3]
 RECIPES = sorted((REPO / "deploy" / "recipes").glob("*.yaml"))
@@ -97,7 +97,7 @@ def test_gpu_recipe_asking_more_gpus_than_this_machine_has_is_refused(monkeypatc
 
 
 def test_cli_refuses_a_gpu_recipe_here_with_one_line():
-    out = subprocess.run([sys.executable, "-m", "services.cli", "run",
+    out = subprocess.run([sys.executable, "-m", "gyre.services.cli", "run",
                           "deploy/recipes/qwen2.5-1.5b-gsm8k-1node.yaml"], cwd=REPO, capture_output=True,
                          text=True, timeout=300, env={"PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1",
                                                       "COLUMNS": "80", "HOME": str(REPO)})
@@ -137,7 +137,7 @@ class Refuse:
         if name.split(".")[0] in ("vllm", "deepspeed"):
             raise ImportError(f"{name} imported by a command that needs no engine")
 sys.meta_path.insert(0, Refuse())
-from services.cli.main import main
+from gyre.services.cli.main import main
 sys.exit(main(sys.argv[1:]))
 """
 

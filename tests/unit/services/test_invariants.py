@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from learner.run_journal import LearnerJournal
-from proto.journal import Journal
-from replay.buffer import TrajectoryBuffer
-from replay.config import ReplayConfig
-from services.cli.invariants import KINDS, RunDirError, check_run
-from services.common.replay_links import acked_event
+from gyre.learner.run_journal import LearnerJournal
+from gyre.proto.journal import Journal
+from gyre.replay.buffer import TrajectoryBuffer
+from gyre.replay.config import ReplayConfig
+from gyre.services.cli.invariants import KINDS, RunDirError, check_run
+from gyre.services.common.replay_links import acked_event
 from tests.fakes import group_table
 
 
@@ -72,7 +72,7 @@ def test_a_clean_run_passes_with_exact_counts(tmp_path):
 def test_prompts_still_leased_when_replay_stopped_are_listed_with_their_holder(tmp_path):
     # A rollout killed with prompts leased (not expired yet when the run ended): a resumed run issues them again.
     # The partial-restart e2e reads this to tell such a prompt from a lost one.
-    from services.cli.run_records import load_run
+    from gyre.services.cli.run_records import load_run
 
     run = make_run(tmp_path)
     buf = TrajectoryBuffer(ReplayConfig(dir=str(run / "replay")))
@@ -222,7 +222,7 @@ def test_not_a_run_dir_is_a_clear_error(tmp_path):
 
 
 def test_cli_check_exit_codes(tmp_path, capsys):
-    from services.cli import main as cli
+    from gyre.services.cli import main as cli
 
     run = make_run(tmp_path)
     capsys.readouterr()  # drop what building the run logged

@@ -5,7 +5,7 @@ any other failure is raised at once."""
 import pytest
 import ray
 
-from services.learner import group
+from gyre.services.learner import group
 
 # What Ray raises when rank 0's __init__ failed in torch's rendezvous (message shape of ray.exceptions.ActorDiedError
 # quoting the creation task's error).

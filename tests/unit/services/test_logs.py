@@ -12,8 +12,8 @@ from datetime import datetime, timedelta, timezone
 import pytest
 import structlog
 
-from services.common import logs
-from services.common.logs import HANDLER_NAME, ROUTED_LOGGERS, bind_policy_version, configure_logging
+from gyre.services.common import logs
+from gyre.services.common.logs import HANDLER_NAME, ROUTED_LOGGERS, bind_policy_version, configure_logging
 
 
 @pytest.fixture(autouse=True)

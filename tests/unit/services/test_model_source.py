@@ -8,8 +8,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from proto.model_source import ModelSourceError, is_hub_id, localize, resolve
-from services.control.recipe import RecipeError, load_recipe
+from gyre.utils.model_source import ModelSourceError, is_hub_id, localize, resolve
+from gyre.services.control.recipe.schema import RecipeError, load_recipe
 from tests.hf_cache import TINY_ID, populate_hf_cache, use_hf_cache
 
 RECIPE = "deploy/recipes/tiny-test.yaml"
@@ -41,8 +41,8 @@ def test_recipe_with_hub_id_resolves_from_the_cache_and_pins_the_commit(hub_cach
 
 
 def test_a_node_without_the_folder_fetches_the_same_commit(hub_cache, tmp_path):
-    from learner.config import LearnerConfig
-    from rollout.config import EngineConfig
+    from gyre.learner.config import LearnerConfig
+    from gyre.rollout.config import EngineConfig
 
     elsewhere = str(tmp_path / "driver-only" / "snapshot")  # the driver's path, absent on this "node"
     for cls in (EngineConfig, LearnerConfig):

@@ -8,12 +8,12 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from rollout.spool import Spool
-from rollout.stats import RolloutStats
-from services.common.observability import (
+from gyre.rollout.spool import Spool
+from gyre.rollout.stats import RolloutStats
+from gyre.services.common.observability import (
     STALENESS_BUCKETS, LearnerMetrics, ReplayStateCollector, RolloutMetrics, serve, stop,
 )
-from services.replay.metrics import replay_registry
+from gyre.services.replay.metrics import replay_registry
 from tests.fakes import FakeClock, group_table
 
 RUN = "run-7"
@@ -232,8 +232,8 @@ def test_replay_state_age_is_the_snapshot_age():
 
 
 def test_replay_registry_keeps_the_replay_metrics(served):
-    from replay.buffer import TrajectoryBuffer
-    from replay.config import ReplayConfig
+    from gyre.replay.buffer import TrajectoryBuffer
+    from gyre.replay.config import ReplayConfig
 
     buf = TrajectoryBuffer(ReplayConfig())
     buf.insert(group_table(0))
@@ -242,7 +242,7 @@ def test_replay_registry_keeps_the_replay_metrics(served):
 
 
 def test_staleness_buckets_match_the_learner():
-    from learner.step_metrics import STALENESS_BUCKETS as LEARNER_BUCKETS
+    from gyre.learner.step_metrics import STALENESS_BUCKETS as LEARNER_BUCKETS
 
     assert STALENESS_BUCKETS == LEARNER_BUCKETS
 

@@ -12,8 +12,10 @@ from types import SimpleNamespace
 import pytest
 import ray._raylet
 
-from services.control import ops, ray_connection as rc
-from services.control.ray_connection import OpsError, RayConnection
+from gyre.services.control.commands import ops
+
+from gyre.services.control.commands import ray_connection as rc
+from gyre.services.control.commands.ray_connection import OpsError, RayConnection
 
 
 def _record(tmp_path, data) -> Path:

@@ -6,11 +6,11 @@ import time
 
 import pytest
 
-from services.cli import main as cli
-from services.control import ops
-from services.control import ray_connection
-from services.control.ops import FleetRequests, OpsError
-from services.control.report import REPORT_PANELS, plot_report
+from gyre.services.cli import main as cli
+from gyre.services.control.commands import ops
+from gyre.services.control.commands import ray_connection
+from gyre.services.control.commands.ops import FleetRequests, OpsError
+from gyre.services.control.outputs.report import REPORT_PANELS, plot_report
 
 
 def test_scale_restart_checkpoint_requests_are_taken_once():

@@ -9,18 +9,19 @@ from types import SimpleNamespace
 import pytest
 from ray.exceptions import GetTimeoutError, RayActorError
 
-from services.common.describe import LearnerInfo, LearnerRankInfo, ReplayInfo, RewardModelInfo, RolloutInfo
-from services.common.names import ROLES, ServiceName
-from services.control import supervisor as sup_mod, topology
-from services.control import ops
-from services.control.ops import FleetRequests
-from services.control.reward_swaps import SWAP_JOURNAL, RewardSwaps
-from services.control.supervisor import Service, Supervisor
-from services.learner.actor import LearnerActor
-from services.replay.actor import ReplayActor
-from services.reward_model.actor import RewardModelActor
-from services.rollout.actor import RolloutActor
-from rollout.tasks import TaskConfig
+from gyre.services.common.service_info import LearnerInfo, LearnerRankInfo, ReplayInfo, RewardModelInfo, RolloutInfo
+from gyre.services.common.names import ROLES, ServiceName
+from gyre.services.control.orchestration import supervisor as sup_mod
+from gyre.services.control.orchestration import topology
+from gyre.services.control.commands import ops
+from gyre.services.control.commands.ops import FleetRequests
+from gyre.services.control.commands.reward_swaps import SWAP_JOURNAL, RewardSwaps
+from gyre.services.control.orchestration.supervisor import Service, Supervisor
+from gyre.services.learner.actor import LearnerActor
+from gyre.services.replay.actor import ReplayActor
+from gyre.services.reward_model.actor import RewardModelActor
+from gyre.services.rollout.actor import RolloutActor
+from gyre.rollout.tasks import TaskConfig
 
 
 def replay_info() -> ReplayInfo:

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from services.common import port_file
+from gyre.services.common import port_file
 
 
 class _Running:

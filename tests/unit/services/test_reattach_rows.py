@@ -1,5 +1,5 @@
 """A driver re-attached to a learner that outlived the killed one writes the metrics rows of every step after the
-last one ``metrics.jsonl`` holds (``services.control.controller._supervise_training``), whether the learner is
+last one ``metrics.jsonl`` holds (``services.control.orchestration.controller._supervise_training``), whether the learner is
 still training or finished its steps while no driver watched."""
 
 import json
@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from services.control import controller
+from gyre.services.control.orchestration import controller
 from tests.fakes import FakeLearnerHandle
 
 

@@ -2,9 +2,9 @@
 
 import pytest
 
-from services.cli import main as cli
-from services.control.plan import describe
-from services.control.recipe import RecipeError, load_recipe
+from gyre.services.cli import main as cli
+from gyre.services.control.recipe.plan import describe
+from gyre.services.control.recipe.schema import RecipeError, load_recipe
 from tests.tiny_model import SMOLLM2_DIR
 
 DEFAULT = "deploy/recipes/smollm2-arith.yaml"

@@ -6,9 +6,9 @@ are imported — get the runtime_env."""
 import pytest
 import yaml
 
-from services.common.logs import LOG_DIR_ENV
-from services.control.factory import ServiceFactory
-from services.control.recipe import RecipeError, load_recipe
+from gyre.services.common.logs import LOG_DIR_ENV
+from gyre.services.control.orchestration.factory import ServiceFactory
+from gyre.services.control.recipe.schema import RecipeError, load_recipe
 from tests.tiny_model import SMOLLM2_DIR
 from tests.unit.services.test_fault_arming import FakeActorClass
 

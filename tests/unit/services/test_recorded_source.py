@@ -1,5 +1,5 @@
 """``replay.source: {recorded: RUN_DIR}`` (record once, train many): checked when the recipe loads, the run's replay
-built from the recording at start (``services.control.recorded.use_recording``), rollouts for evaluation only."""
+built from the recording at start (``services.control.recipe.recorded.use_recording``), rollouts for evaluation only."""
 
 from __future__ import annotations
 
@@ -9,15 +9,15 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from learner.run_journal import LearnerJournal
-from replay.buffer import TrajectoryBuffer
-from replay.config import ReplayConfig
-from replay.recorded import NO_STALENESS_GATE, read_manifest, sha256_files
-from replay.wal_read import list_segments
-from services.cli.invariants import RunDirError, check_run
-from services.control.plan import describe
-from services.control.recipe import RecipeError, load_recipe
-from services.control.recorded import RecordingError, rollouts_to_start, use_recording
+from gyre.learner.run_journal import LearnerJournal
+from gyre.replay.buffer import TrajectoryBuffer
+from gyre.replay.config import ReplayConfig
+from gyre.replay.recorded import NO_STALENESS_GATE, read_manifest, sha256_files
+from gyre.replay.wal_read import list_segments
+from gyre.services.cli.invariants import RunDirError, check_run
+from gyre.services.control.recipe.plan import describe
+from gyre.services.control.recipe.schema import RecipeError, load_recipe
+from gyre.services.control.recipe.recorded import RecordingError, rollouts_to_start, use_recording
 from tests.fakes import group_table
 
 TINY = "deploy/recipes/tiny-test.yaml"

@@ -1,12 +1,12 @@
-"""``services.control.report.recover_rows``: a new driver writes the rows of steps that an earlier learner finished
+"""``services.control.outputs.report.recover_rows``: a new driver writes the rows of steps that an earlier learner finished
 after its driver was killed (the learner's own copy, ``learner_rows.jsonl``), and only those."""
 
 import json
 
 import pytest
 
-from services.common.run_files import LEARNER_ROWS
-from services.control.report import MetricsWriter, read_metrics, recover_rows
+from gyre.services.common.run_files import LEARNER_ROWS
+from gyre.services.control.outputs.report import MetricsWriter, read_metrics, recover_rows
 
 
 def _rows(path, rows, torn=""):

@@ -8,9 +8,9 @@ from types import SimpleNamespace
 import pytest
 from structlog.testing import capture_logs
 
-from services.common import replay_links as links
-from services.common.replay_links import ReroutableReplay, TrackedReplay
-from services.rollout.actor import RolloutActor
+from gyre.services.common import replay_links as links
+from gyre.services.common.replay_links import ReroutableReplay, TrackedReplay
+from gyre.services.rollout.actor import RolloutActor
 
 
 class Client(SimpleNamespace):

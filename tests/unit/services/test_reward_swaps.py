@@ -1,4 +1,4 @@
-"""Live reward swaps (``gyre reward swap``, ``services.control.reward_swaps``) without Ray: what is refused before
+"""Live reward swaps (``gyre reward swap``, ``services.control.commands.reward_swaps``) without Ray: what is refused before
 anything reaches the run, the all-or-nothing apply over the fleet, the journal written before the commit, and that
 rollouts created afterwards (restarted, added, or by a new driver) start with the swapped reward."""
 
@@ -8,14 +8,15 @@ from types import SimpleNamespace
 
 import pytest
 
-from proto.journal import read_journal
-from rollout.tasks import TaskConfig, TaskSource
-from services.cli import main as cli
-from services.common.describe import RolloutInfo
-from services.control import ops, supervisor as sup_mod
-from services.control.factory import ServiceFactory
-from services.control.recipe import load_recipe
-from services.control.reward_swaps import (SWAP_JOURNAL, RewardSwapError, RewardSwaps, canonical_swap, check_swap,
+from gyre.proto.journal import read_journal
+from gyre.rollout.tasks import TaskConfig, TaskSource
+from gyre.services.cli import main as cli
+from gyre.services.common.service_info import RolloutInfo
+from gyre.services.control.commands import ops
+from gyre.services.control.orchestration import supervisor as sup_mod
+from gyre.services.control.orchestration.factory import ServiceFactory
+from gyre.services.control.recipe.schema import load_recipe
+from gyre.services.control.commands.reward_swaps import (SWAP_JOURNAL, RewardSwapError, RewardSwaps, canonical_swap, check_swap,
                                            parse_swap_config)
 from tests.unit.services.test_ops_supervisor import FakeHandle, learner_info, unstarted
 

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from services.control.controller import run
-from services.control.recipe import load_recipe
-from services.control.run_lock import RunDirBusyError, hold_run_dir, lock_paths
+from gyre.services.control.orchestration.controller import run
+from gyre.services.control.recipe.schema import load_recipe
+from gyre.services.control.outputs.run_lock import RunDirBusyError, hold_run_dir, lock_paths
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[3]
 HOLD = """
 import sys, time
 from pathlib import Path
-from services.control.run_lock import hold_run_dir
+from gyre.services.control.outputs.run_lock import hold_run_dir
 with hold_run_dir(Path(sys.argv[1])):
     print("ready", flush=True)
     time.sleep(600)

@@ -4,7 +4,7 @@ import pytest
 import structlog
 from pydantic import ValidationError
 
-from services.common.security import SecurityConfig, host_of, is_loopback
+from gyre.services.common.security import SecurityConfig, host_of, is_loopback
 
 TOKEN = "s3cr3t-token-0123456789abcdef"
 CERT = "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n"

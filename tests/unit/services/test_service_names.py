@@ -2,7 +2,7 @@
 
 import pytest
 
-from services.common.names import ServiceName
+from gyre.services.common.names import ServiceName
 
 
 @pytest.mark.parametrize("name, role, index", [("replay", "replay", 0), ("learner", "learner", 0),

@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from services.cli.sweep import _yaml_value, plan_sweep, run_command
-from services.cli.sweep_config import SweepConfig, SweepError, expand_cells, read_sweep
+from gyre.services.cli.sweep import _yaml_value, plan_sweep, run_command
+from gyre.services.cli.sweep_config import SweepConfig, SweepError, expand_cells, read_sweep
 from tests.tiny_model import SMOLLM2_DIR
 
 BASE = {"name": "tiny-test", "seed": 7, "learner": {"num_steps": 3}}
@@ -123,7 +123,7 @@ def test_a_plan_gives_each_run_its_overrides_and_the_command_resumes_auto(tmp_pa
     assert plan.sweep_dir == tmp_path / "runs" / "s" and [c.name for c in plan.cells] == ["lr1e-05", "lr0.5"]
     assert plan.num_steps == {"lr1e-05": 4, "lr0.5": 4}
     argv = run_command(plan, plan.cells[0])
-    assert argv[1:5] == ["-m", "services.cli", "run", str(plan.base)] and argv[-2:] == ["--resume", "auto"]
+    assert argv[1:5] == ["-m", "gyre.services.cli", "run", str(plan.base)] and argv[-2:] == ["--resume", "auto"]
     pairs = argv[5:-2]
     assert pairs[0::2] == ["--set"] * (len(pairs) // 2)
     sets = dict(p.split("=", 1) for p in pairs[1::2])
@@ -145,5 +145,5 @@ def test_a_ray_job_command_submits_gyre_run_to_the_cluster(tmp_path):
     assert Path(argv[0]).name == "ray" and argv[1:9] == ["job", "submit", "--address", "http://head:8265",
                                                          "--working-dir", ".", "--submission-id", "job-1"]
     rest = argv[argv.index("--") + 1:]
-    assert rest[:5] == ["python", "-m", "services.cli", "run", "deploy/recipes/tiny-test.yaml"]
+    assert rest[:5] == ["python", "-m", "gyre.services.cli", "run", "deploy/recipes/tiny-test.yaml"]
     assert rest[-4:] == ["--set", "ray.address=auto", "--resume", "auto"]

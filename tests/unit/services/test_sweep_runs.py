@@ -17,12 +17,12 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from services.cli import sweep
-from services.cli.sweep import Plan, run_sweep
-from services.cli.sweep_config import SweepConfig, expand_cells
-from services.cli.sweep_procs import RUN_MARKER, kill_leftovers, marked_processes
-from services.cli.sweep_state import SweepRecord, finished_version, run_state
-from services.control.controller import prepare_run_dir
+from gyre.services.cli import sweep
+from gyre.services.cli.sweep import Plan, run_sweep
+from gyre.services.cli.sweep_config import SweepConfig, expand_cells
+from gyre.services.cli.sweep_procs import RUN_MARKER, kill_leftovers, marked_processes
+from gyre.services.cli.sweep_state import SweepRecord, finished_version, run_state
+from gyre.services.control.orchestration.controller import prepare_run_dir
 
 STEPS = 2
 

@@ -1,4 +1,4 @@
-"""``time/rollout/*`` per learner step (``services.control.rollout_time``, the controller's rows) and
+"""``time/rollout/*`` per learner step (``services.control.orchestration.rollout_time``, the controller's rows) and
 ``gyre report``'s ``time_breakdown.png``."""
 
 import json
@@ -6,9 +6,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from services.control import controller
-from services.control.report import LEARNER_TIME_KEYS, ROLLOUT_TIME_KEYS, plot_report
-from services.control.rollout_time import RolloutTimeDeltas, spread
+from gyre.services.control.orchestration import controller
+from gyre.services.control.outputs.report import LEARNER_TIME_KEYS, ROLLOUT_TIME_KEYS, plot_report
+from gyre.services.control.orchestration.rollout_time import RolloutTimeDeltas, spread
 
 
 def phases(generate, score=0.0, insert=0.0, weight_apply=0.0) -> dict:

@@ -1,4 +1,4 @@
-"""The recipe's ``tracking:`` section and the tracker fan-out (``services.control.tracking``): what reaches the
+"""The recipe's ``tracking:`` section and the tracker fan-out (``services.control.outputs.tracking``): what reaches the
 trackers, and that a tracker failing at start or at any later call is reported once and turned off while the
 others (and the run) go on. The backends themselves, with their real libraries: test_tracking_backends.py."""
 
@@ -8,11 +8,11 @@ import sys
 import pytest
 from structlog.testing import capture_logs
 
-from services.control.plan import describe
-from services.control.recipe import RecipeError, load_recipe
-from services.control.report import MetricsWriter, read_metrics
-from services.control.tracking import Tracker, TrackingConfig, flatten, metric_values, open_trackers
-from services.control.tracking.base import TRACKING_EXTRA, completion_table, markdown_table
+from gyre.services.control.recipe.plan import describe
+from gyre.services.control.recipe.schema import RecipeError, load_recipe
+from gyre.services.control.outputs.report import MetricsWriter, read_metrics
+from gyre.services.control.outputs.tracking import Tracker, TrackingConfig, flatten, metric_values, open_trackers
+from gyre.services.control.outputs.tracking.base import TRACKING_EXTRA, completion_table, markdown_table
 from tests.tiny_model import SMOLLM2_DIR
 
 TINY = "deploy/recipes/tiny-test.yaml"

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from structlog.testing import capture_logs
 
-from services.control.tracking import TrackingConfig, open_trackers
+from gyre.services.control.outputs.tracking import TrackingConfig, open_trackers
 from tests.tracking_stores import (
     mlflow_history, mlflow_run, tensorboard_scalars, tensorboard_texts, trackio_logs, wandb_offline_runs,
 )

@@ -1,0 +1,52 @@
+"""Prompt leasing: which prompt indices a rollout generates for next (``LeasePrompts``), over the buffer's log.
+
+Replay owns the run's prompt ledger (``replay.ledger``: issued, leased, completed) so that a prompt is trained on
+exactly once per epoch however often rollouts crash: a rollout leases indices for ``prompt_lease_ttl_s``, a
+completed group marks its prompt done, and a lease that expires re-issues its prompt first. Every change is a
+record (``prompt_expire``, ``prompt_lease``) logged and applied under the buffer's lock, like the buffer's own
+changes, so a crash never takes back an index it handed out.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from gyre.replay.records import Record
+from gyre.replay.state import ReplayState
+
+
+class PromptLeases:
+    """Hands out prompt indices from ``state.ledger``.
+
+    Args:
+        state: the buffer's state (its ``ledger``).
+        lock: the buffer's lock; ``commit(record)`` logs then applies a record under it and returns
+            ``(lsn, result)``; ``wait_durable(lsn)`` blocks until that record is durable.
+        clock: seconds (wall clock: lease deadlines are persisted).
+        default_ttl_s: a lease's lifetime when the caller gives none (``ReplayConfig.prompt_lease_ttl_s``).
+    """
+
+    def __init__(self, state: ReplayState, lock, commit: Callable[[Record], tuple[int, object]],
+                 wait_durable: Callable[[int], None], clock: Callable[[], float], default_ttl_s: float) -> None:
+        self._state, self._lock, self._commit, self._wait_durable = state, lock, commit, wait_durable
+        self._clock, self._default_ttl_s = clock, default_ttl_s
+
+    def lease(self, consumer: str, count: int, ttl_s: float | None = None,
+              below: int | None = None) -> list[tuple[int, int]]:
+        """Lease up to ``count`` prompt indices to ``consumer`` for ``ttl_s`` seconds: ``[(prompt_index, attempt)]``,
+        expired (re-issued) ones first; with ``below`` only indices under it (lockstep: prompts whose policy version
+        is published). Returns once the lease is durable. Raises ``ValueError`` for a negative ``count``."""
+        if count < 0:
+            raise ValueError(f"count ({count}) must be >= 0")
+        ttl = ttl_s or self._default_ttl_s
+        with self._lock:
+            now, lsn = self._clock(), -1
+            due = self._state.ledger.due(now)
+            if due:
+                lsn, _ = self._commit(Record("prompt_expire", {"items": due}))
+            items = self._state.ledger.plan(count, below)
+            if items:
+                lsn, _ = self._commit(Record("prompt_lease", {"consumer": consumer, "items": items,
+                                                              "expires_at": now + ttl}))
+        self._wait_durable(lsn)
+        return items
