@@ -26,6 +26,7 @@ from gyre.learner.comm_timer import CommTimer
 from gyre.learner.checkpoint.request import CheckpointRequest
 from gyre.learner.config import AlgorithmConfig, LearnerConfig
 from gyre.learner.ds_setup import _DTYPES, build_ds_config, ensure_distributed
+from gyre.learner.jit_ops import load_comm_op
 from gyre.learner.algo.kl_control import KLController
 from gyre.learner.algo.objective_check import check_objectives
 from gyre.learner.algo.objectives import custom_policy_loss
@@ -83,6 +84,7 @@ class LearnerEngine:
         self.version = 0
         self.config_hash = ckpt.config_hash(config.model_dump_json() + algo.model_dump_json())
         ensure_distributed()
+        load_comm_op()  # before deepspeed.initialize: a dead process's build lock must not hang this one
         torch.manual_seed(config.seed)
         model = AutoModelForCausalLM.from_pretrained(config.model, dtype=_DTYPES[config.dtype])
         model.config.use_cache = False
