@@ -41,10 +41,19 @@ REPO = Path(__file__).resolve().parents[3]
 
 
 def actor_env() -> dict:
-    """Environment every service process gets (JIT cache for DeepSpeed ops, import path)."""
+    """Environment every service process gets: the JIT cache for DeepSpeed ops, the import path, and gRPC's fork
+    handlers off (``GRPC_ENABLE_FORK_SUPPORT=false`` unless the driver's environment sets it).
+
+    gRPC's fork handlers restart its poller in a child that ``subprocess`` forked from a process with live channels,
+    and that child can abort in ``ev_epoll1_linux.cc`` (``Check failed: next_worker->state == KICKED``) before it
+    reaches ``exec`` (grpc/grpc#43055, grpcio >= 1.80). A rollout forks such children all the time: every episode
+    of a verifiers environment starts its harness program, every sandboxed reward its checker. gyre never uses a
+    gRPC channel across ``fork`` (services spawn, never fork, a process that uses gRPC), so the handlers only
+    cost it those aborts."""
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
            "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(REPO / ".cache/torch_extensions")),
-           "TOKENIZERS_PARALLELISM": "false"}
+           "TOKENIZERS_PARALLELISM": "false",
+           "GRPC_ENABLE_FORK_SUPPORT": os.environ.get("GRPC_ENABLE_FORK_SUPPORT", "false")}
     for key in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS", "VLLM_ENABLE_V1_MULTIPROCESSING",
                 *HF_ENV):
         if key in os.environ:

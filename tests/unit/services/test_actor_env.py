@@ -22,3 +22,11 @@ def test_a_driver_pythonpath_is_kept_after_the_checkout(monkeypatch):
     monkeypatch.setenv("PYTHONPATH", "/opt/extra")
     assert actor_env()["PYTHONPATH"].split(os.pathsep) == [str(REPO), "/opt/extra"]
 
+
+def test_grpc_fork_handlers_are_off_in_every_service_unless_the_driver_sets_them(monkeypatch):
+    """A rollout forks harness and sandbox children while its gRPC channels are live (grpc/grpc#43055)."""
+    monkeypatch.delenv("GRPC_ENABLE_FORK_SUPPORT", raising=False)
+    assert actor_env()["GRPC_ENABLE_FORK_SUPPORT"] == "false"
+    monkeypatch.setenv("GRPC_ENABLE_FORK_SUPPORT", "true")
+    assert actor_env()["GRPC_ENABLE_FORK_SUPPORT"] == "true"
+
