@@ -14,7 +14,6 @@ it reads the snapshot and WAL and writes nothing — no quarantine moves, no WAL
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 

@@ -134,8 +134,8 @@ class ReplayServicer(replay_pb2_grpc.ReplayServiceServicer):
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"count ({request.count}) must be <= 4096")
         if not request.ttl_s >= 0:
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"ttl_s ({request.ttl_s}) must be >= 0")
-        leases = self.buffer.prompts.lease(request.consumer, request.count, request.ttl_s or None,
-                                           below=request.below_prompt_index or None)
+        leases = self.buffer.lease_prompts(request.consumer, request.count, request.ttl_s or None,
+                                          below=request.below_prompt_index or None)
         return replay_pb2.LeasePromptsResponse(
             prompts=[replay_pb2.PromptLease(prompt_index=i, attempt=a) for i, a in leases])
 
