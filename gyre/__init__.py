@@ -12,8 +12,15 @@ Installed (a wheel, or ``pip install -e .``), the mapping is setuptools'. A chec
 package's search path then also holds the checkout's root, where the folders are.
 """
 
+import os
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
+
+# gRPC's fork handlers restart its poller in a child that `subprocess` forks from a process with live channels, and
+# the child can abort before `exec` (grpc/grpc#43055, grpcio >= 1.80): seen as `gyre sweep`'s runs, verifiers
+# harnesses and sandboxed rewards exiting -6. gyre never uses a channel across a fork, so every process that imports
+# gyre before it first uses gRPC turns them off (Ray actors get it in their environment: `actor_env`).
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 _here = Path(__file__).resolve().parent
 if not (_here / "proto").is_dir() and (_here.parent / "proto" / "trajectory.py").is_file():
