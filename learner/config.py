@@ -353,8 +353,32 @@ class LearnerConfig(BaseModel):
     states; with ``fp32`` everything is fp32."""
 
     micro_batch_size: int = Field(8, ge=1)
-    """Sequences per forward/backward; a batch is split into ``ceil(B / micro_batch_size)``
-    micro-batches whose gradients are accumulated before one optimizer step."""
+    """Rows per forward/backward when ``micro_batch_tokens`` is unset: each rank's rows are split into
+    ``ceil(rows / micro_batch_size)`` consecutive micro-batches whose gradients are accumulated before one
+    optimizer step. Leave it unset with ``micro_batch_tokens`` (the two would disagree on what a micro-batch is)."""
+
+    micro_batch_tokens: int | None = Field(None, ge=1)
+    """Token budget of a micro-batch (verl's ``use_dynamic_bsz`` with ``ppo_max_token_len_per_gpu``): the most real
+    (prompt + response) tokens one forward/backward packs, per rank. A mini-batch's rows are first spread over
+    the data-parallel ranks balanced by token count (Karmarkar–Karp largest differencing, as verl), then each
+    rank's rows are packed, longest first, into as few micro-batches under the budget as first-fit finds; every
+    rank runs the same number of micro-batches (a rank with fewer splits its fullest ones). The loss does not
+    depend on the split: every micro-batch is normalised by its whole mini-batch (``loss_agg_mode``). A row longer
+    than the budget is refused (at recipe load from ``rollout.sampling`` limits, and at the step naming the row).
+    ``None``: ``micro_batch_size`` rows per micro-batch. ``learner.micro_batches``."""
+
+    attn_kernel: Literal["auto", "varlen", "per_row"] = "auto"
+    """Attention over a packed micro-batch (rows concatenated into one sequence, ``position_ids`` restarting per
+    row, no padding; ``learner.packing``). ``varlen``: PyTorch's variable-length FlashAttention
+    (``torch.nn.attention.varlen.varlen_attn``; CUDA, bf16/fp16, compute capability >= 8.0), no extra install;
+    ``per_row``: ``scaled_dot_product_attention`` causal over each row's span in turn (any device, any dtype);
+    ``auto``: ``varlen`` where it runs, else ``per_row``. Either way no token attends across rows."""
+
+    logits_chunk: int = Field(1024, ge=1)
+    """Tokens per slice of the LM head in the logprob / entropy computation (``learner.algo.logprobs
+    .chunked_token_stats``): the ``[tokens, vocab]`` float32 logits exist one slice at a time in forward and are
+    recomputed slice by slice in backward, so the head's peak memory is ``logits_chunk * vocab * 4`` bytes
+    whatever the micro-batch's length. Only the response tokens' logits are computed."""
 
     batch_split: Literal["shard", "replicate"] = "shard"
     """With more than one data-parallel rank: ``shard`` trains each rank on its own contiguous ``B / world``
@@ -375,9 +399,10 @@ class LearnerConfig(BaseModel):
     """ZeRO-Offload: keep optimizer states (and run the update) in host memory (``cpu``); needs ZeRO >= 1.
     Frees accelerator memory at the cost of step time; on a CPU-only host it changes little."""
 
-    log_comm_time: bool = True
-    """Time every DeepSpeed collective (its comms logger) and report ``comm_s`` per step. On GPUs this
-    synchronises after each collective, which costs a little overlap."""
+    log_comm_time: bool = False
+    """Time every DeepSpeed collective (its comms logger, ``prof_all``) and report ``comm_s`` per step. Off by
+    default: the logger synchronises the device after every collective, which removes the overlap of
+    communication with the backward pass; turn it on to profile, not to train."""
 
     @model_validator(mode="before")
     @classmethod
@@ -389,6 +414,15 @@ class LearnerConfig(BaseModel):
         if self.offload_optimizer != "none" and self.zero_stage == 0:
             raise ValueError(f"offload_optimizer={self.offload_optimizer!r} needs zero_stage >= 1 (got 0): "
                              "ZeRO-Offload partitions the optimizer states it moves")
+        return self
+
+    @model_validator(mode="after")
+    def _one_micro_batch_rule(self) -> "LearnerConfig":
+        if self.micro_batch_tokens is not None and "micro_batch_size" in self.model_fields_set:
+            raise ValueError(
+                f"micro_batch_size ({self.micro_batch_size}) and micro_batch_tokens ({self.micro_batch_tokens}) are "
+                "both set: a micro-batch is either a row count or a token budget; drop micro_batch_size to pack "
+                "rows under the token budget (verl's use_dynamic_bsz), or micro_batch_tokens for fixed row counts")
         return self
 
     @field_validator("betas")
