@@ -7,6 +7,7 @@ process initialises a world-size-1 process group itself.
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -20,7 +21,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from gyre.learner.checkpoint import store as ckpt
 from gyre.learner.checkpoint import engine as ckpt_engine
-from gyre.learner.algo.logprobs import token_logprobs
 from gyre.learner.batch import TrainBatch, reward_error_metrics, truncation_metrics
 from gyre.learner.comm_timer import CommTimer
 from gyre.learner.checkpoint.request import CheckpointRequest
@@ -30,9 +30,12 @@ from gyre.learner.jit_ops import load_comm_op
 from gyre.learner.algo.kl_control import KLController
 from gyre.learner.algo.objective_check import check_objectives
 from gyre.learner.algo.objectives import custom_policy_loss
-from gyre.learner.ranks import gather_step_metrics, rank_rows
+from gyre.learner.forward import MicroPass, packed_pass
+from gyre.learner.micro_batches import row_count_plan, token_budget_plan
+from gyre.learner.packing import PackedRows, packed_attn_implementation
+from gyre.learner.ranks import gather_step_metrics
 from gyre.learner.algo.losses import (kl_penalty, loss_normaliser, policy_loss, row_token_scale, scaled_token_sum,
-                            token_entropy, value_loss)
+                            value_loss)
 from gyre.learner.step_metrics import explained_variance, kish_ess_fraction, merge_metrics, staleness_histogram
 from gyre.learner.step_start import StepTargets, mini_batch_rows, proximal_logprobs, step_targets
 
@@ -86,7 +89,9 @@ class LearnerEngine:
         ensure_distributed()
         load_comm_op()  # before deepspeed.initialize: a dead process's build lock must not hang this one
         torch.manual_seed(config.seed)
-        model = AutoModelForCausalLM.from_pretrained(config.model, dtype=_DTYPES[config.dtype])
+        self.attn_implementation = packed_attn_implementation(config.attn_kernel, _local_device(), _DTYPES[config.dtype])
+        model = AutoModelForCausalLM.from_pretrained(config.model, dtype=_DTYPES[config.dtype],
+                                                     attn_implementation=self.attn_implementation)
         model.config.use_cache = False
         if config.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -108,7 +113,8 @@ class LearnerEngine:
         self.kl_ctrl = KLController(algo.kl_coef, algo.kl_ctrl)
 
     def _load_reference(self) -> torch.nn.Module:
-        ref = AutoModelForCausalLM.from_pretrained(self.config.model, dtype=_DTYPES[self.config.dtype])
+        ref = AutoModelForCausalLM.from_pretrained(self.config.model, dtype=_DTYPES[self.config.dtype],
+                                                   attn_implementation=self.attn_implementation)
         ref.config.use_cache = False
         return ref.to(self.device).eval().requires_grad_(False)
 
@@ -155,7 +161,8 @@ class LearnerEngine:
         targets = step_targets(self, batch)
         proximal = None
         if self.algo.updates_per_batch > 1:
-            proximal = proximal_logprobs(self, batch, [s for rows in plan for s in self._micro_slices(rows)[0]])
+            proximal = proximal_logprobs(self, batch, [m for rows in plan for m in self._micro_plan(batch, rows)[0]
+                                                       if m is not None])
         updates = [self._update(batch, rows, targets, proximal) for _ in range(self.algo.ppo_epochs) for rows in plan]
         self.step += 1
         self.version += 1
@@ -183,13 +190,23 @@ class LearnerEngine:
             self.kl_ctrl.update(metrics["kl_to_ref"], batch.batch_size)
         return metrics
 
-    def _micro_slices(self, rows: range) -> tuple[list[slice], int]:
-        """The micro-batches (row slices of the batch) this rank trains of the mini-batch ``rows``, and the
-        gradient scale (``learner.ranks.rank_rows``)."""
-        mine, world = rank_rows(len(rows), self.config.batch_split)
-        lo_hi = [(rows.start + lo, rows.start + min(lo + self.config.micro_batch_size, mine.stop))
-                 for lo in range(mine.start, mine.stop, self.config.micro_batch_size)]
-        return [slice(lo, hi) for lo, hi in lo_hi], world
+    def _micro_plan(self, batch: TrainBatch, rows: range | None = None) -> tuple[list[torch.Tensor | None], int]:
+        """This rank's micro-batches of the mini-batch ``rows`` (``None``: the whole batch, every row on this rank)
+        as ``[b]`` int64 row indices (``None``: an empty micro-batch, run at zero weight so every rank makes the
+        same collectives), and the gradient scale: the data-parallel world size when the rows are sharded
+        (DeepSpeed averages gradients over ranks; the mini-batch's gradient is their sum), else 1.
+        ``learner.micro_batches``: ``micro_batch_tokens`` budgets balanced over ranks, or ``micro_batch_size``
+        rows."""
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if rows is None or self.config.batch_split != "shard":
+            world = 1
+        rank = dist.get_rank() if world > 1 else 0
+        rows = range(batch.batch_size) if rows is None else rows
+        if self.config.micro_batch_tokens is not None:
+            plan = token_budget_plan(batch.attention_mask.sum(dim=1), rows, world, self.config.micro_batch_tokens)
+        else:
+            plan = row_count_plan(rows, world, self.config.micro_batch_size)
+        return [None if m is None else torch.tensor(m, dtype=torch.int64) for m in plan[rank]], world
 
     def _update(self, batch: TrainBatch, rows: range, targets: StepTargets | None,
                 proximal: torch.Tensor | None) -> _Update:
@@ -198,10 +215,15 @@ class LearnerEngine:
         mask = batch.response_mask[rows.start:rows.stop]
         normaliser = loss_normaliser(self.algo, mask)  # of the whole mini-batch, on every rank
         row_scale = row_token_scale(self.algo, batch.response_mask)
-        micro, world = self._micro_slices(rows)
+        micro, world = self._micro_plan(batch, rows)
         loss_total, parts, rhos = 0.0, [], []
-        for sl in micro:
-            loss, metrics, rho = self._forward_backward(batch, sl, normaliser, targets, proximal, row_scale, world)
+        for idx in micro:
+            if idx is None:  # this rank has no rows left for it: the collectives only (zero gradient)
+                shortest = min(rows, key=lambda r: int(batch.attention_mask[r].sum()))
+                self._forward_backward(batch, torch.tensor([shortest]), normaliser, targets, proximal, row_scale,
+                                       0)
+                continue
+            loss, metrics, rho = self._forward_backward(batch, idx, normaliser, targets, proximal, row_scale, world)
             loss_total += loss
             parts.append(metrics)
             rhos.append(rho)
@@ -254,35 +276,28 @@ class LearnerEngine:
             **batch.episodes,
         }
 
-    def _forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor):
-        """Policy forward: ``(logits [B, L, V], values [B, L - 1] float32 or None)``; ``values[:, j]`` is
-        ``V`` of the state after ``input_ids[:, :j + 1]``, aligned with ``token_logprobs``."""
-        out = self.engine(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=self.critic)
-        if not self.critic:
-            return out.logits, None
-        values = getattr(self.module, VALUE_HEAD)(out.hidden_states[-1]).squeeze(-1)
-        return out.logits, values[:, :-1].float()
-
-    def _micro_inputs(self, batch: TrainBatch, rows: slice):
-        """input_ids, attention_mask (trimmed to the micro-batch's longest row), response mask, on device."""
-        attention_mask = batch.attention_mask[rows]
-        length = int(attention_mask.sum(dim=1).max())
-        return (batch.input_ids[rows, :length].to(self.device), attention_mask[:, :length].to(self.device),
-                batch.response_mask[rows, : length - 1].to(self.device))
+    def _pass(self, batch: TrainBatch, rows: torch.Tensor, entropy: bool = False) -> MicroPass:
+        """The policy's packed forward of ``rows`` (``learner.forward.packed_pass``): ``[b, W - 1]`` logprobs of the
+        response tokens (entropy too when asked), and the critic's values when there is one."""
+        packed = PackedRows.build(batch.input_ids, batch.attention_mask, rows, self.device)
+        mask = batch.response_mask[rows, : packed.max_len - 1].to(self.device)
+        head = getattr(self.module, VALUE_HEAD) if self.critic else None
+        return packed_pass(self.engine, packed, mask, self.algo.temperature, self.config.logits_chunk, entropy, head)
 
     def _forward_backward(
-        self, batch: TrainBatch, rows: slice, normaliser: float, targets: StepTargets | None,
+        self, batch: TrainBatch, rows: torch.Tensor, normaliser: float, targets: StepTargets | None,
         proximal_all: torch.Tensor | None = None, row_scale: torch.Tensor | None = None, grad_scale: int = 1,
     ) -> tuple[float, dict, torch.Tensor]:
-        """Forward/backward one micro-batch; returns (loss, metrics, valid tokens' rho = prox/behaviour).
+        """Forward/backward one packed micro-batch (``rows``: ``[b]`` int64 batch rows); returns (loss, metrics,
+        valid tokens' rho = prox/behaviour). ``grad_scale`` 0 runs the passes at zero weight (an empty
+        micro-batch's collectives).
         ``proximal_all``: ``[B, L - 1]`` proximal logprobs of the batch (None: this forward's own, detached).
         ``row_scale``: ``[B]`` (``learner.algo.losses.row_token_scale``) or None. ``grad_scale``: the backward loss is
         multiplied by it (the world size when the batch is sharded: DeepSpeed averages gradients over ranks,
         and the whole batch's gradient is their sum)."""
-        input_ids, attention_mask, mask = self._micro_inputs(batch, rows)
-        cols = slice(0, input_ids.shape[1] - 1)
-        logits, values = self._forward(input_ids, attention_mask)
-        logprobs = token_logprobs(logits, input_ids, self.algo.temperature)
+        out = self._pass(batch, rows, entropy=True)
+        mask, logprobs, values = out.mask, out.logprobs, out.values
+        cols = slice(0, mask.shape[1])
         proximal = logprobs.detach() if proximal_all is None else proximal_all[rows, cols].to(self.device)
         scale = None if row_scale is None else row_scale[rows]
         behaviour = batch.behaviour_logprobs[rows, cols].to(self.device)
@@ -298,8 +313,7 @@ class LearnerEngine:
             normaliser=normaliser,
             row_scale=scale,
         )
-        loss = loss + self._regularisers(logits, logprobs, input_ids, attention_mask, mask, normaliser, scale,
-                                         metrics)
+        loss = loss + self._regularisers(out, batch, rows, normaliser, scale, metrics)
         if values is not None:  # the critic: targets are set
             vloss, vmetrics = value_loss(values, targets.old_values[rows, cols].to(self.device),
                                          targets.returns[rows, cols].to(self.device), mask,
@@ -312,17 +326,17 @@ class LearnerEngine:
         return float(loss.detach()), metrics, rho.cpu()
 
     def _regularisers(
-        self, logits, logprobs, input_ids, attention_mask, mask, normaliser: float, row_scale, metrics: dict
+        self, out: MicroPass, batch: TrainBatch, rows: torch.Tensor, normaliser: float, row_scale, metrics: dict
     ) -> torch.Tensor | float:
         """``beta * kl_estimator(x) - entropy_coef * H`` (``beta``: ``kl_ctrl.value``), each summed over the
         micro-batch's valid response tokens (times ``row_scale``) and divided by the whole mini-batch's ``normaliser`` (``H``: ``token_entropy``; the KL term only with
         ``kl_placement: loss``; ``learner.algo.losses.kl_penalty`` says which KL its gradient follows); records the
         token-mean ``entropy`` and ``kl_to_ref`` (k3 estimate of ``KL(pi || pi_ref)``, whatever the estimator)
         in ``metrics``; 0.0 (adds nothing) when both are off."""
+        mask, logprobs = out.mask, out.logprobs
         n = max(float(mask.sum()), 1.0)
-        with torch.set_grad_enabled(self.algo.entropy_coef > 0 and torch.is_grad_enabled()):
-            entropy_t = token_entropy(logits, mask, self.algo.temperature)
-            entropy = entropy_t.sum()
+        entropy_t = out.entropy if self.algo.entropy_coef > 0 else out.entropy.detach()
+        entropy = entropy_t.sum()
         metrics["entropy"] = float(entropy.detach()) / n
         if self.algo.entropy_coef > 0:
             bonus = entropy if row_scale is None else scaled_token_sum(entropy_t, mask, row_scale)
@@ -330,7 +344,7 @@ class LearnerEngine:
         else:
             total = 0.0
         if self.ref_model is not None and self.algo.kl_placement == "loss":
-            ref_logprobs = self._ref_logprobs(input_ids, attention_mask)
+            ref_logprobs = self._ref_logprobs(batch, rows)
             kl_t = kl_penalty(logprobs, ref_logprobs, mask, self.algo.kl_estimator)
             kl = kl_t.sum() if row_scale is None else scaled_token_sum(kl_t, mask, row_scale)
             metrics["kl_to_ref"] = float(kl_penalty(logprobs.detach(), ref_logprobs, mask, "k3").sum()) / n
@@ -338,10 +352,12 @@ class LearnerEngine:
         return total
 
     @torch.no_grad()
-    def _ref_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """``[B, L - 1]`` float32 logprobs of the frozen reference model (eval mode: no dropout)."""
-        ref_logits = self.ref_model(input_ids=input_ids, attention_mask=attention_mask).logits
-        return token_logprobs(ref_logits, input_ids, self.algo.temperature)
+    def _ref_logprobs(self, batch: TrainBatch, rows: torch.Tensor) -> torch.Tensor:
+        """``[b, W - 1]`` float32 logprobs of the frozen reference model (eval mode: no dropout) at the rows'
+        response tokens (0 elsewhere), packed like the policy's."""
+        packed = PackedRows.build(batch.input_ids, batch.attention_mask, rows, self.device)
+        mask = batch.response_mask[rows, : packed.max_len - 1].to(self.device)
+        return packed_pass(self.ref_model, packed, mask, self.algo.temperature, self.config.logits_chunk).logprobs
 
     def _local_grad_norm(self) -> float:
         """2-norm of this rank's gradients; used only where DeepSpeed keeps no norm (ZeRO-0 fp32,
@@ -390,3 +406,9 @@ class LearnerEngine:
         """Restore from ``path``; see ``learner.checkpoint.engine.load_checkpoint``."""
         return ckpt_engine.load_checkpoint(self, path, fingerprint, force)
 
+
+def _local_device() -> torch.device:
+    """The device this rank trains on (DeepSpeed's choice): ``cuda:LOCAL_RANK`` where CUDA is, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")

@@ -85,24 +85,6 @@ def all_gather_json(obj: Any) -> list[Any]:
     return [json.loads(b[: int(s.item())].numpy().tobytes()) for b, s in zip(bufs, sizes)]
 
 
-def rank_rows(batch_size: int, split: str) -> tuple[range, int]:
-    """``(rows this rank trains on, gradient scale)`` for a batch of ``batch_size`` rows.
-
-    ``split == "shard"`` with world size ``W > 1``: rank ``r`` gets rows ``[r B/W, (r+1) B/W)`` and the scale is
-    ``W`` (DeepSpeed averages gradients over data-parallel ranks; the batch gradient is their sum). Otherwise
-    every row, scale 1. Raises ``ValueError`` when sharding a batch that is not a multiple of ``W`` (ranks
-    would run different numbers of micro-batches, i.e. of collectives)."""
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    if split != "shard" or world == 1:
-        return range(batch_size), 1
-    if batch_size % world:
-        raise ValueError(f"batch of {batch_size} rows cannot be sharded over {world} data-parallel ranks: make "
-                         f"groups_per_step * group_size a multiple of {world}, or set batch_split: replicate")
-    share = batch_size // world
-    rank = dist.get_rank()
-    return range(rank * share, (rank + 1) * share), world
-
-
 def gather_step_metrics(loss: float, parts: list[dict], rhos: list[torch.Tensor]
                         ) -> tuple[float, list[dict], list[torch.Tensor]]:
     """A sharded step's per-rank results made whole-batch on every rank: the loss summed (each rank's is its

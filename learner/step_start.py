@@ -18,7 +18,6 @@ from dataclasses import dataclass
 import torch
 
 from gyre.learner.algo.advantages import gae, group_advantages, kl_shaped_rewards, masked_group_advantages
-from gyre.learner.algo.logprobs import token_logprobs
 from gyre.learner.batch import TrainBatch
 from gyre.learner.algo.losses import kl_penalty
 from gyre.learner.algo.objectives import AdvantageInputs, custom_advantages
@@ -67,7 +66,7 @@ def step_targets(learner, batch: TrainBatch) -> StepTargets | None:
 
     Args:
         learner: a ``learner.engine.LearnerEngine`` (its ``engine``, ``algo``, ``critic``, ``ref_model``, ``kl_ctrl``,
-            ``_micro_inputs``, ``_forward`` and ``_ref_logprobs``).
+            ``_micro_plan``, ``_pass`` and ``_ref_logprobs``).
         batch: the step's batch.
 
     Returns:
@@ -79,18 +78,14 @@ def step_targets(learner, batch: TrainBatch) -> StepTargets | None:
         return None
     mask = batch.response_mask
     old_values, kl = torch.zeros(mask.shape), torch.zeros(mask.shape)
-    step = learner.config.micro_batch_size
     with eval_mode(learner.engine):
-        for lo in range(0, batch.batch_size, step):
-            rows = slice(lo, lo + step)
-            input_ids, attention_mask, _ = learner._micro_inputs(batch, rows)
-            logits, values = learner._forward(input_ids, attention_mask)
-            cols = slice(0, logits.shape[1] - 1)
-            if values is not None:
-                old_values[rows, cols] = values.cpu()
+        for rows in learner._micro_plan(batch)[0]:  # the whole batch on every rank
+            out = learner._pass(batch, rows)
+            cols = slice(0, out.mask.shape[1])
+            if out.values is not None:
+                old_values[rows, cols] = out.values.cpu()
             if kl_in_reward:
-                logprobs = token_logprobs(logits, input_ids, algo.temperature)
-                kl[rows, cols] = (logprobs - learner._ref_logprobs(input_ids, attention_mask)).cpu()
+                kl[rows, cols] = (out.logprobs - learner._ref_logprobs(batch, rows)).cpu()
     old_values = old_values * mask
     rewards = kl_shaped_rewards(batch.shaped_rewards, kl, mask, learner.kl_ctrl.value if kl_in_reward else 0.0)
     returns, kl_to_ref = None, None
@@ -127,25 +122,24 @@ def mini_batch_rows(batch_size: int, mini_batches: int) -> list[range]:
 
 
 @torch.no_grad()
-def proximal_logprobs(learner, batch: TrainBatch, micro: list[slice]) -> torch.Tensor:
+def proximal_logprobs(learner, batch: TrainBatch, micro: list[torch.Tensor]) -> torch.Tensor:
     """The proximal logprobs ``log pi_prox`` every update of the batch is clipped against: the policy before
     the batch's first update, in a no-grad pass with dropout off, over the micro-batches this rank trains (the
-    same row slices and padding as its training forwards, so without dropout the first update's ratio is 1 up
+    same rows and packing as its training forwards, so without dropout the first update's ratio is 1 up
     to the no-grad kernels' rounding).
 
     Args:
-        learner: a ``learner.engine.LearnerEngine`` (``engine``, ``algo``, ``_micro_inputs``, ``_forward``).
+        learner: a ``learner.engine.LearnerEngine`` (``engine``, ``_pass``).
         batch: the step's batch.
-        micro: the row slices to compute (this rank's micro-batches of every mini-batch).
+        micro: ``[b]`` int64 row indices of the micro-batches to compute (this rank's, of every mini-batch).
 
     Returns:
         ``[B, L - 1]`` float32 on CPU, aligned with ``TrainBatch.response_mask``; 0 at rows outside ``micro``
-        and beyond each micro-batch's longest row.
+        and off the response tokens.
     """
     out = torch.zeros(batch.response_mask.shape, dtype=torch.float32)
     with eval_mode(learner.engine):
         for rows in micro:
-            input_ids, attention_mask, _ = learner._micro_inputs(batch, rows)
-            logits, _ = learner._forward(input_ids, attention_mask)
-            out[rows, : input_ids.shape[1] - 1] = token_logprobs(logits, input_ids, learner.algo.temperature).cpu()
+            logprobs = learner._pass(batch, rows).logprobs
+            out[rows, : logprobs.shape[1]] = logprobs.cpu()
     return out
