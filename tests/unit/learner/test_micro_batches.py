@@ -64,7 +64,7 @@ def test_every_rank_runs_the_same_number_of_micro_batches():
 
 def test_a_rank_short_of_rows_gets_empty_micro_batches():
     plan = token_budget_plan(torch.tensor([1000, 990, 990]), range(3), world=2, budget=1000)
-    assert plan == [[[0], None], [[1], [2]]]
+    assert plan == [[[1], [2]], [[0], None]]  # rank 1 holds the one 1000-token row: an empty second micro-batch
 
 
 def test_row_count_plan_keeps_contiguous_shares():
