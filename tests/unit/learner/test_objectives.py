@@ -183,19 +183,21 @@ class _FakeLearner:
     def __init__(self, algo: AlgorithmConfig):
         torch.manual_seed(0)
         self.algo, self.critic = algo, False
-        self.config = SimpleNamespace(micro_batch_size=4)
         self.engine, self.ref_model = torch.nn.Embedding(256, 256), torch.nn.Embedding(256, 256)
         self.kl_ctrl = KLController(algo.kl_coef, algo.kl_ctrl)
 
-    def _micro_inputs(self, batch, rows):
-        return batch.input_ids[rows], batch.attention_mask[rows], batch.response_mask[rows]
+    def _micro_plan(self, batch, rows=None):
+        return [torch.arange(lo, min(lo + 4, batch.batch_size)) for lo in range(0, batch.batch_size, 4)], 1
 
-    def _forward(self, input_ids, attention_mask):
-        return self.engine(input_ids), None
-
-    def _ref_logprobs(self, input_ids, attention_mask):
+    def _pass(self, batch, rows, entropy=False):
         from gyre.learner.algo.logprobs import token_logprobs
-        return token_logprobs(self.ref_model(input_ids), input_ids)
+        ids, mask = batch.input_ids[rows], batch.response_mask[rows]
+        return SimpleNamespace(logprobs=token_logprobs(self.engine(ids), ids) * mask, mask=mask, values=None)
+
+    def _ref_logprobs(self, batch, rows):
+        from gyre.learner.algo.logprobs import token_logprobs
+        ids = batch.input_ids[rows]
+        return token_logprobs(self.ref_model(ids), ids) * batch.response_mask[rows]
 
 
 def test_with_the_kl_in_the_reward_a_custom_advantage_gets_the_kl_shaped_returns():

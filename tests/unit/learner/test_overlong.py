@@ -111,23 +111,27 @@ class _FakeLearner:
         self.policy, self.reference = torch.randn(256, 256, generator=g), torch.randn(256, 256, generator=g)
         self.ref_model = object() if algo.kl_coef > 0 else None
         self.kl_ctrl = KLController(algo.kl_coef, algo.kl_ctrl)
-        self.config = types.SimpleNamespace(micro_batch_size=3)  # two micro-batches over four rows
         self.engine = torch.nn.Linear(1, 1)
 
-    def _micro_inputs(self, batch, rows):
+    def _micro_plan(self, batch, rows=None):
+        return [torch.tensor([0, 1, 2]), torch.tensor([3])], 1  # two micro-batches over four rows
+
+    def _pass(self, batch, rows, entropy=False):
         length = int(batch.attention_mask[rows].sum(dim=1).max())
-        return batch.input_ids[rows, :length], batch.attention_mask[rows, :length], None
+        ids, mask = batch.input_ids[rows, :length], batch.response_mask[rows, : length - 1]
+        values = torch.zeros(len(rows), length - 1) if self.critic else None
+        logprobs = token_logprobs(self.policy[ids], ids, self.algo.temperature) * mask
+        return types.SimpleNamespace(logprobs=logprobs, mask=mask, values=values)
 
-    def _forward(self, input_ids, attention_mask):
-        values = torch.zeros(input_ids.shape[0], input_ids.shape[1] - 1) if self.critic else None
-        return self.policy[input_ids], values
-
-    def _ref_logprobs(self, input_ids, attention_mask):
-        return token_logprobs(self.reference[input_ids], input_ids, self.algo.temperature)
+    def _ref_logprobs(self, batch, rows):
+        length = int(batch.attention_mask[rows].sum(dim=1).max())
+        ids = batch.input_ids[rows, :length]
+        return token_logprobs(self.reference[ids], ids, self.algo.temperature) * batch.response_mask[rows, : length - 1]
 
     def kl(self, batch) -> torch.Tensor:
         """``[B]`` sum over each row's valid response tokens of ``log pi - log pi_ref``."""
-        x = token_logprobs(self.policy[batch.input_ids], batch.input_ids) - self._ref_logprobs(batch.input_ids, None)
+        ids = batch.input_ids
+        x = token_logprobs(self.policy[ids], ids) - token_logprobs(self.reference[ids], ids, self.algo.temperature)
         return torch.where(batch.response_mask, x, torch.zeros_like(x)).sum(dim=1)
 
 

@@ -52,19 +52,18 @@ def test_eval_mode_restores_each_modules_own_flag_even_on_error():
 
 
 class _Learner:
-    """Test double of the three ``LearnerEngine`` members ``proximal_logprobs`` uses."""
+    """Test double of the ``LearnerEngine`` members ``proximal_logprobs`` uses."""
 
     def __init__(self, model):
         self.engine = model
         self.algo = AlgorithmConfig()
 
-    def _micro_inputs(self, batch, rows):
+    def _pass(self, batch, rows, entropy=False):
         mask = batch.attention_mask[rows]
         length = int(mask.sum(dim=1).max())
-        return batch.input_ids[rows, :length], mask[:, :length], batch.response_mask[rows, : length - 1]
-
-    def _forward(self, input_ids, attention_mask):
-        return self.engine(input_ids=input_ids, attention_mask=attention_mask).logits, None
+        ids = batch.input_ids[rows, :length]
+        logits = self.engine(input_ids=ids, attention_mask=mask[:, :length]).logits
+        return SimpleNamespace(logprobs=token_logprobs(logits, ids) * batch.response_mask[rows, : length - 1])
 
 
 def test_proximal_logprobs_are_the_dropout_off_policy_before_the_first_update():
@@ -77,8 +76,8 @@ def test_proximal_logprobs_are_the_dropout_off_policy_before_the_first_update():
     batch = SimpleNamespace(input_ids=ids, attention_mask=attention,
                             response_mask=torch.ones(4, 9, dtype=torch.bool))
     learner = _Learner(model)
-    prox = proximal_logprobs(learner, batch, [slice(0, 2), slice(3, 4)])
-    assert torch.equal(prox, proximal_logprobs(learner, batch, [slice(0, 2), slice(3, 4)]))
+    prox = proximal_logprobs(learner, batch, [torch.tensor([0, 1]), torch.tensor([3])])
+    assert torch.equal(prox, proximal_logprobs(learner, batch, [torch.tensor([0, 1]), torch.tensor([3])]))
     with eval_mode(model):
         torch.testing.assert_close(prox[:2], _logprobs(model, ids[:2]), atol=1e-6, rtol=0)
         torch.testing.assert_close(prox[3:, :6], _logprobs(model, ids[3:, :7]), atol=1e-6, rtol=0)
