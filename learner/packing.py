@@ -13,7 +13,8 @@ under ``PACKED_ATTENTION`` names and picked by ``LearnerConfig.attn_kernel``:
   device and dtype (the CPU path and the tests'); its cost is ``sum_i l_i^2`` like varlen's, not ``N^2``.
 
 The model's attention mask is not used (``attention_mask`` stays ``None``): a packed model given padded input
-raises rather than attending to padding.
+(an attention mask) raises rather than attending to padding; unpacked rows without a mask are each one
+sequence.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
 
 PACKED_ATTENTION = {"varlen": "gyre_packed_varlen", "per_row": "gyre_packed_per_row"}
 """``LearnerConfig.attn_kernel`` -> the ``attn_implementation`` name a learner model is loaded with."""
@@ -133,8 +135,11 @@ def _segments(cu: torch.Tensor) -> list[tuple[int, int]]:
 
 def _per_row_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
     """Causal SDPA over each row's span of the packed ``[1, H, N, D]`` query/key/value; returns
-    ``([1, N, H, D], None)`` as transformers' attention functions do."""
+    ``([1, N, H, D], None)`` as transformers' attention functions do. Unpacked input without a mask: every batch
+    row is one whole sequence."""
     cu = _require_cu(kwargs, attention_mask)
+    if cu is None:
+        return _whole_rows(query, key, value, dropout, scaling)
     gqa = query.shape[1] != key.shape[1]
     parts = [F.scaled_dot_product_attention(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], dropout_p=dropout,
                                             is_causal=True, scale=scaling, enable_gqa=gqa)
@@ -147,6 +152,8 @@ def _varlen_attention(module, query, key, value, attention_mask, dropout: float 
     from torch.nn.attention.varlen import varlen_attn
 
     cu = _require_cu(kwargs, attention_mask)
+    if cu is None:
+        return _whole_rows(query, key, value, dropout, scaling)
     if dropout:
         raise PackedKernelError(f"attn_kernel 'varlen' has no attention dropout (the model asks {dropout}); "
                                 "use attn_kernel 'per_row'")
@@ -164,12 +171,19 @@ def _varlen_attention(module, query, key, value, attention_mask, dropout: float 
 _VARLEN_PARAMS: set[str] = set()
 
 
-def _require_cu(kwargs: dict, attention_mask) -> torch.Tensor:
-    cu = kwargs.get("cu_seq_lens_q")
-    if cu is None or attention_mask is not None:
-        raise ValueError("a learner model (packed attention) was called without packing: pass "
-                         "learner.packing.PackedRows.model_kwargs(), not input_ids with an attention_mask")
-    return cu
+def _whole_rows(query, key, value, dropout: float, scaling):
+    out = F.scaled_dot_product_attention(query, key, value, dropout_p=dropout, is_causal=True, scale=scaling,
+                                         enable_gqa=query.shape[1] != key.shape[1])
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _require_cu(kwargs: dict, attention_mask) -> torch.Tensor | None:
+    """The packing's ``cu_seqlens`` (None: unpacked rows, each one whole sequence). Raises ``ValueError`` for
+    padded input (an attention mask): these kernels never read one."""
+    if attention_mask is not None:
+        raise ValueError("a learner model (packed attention) was given an attention mask: pass "
+                         "learner.packing.PackedRows.model_kwargs() (rows packed, no padding)")
+    return kwargs.get("cu_seq_lens_q")
 
 
 def varlen_available(device: torch.device | str, dtype: torch.dtype) -> str | None:
@@ -206,5 +220,17 @@ def packed_attn_implementation(kernel: str, device: torch.device | str, dtype: t
     return PACKED_ATTENTION["varlen" if kernel != "per_row" and not why else "per_row"]
 
 
+def _no_padding_mask(batch_size, cache_position=None, kv_length=None, kv_offset=0, mask_function=None,
+                     attention_mask=None, **kwargs):
+    """transformers' mask hook for the packed kernels: they take no mask, so padding is refused here (one clear
+    error instead of a silently wrong attention over left padding)."""
+    if attention_mask is not None and not bool(attention_mask.all()):
+        raise ValueError("a learner model (packed attention) was given padded rows (an attention_mask with zeros): "
+                         "pass learner.packing.PackedRows.model_kwargs() (rows packed, no padding)")
+    return None
+
+
+for _name in PACKED_ATTENTION.values():
+    AttentionMaskInterface.register(_name, _no_padding_mask)
 AttentionInterface.register(PACKED_ATTENTION["per_row"], _per_row_attention)
 AttentionInterface.register(PACKED_ATTENTION["varlen"], _varlen_attention)

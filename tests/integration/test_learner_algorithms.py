@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from gyre.learner.algo.advantages import group_advantages
-from gyre.learner.algo.logprobs import token_logprobs
 from gyre.learner.batch import build_train_batch
 from gyre.learner.checkpoint.request import CheckpointRequest
 from gyre.learner.config import AlgorithmConfig, LearnerConfig
@@ -146,11 +145,11 @@ def test_kl_in_the_reward_shapes_the_outcome_advantages(tiny_llama):
     first = engine.train_step(batch)
     assert first["kl_to_ref"] == 0.0
     targets = step_targets(engine, batch)
-    input_ids, attention_mask, mask = engine._micro_inputs(batch, slice(0, batch.batch_size))
+    rows = torch.arange(batch.batch_size)
     with torch.no_grad(), eval_mode(engine.engine):
-        logits, _ = engine._forward(input_ids, attention_mask)
-    x = (token_logprobs(logits, input_ids) - engine._ref_logprobs(input_ids, attention_mask)).cpu()
-    returns = batch.rewards - beta * torch.where(mask.cpu(), x, torch.zeros_like(x)).sum(dim=1)
+        out = engine._pass(batch, rows)
+        x = (out.logprobs - engine._ref_logprobs(batch, rows)).cpu()
+    returns = batch.rewards - beta * torch.where(out.mask.cpu(), x, torch.zeros_like(x)).sum(dim=1)
     torch.testing.assert_close(targets.advantages, group_advantages("rloo", returns, batch.group_rows, 1e-6))
     assert targets.kl_to_ref > 0.0 and not torch.equal(targets.advantages, batch.advantages)
     assert engine.train_step(batch)["kl_to_ref"] == pytest.approx(targets.kl_to_ref)

@@ -113,11 +113,14 @@ def test_temperature_divides_the_logits():
                                rtol=0)
 
 
-def test_a_packed_model_refuses_padded_input():
+def test_a_packed_model_refuses_padded_input_and_takes_unpadded_rows():
     _, packed = _models("llama", PACKED_ATTENTION["per_row"])
     ids, attention, _ = _batch()
-    with pytest.raises(ValueError, match="without packing"):
+    with pytest.raises(ValueError, match="given padded rows"):
         packed(input_ids=ids, attention_mask=attention)
+    padded, _ = _models("llama", PACKED_ATTENTION["per_row"])
+    whole = ids[:, :6]  # unpadded rows without a mask: each one sequence
+    torch.testing.assert_close(packed(input_ids=whole).logits, padded(input_ids=whole).logits, atol=ATOL, rtol=0)
 
 
 def test_a_row_too_short_to_score_is_refused():
