@@ -51,7 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run (or resume) a recipe (YAML) end to end on Ray")
     run.add_argument("recipe")
-    run.add_argument("--dry-run", action="store_true", help="validate the recipe and print the resolved plan")
+    run.add_argument("--dry-run", action="store_true",
+                     help="validate the recipe and print the resolved plan, placement and the learner's memory per rank")
     run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                      help="override a recipe value (dotted key, YAML value); repeatable")
     run.add_argument("--resume", default="auto", metavar="auto|none|PATH",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from gyre.utils.model_source import is_hub_id
+from gyre.services.control.recipe.memory_plan import memory_lines
 from gyre.services.control.recipe.schema import Recipe
 from gyre.services.control.recipe.recorded import rollouts_to_start
 
@@ -18,7 +19,8 @@ def _task_line(recipe: Recipe) -> str:
 
 
 def describe(recipe: Recipe) -> str:
-    """Services, their key settings and the derived batch sizes, one screen."""
+    """Services, their key settings and the derived batch sizes, the learner's memory per rank
+    (``memory_plan.memory_lines``), one screen."""
     r, l, rp = recipe.rollout, recipe.learner, recipe.replay
     batch = l.groups_per_step * r.group_size
     lines = [
@@ -31,7 +33,7 @@ def describe(recipe: Recipe) -> str:
         if rp.source is None else f"  replay    a copy of the recording {rp.source.recorded}: the groups its learner "
         "consumed, in that order, no staleness gate; rollouts only evaluate",
         f"  learner   DeepSpeed ZeRO-{l.engine.zero_stage} {l.engine.dtype} lr={l.engine.lr} "
-        f"micro_batch={l.engine.micro_batch_size}{' grad-checkpointing' if l.engine.gradient_checkpointing else ''}"
+        f"{_micro_batch(l.engine)}{' grad-checkpointing' if l.engine.gradient_checkpointing else ''}"
         f"  steps={l.num_steps}",
         f"            batch = {l.groups_per_step} groups × {r.group_size} samples = {batch} trajectories/step",
         f"            loss: decoupled PPO-clip (ε={l.algorithm.clip_eps_low}/{l.algorithm.clip_eps_high}) × TIS (C={l.algorithm.tis_cap})",
@@ -46,9 +48,16 @@ def describe(recipe: Recipe) -> str:
          f"{recipe.lockstep_lag}); versions in {l.lockstep.weights_dir}" if l.lockstep is not None
          else "determinism async (bounded staleness)"),
         *([f"faults     {recipe.faults}"] if recipe.faults else []),
+        *memory_lines(recipe),
         *placement_lines(recipe),
     ]
     return "\n".join(lines)
+
+
+def _micro_batch(e) -> str:
+    """``micro_batch_tokens=N`` (a token budget per rank) or ``micro_batch=N`` (rows)."""
+    return f"micro_batch_tokens={e.micro_batch_tokens}" if e.micro_batch_tokens is not None else \
+        f"micro_batch={e.micro_batch_size}"
 
 
 def _model_line(recipe: Recipe) -> str:
