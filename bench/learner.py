@@ -12,6 +12,15 @@ that machine noise hits both sides alike (medians of the repetitions):
   save of the same state (``sync_save_s``), and the checkpoint size.
 
 Default model: SmolLM2-135M-Instruct (``make model``), bf16, ZeRO-2, CPU/gloo.
+
+With ``--shape SHAPE --lengths DIST`` (``bench.learner_shapes``) it is the GPU-shaped bench instead: a random model
+of ``SHAPE``'s architecture (built from its config, nothing downloaded), a GRPO batch drawn from ``DIST`` (seeded),
+``LearnerEngine.train_step`` with packed token-budget micro-batches (``--budget`` tokens per micro-batch) against
+a same-process bare DeepSpeed step on length-sorted, padded token-budget micro-batches with full logits
+(``sorted_budget_ratio`` = gyre ÷ bare; goal <= 0.7 on a GPU), plus tokens/s, MFU against the device's bf16 dense
+peak (named; on a CPU a measured matmul rate), pad fractions and peak memory. ``python -m bench.learner --shape
+qwen2.5-1.5b --lengths grpo-math`` on an H100/H200; ``--shape qwen2-tiny --lengths grpo-math-small --quick`` on
+CPU (the test suite runs it).
 """
 
 from __future__ import annotations
@@ -147,12 +156,73 @@ def measure_async_save(learner, batch, root: Path, rounds: int) -> dict:
             "sync_save_s": sync_s, "checkpoint_bytes": size}
 
 
+def shape_bench(shape: str, lengths: str, budget: int, zero_stage: int, reps: int, model_root: Path,
+                gradient_checkpointing: bool | None = None) -> dict:
+    """The GPU-shaped bench (module docstring): one dict of results."""
+    from bench import learner_shapes as shapes
+    from gyre.learner.batch import build_train_batch
+    from gyre.learner.config import AlgorithmConfig, LearnerConfig
+    from gyre.learner.engine import LearnerEngine
+
+    cuda = torch.cuda.is_available()
+    gc = cuda if gradient_checkpointing is None else gradient_checkpointing
+    model_dir = shapes.build_model(shape, model_root / shape, torch.bfloat16)
+    config = LearnerConfig(model=str(model_dir), zero_stage=zero_stage, dtype="bf16", micro_batch_tokens=budget,
+                           gradient_checkpointing=gc, lr=1e-6)
+    rows = shapes.sample_lengths(lengths)
+    spec = shapes.LENGTHS[lengths]
+    algo = AlgorithmConfig(max_response_tokens=spec["response"][1])
+    table = shapes.make_length_table(rows, spec["group_size"], shapes.SHAPES[shape]["vocab_size"])
+    batch = build_train_batch(table, 0, 0, algo)
+    real = int(batch.attention_mask.sum())
+    learner, bare = LearnerEngine(config, algo), shapes.bare_engine(config)
+    peak_name, peak_tflops = shapes.device_peak()
+    mine, base, pads, metrics = [], [], [], {}
+    for rep in range(reps + 1):  # the first of each is a warm-up
+        shapes._sync()
+        t0 = time.perf_counter()
+        metrics = learner.train_step(batch)
+        shapes._sync()
+        mine.append(time.perf_counter() - t0)
+        if rep == 0:
+            memory = shapes.peak_memory_gib()
+        seconds, pad = shapes.bare_sorted_step(bare, batch, budget)
+        base.append(seconds)
+        pads.append(pad)
+    step, bare_step = statistics.median(mine[1:]), statistics.median(base[1:])
+    params = shapes.parameter_count(shape)
+    lengths_t = batch.attention_mask.sum(dim=1)
+    rowcount_padded = sum(8 * int(lengths_t[i:i + 8].max()) for i in range(0, batch.batch_size, 8))
+    return {"shape": shape, "lengths": lengths, "parameters": params, "rows": batch.batch_size, "real_tokens": real,
+            "micro_batch_tokens": budget, "zero_stage": zero_stage, "gradient_checkpointing": gc,
+            "micro_batches": metrics["micro_batches"], "device": peak_name, "device_peak_tflops": peak_tflops,
+            "step_s": step, "tokens_per_s": real / step, "mfu": 6 * params * real / step / (peak_tflops * 1e12),
+            "pad_fraction": 0.0, "peak_memory_gib": memory, "bare_step_s": bare_step,
+            "bare_pad_fraction": statistics.median(pads), "rowcount8_pad_fraction": 1 - real / rowcount_padded,
+            "bare_mfu": 6 * params * real / bare_step / (peak_tflops * 1e12),
+            "sorted_budget_ratio": step / bare_step, "reps": reps}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer repetitions (~3 min on 2 CPU cores)")
     parser.add_argument("--model", default=str(DEFAULT_MODEL))
     parser.add_argument("--dir", default=None, help="where checkpoints go (default: a temp dir, removed)")
+    parser.add_argument("--shape", default=None, help="GPU-shaped bench: qwen2.5-1.5b | qwen2-tiny")
+    parser.add_argument("--lengths", default="grpo-math", help="grpo-math | grpo-math-small")
+    parser.add_argument("--budget", type=int, default=None,
+                        help="micro_batch_tokens of both sides (default 16384; 2048 with --quick)")
+    parser.add_argument("--zero-stage", type=int, default=2)
+    parser.add_argument("--models-dir", default=str(REPO / ".cache/bench-models"),
+                        help="where shape models are built (reused)")
     args = parser.parse_args()
+    if args.shape:
+        budget = args.budget or (2048 if args.quick else 16384)
+        result = shape_bench(args.shape, args.lengths, budget, args.zero_stage, 2 if args.quick else 5,
+                             Path(args.models_dir))
+        print(json.dumps({"quick": args.quick} | {k: round(v, 4) if isinstance(v, float) else v
+                                                  for k, v in result.items()}))
+        return
     from gyre.learner.batch import build_train_batch
     from gyre.learner.config import AlgorithmConfig, LearnerConfig
     from gyre.learner.engine import LearnerEngine

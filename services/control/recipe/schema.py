@@ -176,6 +176,15 @@ class Recipe(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _token_budget_holds_a_row(self) -> "Recipe":
+        budget, longest = self.learner.engine.micro_batch_tokens, self.rollout.engine.max_model_len
+        if budget is not None and budget < longest:
+            raise ValueError(f"learner.engine.micro_batch_tokens ({budget}) is smaller than the longest row a rollout "
+                             f"can return: rollout.engine.max_model_len ({longest}) tokens of prompt + response; set "
+                             f"micro_batch_tokens >= {longest} (a packed micro-batch holds whole rows)")
+        return self
+
+    @model_validator(mode="after")
     def _consistent(self) -> "Recipe":
         t_roll, t_learn = self.rollout.sampling.temperature, self.learner.algorithm.temperature
         if t_roll != t_learn:

@@ -26,6 +26,9 @@ def test_default_recipe_resolves_and_describes():
     ({"rollout.sampling.temperature": 0.7}, "must equal learner.algorithm.temperature (1.0)"),
     ({"rollout.sampling.top_p": 0.9}, "top_p (0.9) must be 1.0"),
     ({"rollout.engine.model": "x"}, "set the model once at top level"),
+    ({"learner.engine.micro_batch_tokens": 256}, "learner.engine.micro_batch_tokens (256) is smaller than the longest "
+                                                 "row a rollout can return: rollout.engine.max_model_len (512)"),
+    ({"learner.engine.micro_batch_size": 4}, "micro_batch_size (4) and micro_batch_tokens (4096) are both set"),
 ])
 def test_bad_recipe_values_are_named(overrides, message):
     with pytest.raises(RecipeError) as err:
