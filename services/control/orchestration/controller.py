@@ -29,7 +29,8 @@ from gyre.services.control.orchestration.progress import RunProgress
 from gyre.services.control.commands.ray_connection import CONNECTION_FILE, record_connection
 from gyre.services.control.recipe.schema import Recipe
 from gyre.services.control.recipe.recorded import rollouts_to_start, use_recording
-from gyre.services.control.outputs.report import MetricsWriter, plot_run, read_metrics, recover_rows
+from gyre.services.control.outputs.report import (MetricsWriter, learner_step_summary, plot_run, read_metrics,
+                                                  recover_rows)
 from gyre.services.control.orchestration.rollout_time import RolloutTimeDeltas, spread
 from gyre.services.control.outputs.run_dir import write_recipe
 from gyre.services.control.outputs.run_lock import hold_run_dir
@@ -188,6 +189,11 @@ def _run_services(recipe: Recipe, console: Console, trackers: Trackers) -> dict:
         (out / CONNECTION_FILE).unlink(missing_ok=True)
         ray.shutdown()
     summary["plot"] = str(plot_run(out / "metrics.jsonl", out / "reward_accuracy.png"))
+    summary |= learner_step_summary(read_metrics(out / "metrics.jsonl"))
+    if "learner_step_time_s_median" in summary:
+        console.print(f"learner step: median {summary['learner_step_time_s_median']:.2f} s over "
+                      f"{summary['learner_steps']:.0f} steps ({summary.get('learner_tokens_per_s_median', 0):.0f} "
+                      "tokens/s)", highlight=False)
     summary["wall_time_s"] = round(time.time() - t0, 1)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary

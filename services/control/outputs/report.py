@@ -6,6 +6,7 @@ from __future__ import annotations
 import fnmatch
 import json
 import math
+import statistics
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -51,6 +52,26 @@ def read_metrics(path: Path) -> list[dict]:
             except json.JSONDecodeError as exc:
                 raise ValueError(f"{path}:{i} is not JSON: {exc}") from exc
     return rows
+
+
+def learner_step_summary(rows: list[dict]) -> dict[str, float]:
+    """The learner's step time over a run's ``metrics.jsonl`` rows (training rows: those with ``step_time_s``):
+    ``learner_step_time_s_median`` (``LearnerEngine.train_step``, seconds), ``learner_forward_backward_s_median``
+    (``time/learner/forward_backward_s``), ``learner_tokens_per_s_median`` and ``learner_steps`` (rows counted);
+    ``{}`` when no row trained. Medians, so a first step's warm-up or a restart does not move them."""
+    steps = [r for r in rows if isinstance(r.get("step_time_s"), (int, float))]
+    if not steps:
+        return {}
+
+    def median(key: str) -> float:
+        return float(statistics.median(r[key] for r in steps if isinstance(r.get(key), (int, float))) or 0.0)
+
+    out = {"learner_steps": float(len(steps)), "learner_step_time_s_median": median("step_time_s")}
+    if any("time/learner/forward_backward_s" in r for r in steps):
+        out["learner_forward_backward_s_median"] = median("time/learner/forward_backward_s")
+    if any("tokens_per_s" in r for r in steps):
+        out["learner_tokens_per_s_median"] = median("tokens_per_s")
+    return out
 
 
 def recover_rows(run_dir: Path, metrics: MetricsWriter, learner_version: int) -> list[int]:

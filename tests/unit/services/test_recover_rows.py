@@ -39,3 +39,16 @@ def test_a_broken_line_before_the_last_is_an_error_naming_it(tmp_path):
     (tmp_path / LEARNER_ROWS).write_text('{"step": 1, "loss": 0.5}\nnot json\n{"step": 2, "loss": 0.4}\n')
     with pytest.raises(ValueError, match=f"{LEARNER_ROWS}:2 is not JSON"):
         recover_rows(tmp_path, metrics, learner_version=2)
+
+
+def test_learner_step_summary_takes_medians_of_the_training_rows():
+    from gyre.services.control.outputs.report import learner_step_summary
+
+    rows = [{"step": 0, "heldout_accuracy": 0.1},  # an eval row: not a training step
+            {"step": 1, "step_time_s": 30.0, "time/learner/forward_backward_s": 25.0, "tokens_per_s": 100.0},
+            {"step": 2, "step_time_s": 8.0, "time/learner/forward_backward_s": 6.0, "tokens_per_s": 400.0},
+            {"step": 3, "step_time_s": 9.0, "time/learner/forward_backward_s": 7.0, "tokens_per_s": 380.0}]
+    assert learner_step_summary(rows) == {"learner_steps": 3.0, "learner_step_time_s_median": 9.0,
+                                          "learner_forward_backward_s_median": 7.0,
+                                          "learner_tokens_per_s_median": 380.0}
+    assert learner_step_summary(rows[:1]) == {}
