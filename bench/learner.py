@@ -175,21 +175,23 @@ def shape_bench(shape: str, lengths: str, budget: int, zero_stage: int, reps: in
     table = shapes.make_length_table(rows, spec["group_size"], shapes.SHAPES[shape]["vocab_size"])
     batch = build_train_batch(table, 0, 0, algo)
     real = int(batch.attention_mask.sum())
-    learner, bare = LearnerEngine(config, algo), shapes.bare_engine(config)
+    learner = LearnerEngine(config, algo)
+    learner.train_step(batch)  # warm-up, and the learner's peak memory before the baseline engine exists
+    memory = shapes.peak_memory_gib()
+    bare = shapes.bare_engine(config)
+    shapes.bare_sorted_step(bare, batch, budget)  # warm-up
     peak_name, peak_tflops = shapes.device_peak()
     mine, base, pads, metrics = [], [], [], {}
-    for rep in range(reps + 1):  # the first of each is a warm-up
+    for _ in range(reps):  # interleaved, so machine noise hits both sides alike
         shapes._sync()
         t0 = time.perf_counter()
         metrics = learner.train_step(batch)
         shapes._sync()
         mine.append(time.perf_counter() - t0)
-        if rep == 0:
-            memory = shapes.peak_memory_gib()
         seconds, pad = shapes.bare_sorted_step(bare, batch, budget)
         base.append(seconds)
         pads.append(pad)
-    step, bare_step = statistics.median(mine[1:]), statistics.median(base[1:])
+    step, bare_step = statistics.median(mine), statistics.median(base)
     params = shapes.parameter_count(shape)
     lengths_t = batch.attention_mask.sum(dim=1)
     rowcount_padded = sum(8 * int(lengths_t[i:i + 8].max()) for i in range(0, batch.batch_size, 8))
