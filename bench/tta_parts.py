@@ -34,7 +34,7 @@ FULL = Scale(steps=100, eval_every=10, overrides={})
 QUICK = Scale(steps=4, eval_every=2, overrides={
     "rollout.group_size": 4, "rollout.groups_in_flight": 2, "rollout.max_ready_groups": 2,
     "rollout.sampling.max_new_tokens": 16, "rollout.engine.kv_cache_gib": 0.25, "rollout.engine.max_num_seqs": 8,
-    "learner.groups_per_step": 2, "learner.engine.micro_batch_size": 8, "learner.engine.lr": 1.0e-4,
+    "learner.groups_per_step": 2, "learner.engine.lr": 1.0e-4,
     "task.heldout_size": 8})
 """A tiny random Llama (``tests/tiny_model.py``), 4 steps of 2 prompts × 4 samples, 8 held-out problems: the
 pipeline end to end in minutes on 2 cores. Its accuracy is ~0, so its ratios are usually ``null``."""
@@ -89,7 +89,8 @@ def trl_settings(recipe, output_dir: str) -> dict:
 
     One TRL optimizer step trains on ``groups_per_step`` prompts × ``group_size`` samples, generated once
     (``generation_batch_size``), in micro-batches of the learner's ``micro_batch_size`` (gradient
-    accumulation makes up the rest), one pass (``num_iterations=1``); clip range, KL coefficient, grad clip,
+    accumulation makes up the rest; with a token budget, ``micro_batch_tokens``, the step's rows in one padded
+    micro-batch: TRL counts rows, and the default recipe's budget holds a whole step), one pass (``num_iterations=1``); clip range, KL coefficient, grad clip,
     constant learning rate without warm-up, sampling settings as gyre's. TRL's documented CPU path:
     ``use_cpu=True``, bf16 off, transformers generation (``use_vllm=False``). Prompts in the dataset's order
     (``shuffle_dataset=False``: gyre leases prompt indices 0, 1, 2, ...).
@@ -98,7 +99,9 @@ def trl_settings(recipe, output_dir: str) -> dict:
         ValueError: ``micro_batch_size`` does not divide the samples per step (TRL needs whole micro-batches).
     """
     s = shared_settings(recipe)
-    micro = min(recipe.learner.engine.micro_batch_size, s["samples_per_step"])
+    engine = recipe.learner.engine
+    per_micro = s["samples_per_step"] if engine.micro_batch_tokens is not None else engine.micro_batch_size
+    micro = min(per_micro, s["samples_per_step"])
     if s["samples_per_step"] % micro:
         raise ValueError(f"learner.engine.micro_batch_size ({micro}) must divide the samples per step "
                          f"({s['samples_per_step']}) for TRL's gradient accumulation")
