@@ -47,3 +47,15 @@ def test_step_reports_micro_batches_and_comm_time(tiny_llama):
     assert metrics["micro_batches"] == 3.0  # 6 sequences / 2 per micro-batch, one optimizer step
     assert metrics["comm_s"] > 0.0  # ZeRO-2 all-reduces gradients even in a world of one
     assert 0.0 < metrics["optimizer_step_s"] < metrics["step_time_s"]
+
+
+def test_reference_ds_config_is_zero3_inference_offloaded_with_the_optimizer(tiny_llama):
+    from gyre.learner.ds_setup import build_ref_ds_config
+
+    ref = build_ref_ds_config(LearnerConfig(model=str(tiny_llama), zero_stage=3, dtype="bf16", micro_batch_size=4))
+    assert ref["zero_optimization"] == {"stage": 3} and ref["bf16"] == {"enabled": True}
+    assert "optimizer" not in ref and ref["train_micro_batch_size_per_gpu"] == 4  # DeepSpeed wants a batch size
+    offloaded = build_ref_ds_config(LearnerConfig(model=str(tiny_llama), zero_stage=3, dtype="fp32",
+                                                  offload_optimizer="cpu"))
+    assert offloaded["zero_optimization"]["offload_param"]["device"] == "cpu"
+    assert offloaded["bf16"] == {"enabled": False}
