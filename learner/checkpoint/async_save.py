@@ -108,6 +108,13 @@ def mark_shard(tmp: Path, rank: int, files: list[str | Path], error: BaseExcepti
     return final
 
 
+def clear_shard_mark(tmp: Path, rank: int) -> None:
+    """Remove this rank's marker left in ``tmp`` by an earlier save of the same step that did not commit (rank 0's
+    own write failed after this rank had marked), so rank 0 never takes a stale marker for this save's. Each
+    rank calls it before its capture, whose barriers rank 0's writer can only pass after every rank did."""
+    (Path(tmp) / _MARKER.format(rank=rank)).unlink(missing_ok=True)
+
+
 def wait_for_shards(tmp: Path, world_size: int, timeout_s: float | None = None, poll_s: float = 0.05) -> None:
     """Rank 0's writer: block until ranks ``1 .. world_size - 1`` have each marked their shard in ``tmp``
     (``mark_shard``), check that every file a marker lists exists with its size, then remove the markers (so the

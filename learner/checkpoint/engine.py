@@ -16,7 +16,8 @@ import torch.distributed as dist
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
 
 from gyre.learner.checkpoint import store as ckpt
-from gyre.learner.checkpoint.async_save import mark_shard, snapshot, wait_for_shards, write_captured
+from gyre.learner.checkpoint.async_save import (clear_shard_mark, mark_shard, snapshot, wait_for_shards,
+                                                write_captured)
 from gyre.learner.checkpoint.request import CheckpointedLearner, CheckpointRequest, commit_request
 from gyre.learner.ranks import control_group
 
@@ -56,6 +57,7 @@ def save_checkpoint(learner: CheckpointedLearner, request: CheckpointRequest) ->
         spike_save=dict(request.spike_save))
     if saver is not None:
         saver.wait()  # one save in flight per rank: its temp dir and pruning must not interleave with this one
+        clear_shard_mark(tmp, rank)  # a retry of this step after a failed save: its marker is not this save's
         captured = capture(learner.engine, tmp, "deepspeed")
         side_files = _write_side_files(learner, tmp, rank)
         if rank == 0:
