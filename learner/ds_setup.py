@@ -1,4 +1,5 @@
-"""The DeepSpeed engine's setup: its config dict and the process group a learner rank joins."""
+"""The DeepSpeed engines' setup: the policy's and the reference model's config dicts, and the process group a
+learner rank joins."""
 
 from __future__ import annotations
 
@@ -52,6 +53,32 @@ def build_ds_config(config: LearnerConfig) -> dict[str, Any]:
     if config.log_comm_time:
         ds["comms_logger"] = {"enabled": True, "prof_all": True, "verbose": False, "debug": False}
     return ds
+
+
+def build_ref_ds_config(config: LearnerConfig) -> dict[str, Any]:
+    """The DeepSpeed config dict of the frozen reference model (``kl_coef > 0``) when the policy runs ZeRO-3.
+
+    ZeRO-3 for inference, as OpenRLHF's ``get_eval_ds_config`` for its initial model: no optimizer (DeepSpeed
+    then only partitions the parameters, ``DeepSpeedZeRoOffload``), each rank keeps ``1 / world`` of every
+    parameter (``ds_tensor``) and a forward gathers each layer's parameters for the duration of that layer, like
+    the policy's. bf16 as the policy (``config.dtype``). With ``offload_optimizer: cpu`` (a learner short of
+    accelerator memory) the reference's partitions live in host memory too (``offload_param``; pinned on CUDA):
+    its forward then copies each layer in from the host, which costs step time but no accelerator memory for the
+    reference between its forwards. Batch sizes are the policy's (DeepSpeed requires them; no step is taken).
+    Under ZeRO 0-2 the learner keeps the reference unwrapped (``learner.engine``): the policy's parameters are a
+    full copy on every rank there, and so are the reference's.
+    """
+    zero: dict[str, Any] = {"stage": 3}
+    if config.offload_optimizer == "cpu":
+        zero["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    return {
+        "train_micro_batch_size_per_gpu": config.micro_batch_size,
+        "gradient_accumulation_steps": 1,
+        "bf16": {"enabled": config.dtype == "bf16"},
+        "zero_optimization": zero,
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+    }
 
 
 def ensure_distributed() -> None:

@@ -25,7 +25,7 @@ from gyre.learner.batch import TrainBatch, reward_error_metrics, truncation_metr
 from gyre.learner.comm_timer import CommTimer
 from gyre.learner.checkpoint.request import CheckpointRequest
 from gyre.learner.config import AlgorithmConfig, LearnerConfig
-from gyre.learner.ds_setup import _DTYPES, build_ds_config, ensure_distributed
+from gyre.learner.ds_setup import _DTYPES, build_ds_config, build_ref_ds_config, ensure_distributed
 from gyre.learner.jit_ops import load_comm_op
 from gyre.learner.algo.kl_control import KLController
 from gyre.learner.algo.objective_check import check_objectives
@@ -65,7 +65,8 @@ class LearnerEngine:
     it is trained by the same optimizer and saved/loaded in DeepSpeed checkpoints with the policy.
     It reads the last hidden state (after the final norm) of the shared trunk; ``named_weights``
     leaves it out, so vLLM never sees it. Reference model (``kl_coef > 0``): a second, frozen
-    (``requires_grad=False``, eval, no grad) copy of ``config.model`` outside DeepSpeed, never
+    (``requires_grad=False``, eval, no grad) copy of ``config.model``, sharded like the policy (ZeRO-3: its own
+    DeepSpeed inference engine; ZeRO 0-2: a full copy per rank, ``_load_reference``), never
     checkpointed (it is the initial model and is reloaded from ``config.model``).
 
     Attributes:
@@ -113,10 +114,22 @@ class LearnerEngine:
         self.kl_ctrl = KLController(algo.kl_coef, algo.kl_ctrl)
 
     def _load_reference(self) -> torch.nn.Module:
+        """The frozen reference model for the KL term: ``config.model`` loaded again, eval, no grad, sharded like the
+        policy. Under ZeRO-3 it is wrapped by ``deepspeed.initialize`` with ``ds_setup.build_ref_ds_config`` (no
+        optimizer): each rank keeps ``1 / world`` of its parameters (in host memory with ``offload_optimizer:
+        cpu``) and its forward gathers them layer by layer, a collective that every rank runs as it runs the
+        policy's forwards. Under ZeRO 0-2 the policy is a full copy on every rank and so is the reference (no
+        wrapper). Returns what ``_ref_logprobs`` runs its packed pass on (``learner.forward.packed_pass``): the
+        ``DeepSpeedEngine`` (ZeRO-3) or the HF model on ``self.device``, loaded with the policy's packed attention."""
         ref = AutoModelForCausalLM.from_pretrained(self.config.model, dtype=_DTYPES[self.config.dtype],
                                                    attn_implementation=self.attn_implementation)
         ref.config.use_cache = False
-        return ref.to(self.device).eval().requires_grad_(False)
+        ref.eval().requires_grad_(False)
+        if self.config.zero_stage != 3:
+            return ref.to(self.device)
+        ref_engine, _, _, _ = deepspeed.initialize(model=ref, config=build_ref_ds_config(self.config))
+        ref_engine.eval()  # DeepSpeedEngine.eval returns None
+        return ref_engine
 
     @property
     def module(self) -> torch.nn.Module:

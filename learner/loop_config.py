@@ -51,9 +51,9 @@ class LearnerLoopConfig(BaseModel):
     ``median + factor * 1.4826 * MAD`` of its last ``window`` steps, a checkpoint is due every
     ``max(1, interval // interval_divisor)`` steps for ``hold_steps`` steps. Off by default."""
     async_save: bool = False
-    """Write checkpoints in the background (``learner.async_save``): training waits only for an
-    in-memory copy of the state; leases are acked when the background commit finishes. World size 1
-    only (larger worlds save synchronously)."""
+    """Write checkpoints in the background (``learner.checkpoint.async_save``), at any world size: training waits
+    only for an in-memory copy of each rank's shard; leases are acked when the background commit (rank 0, once
+    every rank's shard is on disk) finishes. Costs host memory for one copy of each rank's state while in flight."""
     mirror_dir: str | None = None
     """Double-write: every committed checkpoint is copied here (ideally another disk) with the same commit
     protocol before its leases are acked; resume falls back to (and repairs from) it when the primary

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from concurrent.futures import Future
 from typing import Any, Callable
 
 import structlog
@@ -27,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from gyre.learner.batch import TrainBatch
+from gyre.learner.checkpoint.async_save import BackgroundSaver
 from gyre.learner.checkpoint.request import CheckpointRequest
 
 log = structlog.get_logger("learner")
@@ -204,11 +206,13 @@ class LeaderEngine:
 
     def save_checkpoint(self, request: CheckpointRequest):
         """Every rank writes its shard; rank 0 commits (metadata, manifest, rename) and runs
-        ``request.after_commit``. Always synchronous with more than one rank
-        (``learner.checkpoint.engine.save_checkpoint``); followers get ``root``, ``fingerprint`` and ``keep_last_n``."""
+        ``request.after_commit`` (``learner.checkpoint.engine.save_checkpoint``). Followers get ``root``,
+        ``fingerprint``, ``keep_last_n`` and ``async`` (whether ``request.saver`` is set): with a saver every rank
+        saves in the background (each follower with its own ``BackgroundSaver``, made by ``follow``) and this
+        returns rank 0's ``Future`` of the committed path once the capture is done; without one, the path."""
         return self._run("save_checkpoint", {"root": str(request.root), "fingerprint": request.fingerprint,
-                                             "keep_last_n": request.keep_last_n}, None,
-                         lambda: self._engine.save_checkpoint(request))
+                                             "keep_last_n": request.keep_last_n, "async": request.saver is not None},
+                         None, lambda: self._engine.save_checkpoint(request))
 
     def load_checkpoint(self, path, fingerprint: str = "", force: bool = False):
         """Every rank loads ``path`` (its own shard and RNG state)."""
@@ -226,16 +230,29 @@ class LeaderEngine:
             self._stopped.set()
 
 
+def _log_shard_failure(future: Future) -> None:
+    """A follower's background shard write ended; log it if it failed (nobody else reads this future)."""
+    exc = future.exception()
+    if exc is not None:
+        log.error("checkpoint_shard_failed", rank=dist.get_rank(), error=f"{type(exc).__name__}: {exc}")
+
+
 def follow(engine) -> int:
     """Follower ranks: run rank 0's collective engine calls until it sends ``stop``; returns the number of
     commands run (pings not counted). Raises what a failed collective raised (rank 0 gone) or
-    ``RankProtocolError``."""
-    done = 0
+    ``RankProtocolError``.
+
+    An asynchronous save (``async`` in the command) hands this rank's shard to a ``BackgroundSaver`` made on the
+    first one, so the next command runs while it is written; a failed write is logged here (rank 0's commit
+    fails on it: ``learner.checkpoint.async_save.wait_for_shards``). ``stop`` waits for a write in flight."""
+    done, saver = 0, None
     while True:
         op, args, tensors = receive_command()
         if op == "ping":
             continue
         if op == "stop":
+            if saver is not None:
+                saver.shutdown()  # the shard in flight reaches the disk before this rank returns
             log.info("follower_stopped", rank=dist.get_rank(), commands=done)
             return done
         if op == "train_step":
@@ -243,8 +260,13 @@ def follow(engine) -> int:
         elif op == "named_weights":
             engine.named_weights(None if args["dtype"] is None else _DTYPES[args["dtype"]])
         elif op == "save_checkpoint":
-            engine.save_checkpoint(CheckpointRequest(args["root"], fingerprint=args["fingerprint"],
-                                                     keep_last_n=args["keep_last_n"]))
+            if args.get("async") and saver is None:
+                saver = BackgroundSaver()
+            result = engine.save_checkpoint(CheckpointRequest(args["root"], fingerprint=args["fingerprint"],
+                                                              keep_last_n=args["keep_last_n"],
+                                                              saver=saver if args.get("async") else None))
+            if isinstance(result, Future):
+                result.add_done_callback(_log_shard_failure)
         elif op == "load_checkpoint":
             engine.load_checkpoint(args["path"], args["fingerprint"], args["force"])
         elif op == "export_hf":

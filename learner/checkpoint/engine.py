@@ -16,7 +16,8 @@ import torch.distributed as dist
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
 
 from gyre.learner.checkpoint import store as ckpt
-from gyre.learner.checkpoint.async_save import snapshot, write_captured
+from gyre.learner.checkpoint.async_save import (clear_shard_mark, mark_shard, snapshot, wait_for_shards,
+                                                write_captured)
 from gyre.learner.checkpoint.request import CheckpointedLearner, CheckpointRequest, commit_request
 from gyre.learner.ranks import control_group
 
@@ -26,17 +27,22 @@ log = structlog.get_logger("learner")
 def save_checkpoint(learner: CheckpointedLearner, request: CheckpointRequest) -> Path | Future:
     """Commit ``{request.root}/global_step_{step}`` (``learner.checkpoint.store`` layout and protocol): DeepSpeed
     state (weights, optimizer, LR schedule) under ``deepspeed/``, every rank's RNG, metadata (with the KL
-    controller's state and ``request.spike_save``), manifest.
+    controller's state and ``request.spike_save``), manifest. Every rank of the learner calls it (DeepSpeed's save is
+    collective); only rank 0 commits.
 
-    With a ``request.saver`` and world size 1 the save is asynchronous (``learner.async_save``): the state is
-    cloned to memory here (the only time training waits), then written and committed by the saver's
-    thread; returns a ``Future`` of the committed path (its ``result()`` raises what the write raised).
-    Otherwise (no saver, or world size > 1) returns the committed path (the same on every rank).
-    ``request.after_commit(path)`` runs on rank 0 right after the commit and pruning (in the saver's thread
-    for an async save), e.g. to mirror the checkpoint before its leases are acked.
+    With a ``request.saver`` the save is asynchronous, at any world size (``learner.checkpoint.async_save``): each
+    rank clones its shard of the state to memory here (the only time training waits; the capture's collectives run
+    in this, the training thread) and returns a ``Future``; the saver's thread writes the shard. On rank 0 the
+    future resolves to the committed path once its own files are written, every other rank has marked its shard
+    written (``async_save.wait_for_shards``: files, not collectives) and the commit is done; on the other ranks it
+    resolves to the same path once their shard is written and marked (they never see the commit). ``result()``
+    raises what the write raised (``async_save.ShardWaitError`` on rank 0 for another rank's failure or timeout).
+    Without a saver the save is synchronous and returns the committed path (the same on every rank).
+    ``request.after_commit(path)`` runs on rank 0 right after the commit and pruning (in the saver's thread for an
+    async save), e.g. to mirror the checkpoint before its leases are acked.
     """
     root, saver = request.root, request.saver
-    rank = dist.get_rank()
+    rank, world = dist.get_rank(), dist.get_world_size()
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
     holder = torch.tensor([os.getpid()], dtype=torch.int64)  # rank 0's pid names the temp dir on every rank
@@ -47,17 +53,31 @@ def save_checkpoint(learner: CheckpointedLearner, request: CheckpointRequest) ->
         step=learner.step, policy_version=learner.version, pending_lease_ids=list(request.pending_lease_ids),
         pending_group_ids=list(request.pending_group_ids),
         acked_lease_count=request.acked_lease_count, config_hash=learner.config_hash, fingerprint=request.fingerprint,
-        world_size=dist.get_world_size(), wall_time=time.time(), kl_ctrl=learner.kl_ctrl.state_dict(),
+        world_size=world, wall_time=time.time(), kl_ctrl=learner.kl_ctrl.state_dict(),
         spike_save=dict(request.spike_save))
-    if saver is not None and dist.get_world_size() == 1:
-        saver.wait()  # one save in flight: its temp dir and pruning must not interleave with this one
+    if saver is not None:
+        saver.wait()  # one save in flight per rank: its temp dir and pruning must not interleave with this one
+        clear_shard_mark(tmp, rank)  # a retry of this step after a failed save: its marker is not this save's
         captured = capture(learner.engine, tmp, "deepspeed")
-        _write_side_files(learner, tmp, rank)
-
-        def finish() -> Path:
-            write_captured(captured)
-            captured.clear()  # free the in-memory copy as soon as it is on disk
-            return _commit(tmp, final, meta, request)
+        side_files = _write_side_files(learner, tmp, rank)
+        if rank == 0:
+            def finish() -> Path:
+                write_captured(captured)
+                captured.clear()  # free the in-memory copy as soon as it is on disk
+                wait_for_shards(tmp, world)
+                return _commit(tmp, final, meta, request)
+        else:
+            def finish() -> Path:
+                paths = [path for path, _ in captured] + side_files
+                try:
+                    write_captured(captured)
+                except BaseException as exc:  # tell rank 0 at once instead of letting it time out
+                    mark_shard(tmp, rank, [], error=exc)
+                    raise
+                finally:
+                    captured.clear()
+                mark_shard(tmp, rank, paths)
+                return final
 
         return saver.submit(finish)
     learner.engine.save_checkpoint(str(tmp), tag="deepspeed", save_latest=False)
@@ -69,12 +89,14 @@ def save_checkpoint(learner: CheckpointedLearner, request: CheckpointRequest) ->
     return final
 
 
-def _write_side_files(learner: CheckpointedLearner, tmp: Path, rank: int) -> None:
-    """This rank's RNG state and (rank 0) the learner config, captured at save time."""
-    ckpt.save_rng(tmp, rank)
+def _write_side_files(learner: CheckpointedLearner, tmp: Path, rank: int) -> list[Path]:
+    """This rank's RNG state and (rank 0) the learner config, captured at save time; returns the paths written."""
+    paths = ckpt.save_rng(tmp, rank)
     if rank == 0:
-        (tmp / ckpt.LEARNER_CONFIG).write_text(learner.config.model_dump_json(indent=2))
-        (tmp / ckpt.ALGORITHM_CONFIG).write_text(learner.algo.model_dump_json(indent=2))
+        paths += [tmp / ckpt.LEARNER_CONFIG, tmp / ckpt.ALGORITHM_CONFIG]
+        paths[-2].write_text(learner.config.model_dump_json(indent=2))
+        paths[-1].write_text(learner.algo.model_dump_json(indent=2))
+    return paths
 
 
 def _commit(tmp: Path, final: Path, meta: ckpt.CheckpointMetadata, request: CheckpointRequest) -> Path:

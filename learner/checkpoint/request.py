@@ -46,8 +46,9 @@ class CheckpointRequest:
     """Called at prune time: checkpoint names the prune must keep for now (archive uploads still queued or
     running read them from ``root``); ``None``: none."""
     saver: BackgroundSaver | None = field(default=None, compare=False)
-    """``learner.async_save.BackgroundSaver``: with world size 1 the state is captured in memory and written
-    and committed in its thread (``save_checkpoint`` returns a ``Future`` of the path); ``None``: synchronous."""
+    """``learner.checkpoint.async_save.BackgroundSaver``: each rank's shard of the state is captured in memory and
+    written in its thread, and rank 0's commits there once every rank's shard is written, at any world size
+    (``save_checkpoint`` returns a ``Future`` of the path); ``None``: synchronous."""
     after_commit: Callable[[Path], None] | None = field(default=None, compare=False)
     """Runs with the committed path on rank 0 right after the commit and pruning (in the saver's thread for an
     async save), before the loop acks the leases, e.g. to mirror the checkpoint."""

@@ -70,11 +70,12 @@ class KillRank1(threading.Thread):
         raise TimeoutError(f"waited {timeout_s} s for {at_least}")
 
 
-def test_a_killed_rank_restarts_the_learner_group_and_the_run_finishes(tiny_llama, tmp_path, monkeypatch):
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync-save", "async-save"])
+def test_a_killed_rank_restarts_the_learner_group_and_the_run_finishes(tiny_llama, tmp_path, monkeypatch, async_save):
     recipe = load_recipe("deploy/recipes/tiny-test.yaml", {
         "model": str(tiny_llama), "run_dir": str(tmp_path), "ray.num_cpus": 2, "name": "ranks",
         "learner.num_steps": STEPS, "learner.save_interval": 1, "replay.lease_ttl_s": 60,
-        "placement.learner.world_size": 2, "placement.learner.strategy": "PACK",
+        "placement.learner.world_size": 2, "placement.learner.strategy": "PACK", "learner.async_save": async_save,
         "eval_before": False, "eval_after": False, **sim_engine(TINY_GROUP_S)})
     chaos = KillRank1(recipe.name, recipe.ray.namespace)
     summary = run_with_chaos(recipe, chaos, monkeypatch)

@@ -13,10 +13,10 @@ from tests.integration.test_learner_engine import _engine
 
 
 def test_ds_config_for_offload_and_comm_logging(tiny_llama):
-    ds = build_ds_config(LearnerConfig(model=str(tiny_llama), zero_stage=2, offload_optimizer="cpu"))
+    ds = build_ds_config(LearnerConfig(model=str(tiny_llama), zero_stage=2, offload_optimizer="cpu", log_comm_time=True))
     assert ds["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
     assert ds["zero_force_ds_cpu_optimizer"] is False and ds["comms_logger"]["enabled"] is True
-    plain = build_ds_config(LearnerConfig(model=str(tiny_llama), log_comm_time=False))
+    plain = build_ds_config(LearnerConfig(model=str(tiny_llama)))  # comm timing is off by default
     assert "offload_optimizer" not in plain["zero_optimization"] and "comms_logger" not in plain
     with pytest.raises(ValueError, match="offload_optimizer='cpu' needs zero_stage >= 1"):
         LearnerConfig(model=str(tiny_llama), zero_stage=0, offload_optimizer="cpu")
@@ -42,8 +42,20 @@ def test_step_reports_micro_batches_and_comm_time(tiny_llama):
     from gyre.learner.batch import build_train_batch
     from tests.integration.test_learner_engine import ALGO, _table
 
-    engine = _engine(tiny_llama, micro_batch_size=2)
+    engine = _engine(tiny_llama, micro_batch_size=2, log_comm_time=True)
     metrics = engine.train_step(build_train_batch(_table(num_groups=2, group_size=3), 0, 0, ALGO))
     assert metrics["micro_batches"] == 3.0  # 6 sequences / 2 per micro-batch, one optimizer step
     assert metrics["comm_s"] > 0.0  # ZeRO-2 all-reduces gradients even in a world of one
     assert 0.0 < metrics["optimizer_step_s"] < metrics["step_time_s"]
+
+
+def test_reference_ds_config_is_zero3_inference_offloaded_with_the_optimizer(tiny_llama):
+    from gyre.learner.ds_setup import build_ref_ds_config
+
+    ref = build_ref_ds_config(LearnerConfig(model=str(tiny_llama), zero_stage=3, dtype="bf16", micro_batch_size=4))
+    assert ref["zero_optimization"] == {"stage": 3} and ref["bf16"] == {"enabled": True}
+    assert "optimizer" not in ref and ref["train_micro_batch_size_per_gpu"] == 4  # DeepSpeed wants a batch size
+    offloaded = build_ref_ds_config(LearnerConfig(model=str(tiny_llama), zero_stage=3, dtype="fp32",
+                                                  offload_optimizer="cpu"))
+    assert offloaded["zero_optimization"]["offload_param"]["device"] == "cpu"
+    assert offloaded["bf16"] == {"enabled": False}
