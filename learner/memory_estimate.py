@@ -29,8 +29,9 @@ ZeRO >= 1, DeepSpeed's default buckets):
   working set in backward: its recomputed activations and their gradients, ``2 a T``. Without it, every layer's
   ``L a T`` plus one layer's gradients, ``a T``.
 - **logits**: the LM head runs ``logits_chunk`` tokens at a time in fp32: ``logits_chunk x vocab x 4``.
-- **reference**: with ``kl_coef > 0`` a frozen copy of the policy, ``b P`` on every rank at every stage
-  (``learner.engine`` loads it whole, outside DeepSpeed).
+- **reference**: with ``kl_coef > 0`` a frozen copy of the policy, sharded like it (``learner.engine``
+  ``_load_reference``): ``b P`` on every rank at ZeRO 0-2, ``b P / n`` plus the gathered blocks at ZeRO-3 (0 on the
+  accelerator with ``offload_optimizer: cpu``, whose reference parameters live in host memory).
 
 Not counted: the CUDA context and allocator fragmentation (what the headroom of a fit is for), a critic's value
 head (``h + 1`` parameters). The numbers are estimates to pick a stage with, not a guarantee.
@@ -245,5 +246,16 @@ def estimate(shape: ModelShape, *, zero_stage: int, dtype: Literal["bf16", "fp32
         activations = (shape.layers + 1) * per_layer
     return MemoryEstimate(zero_stage=zero_stage, weights=weights, gradients=gradients,
                           optimizer=0 if offloaded else states, activations=activations,
-                          logits=logits_chunk * shape.vocab * 4, reference=b * p if reference_model else 0,
+                          logits=logits_chunk * shape.vocab * 4,
+                          reference=_reference_bytes(reference_model, zero_stage, offloaded, b, p, n, shape),
                           host=states if offloaded else 0)
+
+
+def _reference_bytes(loaded: bool, zero_stage: int, offloaded: bool, b: int, p: int, n: int, shape) -> int:
+    """Accelerator bytes of the KL reference: a full copy below ZeRO-3, a ``1 / n`` shard (plus two gathered
+    blocks) at ZeRO-3, nothing on the accelerator when ZeRO-3 offloads it."""
+    if not loaded:
+        return 0
+    if zero_stage < 3:
+        return b * p
+    return 2 * b * shape.largest_block if offloaded else b * p // n + 2 * b * shape.largest_block

@@ -122,7 +122,9 @@ def test_each_stage_partitions_what_zero_says_and_offload_moves_the_optimizer():
     assert off.optimizer == 0 and off.host == 12 * p // n and off.total == z3.total - z3.optimizer
     assert at(0, offload_optimizer="cpu") == z0  # ZeRO-0 cannot offload
     assert at(2, dtype="fp32").optimizer == 8 * p // n  # fp32: the weights are the master copy
-    assert at(2, reference_model=True).reference == 2 * p
+    assert at(2, reference_model=True).reference == 2 * p  # a full copy, like the policy
+    assert at(3, reference_model=True).reference == 2 * p // n + 2 * 2 * shape.largest_block  # sharded like it
+    assert at(3, reference_model=True, offload_optimizer="cpu").reference == 2 * 2 * shape.largest_block
 
 
 def test_without_checkpointing_every_layer_keeps_its_activations():
