@@ -21,6 +21,7 @@ sequence.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from dataclasses import dataclass
 
@@ -204,16 +205,24 @@ def _varlen_attention(module, query, key, value, attention_mask, dropout: float 
                                 "use attn_kernel 'per_row'")
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [N, H, D]
     width = int(kwargs["max_length_q"])
-    extra = {"enable_gqa": q.shape[1] != k.shape[1], "scale": scaling}
-    if "window_size" in _VARLEN_PARAMS:
+    params = _parameters(varlen_attn)
+    extra = {"scale": scaling} if "scale" in params else {}
+    if q.shape[1] != k.shape[1]:  # grouped-query attention
+        if "enable_gqa" in params:
+            extra["enable_gqa"] = True
+        else:  # an older varlen_attn: one key/value head per query head
+            k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+    if "window_size" in params:  # torch >= 2.11: (-1, 0) is causal
         extra["window_size"] = (-1, 0)
-    else:  # torch 2.10's signature
+    else:  # torch 2.10
         extra["is_causal"] = True
     out = varlen_attn(q, k, v, cu, cu, width, width, **extra)
     return out.unsqueeze(0), None
 
 
-_VARLEN_PARAMS: set[str] = set()
+@functools.lru_cache(maxsize=4)
+def _parameters(fn) -> frozenset[str]:
+    return frozenset(inspect.signature(fn).parameters)
 
 
 def _whole_rows(query, key, value, dropout: float, scaling):
@@ -239,10 +248,9 @@ def varlen_available(device: torch.device | str, dtype: torch.dtype) -> str | No
     if dtype not in (torch.bfloat16, torch.float16):
         return f"it needs bf16 or fp16 (this learner trains in {dtype})"
     try:
-        from torch.nn.attention.varlen import varlen_attn
+        from torch.nn.attention.varlen import varlen_attn  # noqa: F401 (only whether it exists)
     except ImportError:
         return f"torch {torch.__version__} has no torch.nn.attention.varlen (torch >= 2.10 does)"
-    _VARLEN_PARAMS.update(inspect.signature(varlen_attn).parameters)
     if torch.cuda.get_device_capability(device)[0] < 8:
         return f"it needs compute capability >= 8.0 (this GPU has {torch.cuda.get_device_capability(device)})"
     return None

@@ -17,3 +17,17 @@ def rank_store(world_size: int, timeout_s: float = 300.0) -> tuple[dist.TCPStore
     store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=timeout_s))
     return store, {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "True"}
+
+
+def run_spawned(target, args_of_rank, world_size: int, timeout_s: float = 600.0) -> None:
+    """Run ``target(*args_of_rank(rank))`` in ``world_size`` spawn-context processes (gRPC and torch threads
+    never cross a fork) and wait for all of them; asserts each exited 0 within ``timeout_s`` seconds."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=target, args=args_of_rank(r)) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=timeout_s)
+        assert p.exitcode == 0, f"rank exited {p.exitcode}"

@@ -18,7 +18,6 @@ shard, not take the marker rank 1 left for the failed attempt (checked by holdin
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
 import threading
 import time
@@ -28,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.rendezvous import rank_store
+from tests.rendezvous import rank_store, run_spawned
 
 pytestmark = pytest.mark.slow
 
@@ -179,14 +178,7 @@ def rank_main(rank: int, env: dict, model: str, folder: str, zero_stage: int, sc
 
 def run_pair(model, folder: Path, zero_stage: int, scenario: str) -> tuple[dict, dict]:
     store, env = rank_store(2)
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=rank_main, args=(r, env, str(model), str(folder), zero_stage, scenario))
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=600)
-        assert p.exitcode == 0, f"rank exited {p.exitcode}"
+    run_spawned(rank_main, lambda r: (r, env, str(model), str(folder), zero_stage, scenario), 2)
     del store
     leader, follower = (json.loads((folder / f"rank{r}.json").read_text()) for r in range(2))
     assert "error" not in leader, leader["error"]

@@ -13,14 +13,13 @@ old unsharded reference every rank held a full copy (no ``ds_numel``), and this 
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
 import traceback
 from pathlib import Path
 
 import pytest
 
-from tests.rendezvous import rank_store
+from tests.rendezvous import rank_store, run_spawned
 
 pytestmark = pytest.mark.slow
 
@@ -62,15 +61,8 @@ def rank_main(rank: int, world_size: int, env: dict, model: str, out: str) -> No
 
 def _run(world_size: int, model, folder: Path) -> list[dict]:
     store, env = rank_store(world_size) if world_size > 1 else (None, {})
-    ctx = mp.get_context("spawn")
     outs = [folder / f"w{world_size}-rank{r}.json" for r in range(world_size)]
-    procs = [ctx.Process(target=rank_main, args=(r, world_size, env, str(model), str(outs[r])))
-             for r in range(world_size)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=600)
-        assert p.exitcode == 0, f"rank exited {p.exitcode}"
+    run_spawned(rank_main, lambda r: (r, world_size, env, str(model), str(outs[r])), world_size)
     del store
     reports = [json.loads(o.read_text()) for o in outs]
     for r in reports:

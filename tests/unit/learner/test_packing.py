@@ -134,3 +134,46 @@ def test_varlen_on_a_cpu_names_the_fallback():
     with pytest.raises(PackedKernelError, match="needs a CUDA device.*'auto'.*per_row"):
         packed_attn_implementation("varlen", "cpu", torch.bfloat16)
     assert packed_attn_implementation("auto", "cpu", torch.bfloat16) == PACKED_ATTENTION["per_row"]
+
+
+def _reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, **kw):
+    """A CPU stand-in for ``varlen_attn`` (``[N, H, D]`` in and out, causal within each ``cu`` span); records the
+    keyword arguments it was called with."""
+    CALLS.append(kw)
+    gqa = kw.get("enable_gqa", False)
+    bounds = cu_q.tolist()
+    outs = [F.scaled_dot_product_attention(q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1),
+                                           is_causal=True, scale=kw.get("scale"), enable_gqa=gqa).transpose(0, 1)
+            for a, b in zip(bounds, bounds[1:])]
+    return torch.cat(outs)
+
+
+CALLS: list[dict] = []
+
+
+def _varlen_2_11(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                 window_size=(-1, -1), enable_gqa=False):
+    assert window_size == (-1, 0)
+    return _reference_varlen(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale, enable_gqa=enable_gqa)
+
+
+def _varlen_2_10(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, is_causal=False):
+    assert is_causal and key.shape[1] == query.shape[1]  # no GQA here: the heads were repeated
+    return _reference_varlen(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k)
+
+
+@pytest.mark.parametrize("fake", [_varlen_2_11, _varlen_2_10], ids=["torch-2.11", "torch-2.10"])
+def test_the_varlen_kernel_gets_packed_rows_in_its_layout(monkeypatch, fake):
+    """The CUDA kernel cannot run here: a stand-in with its signature (torch 2.11's window_size and enable_gqa, or
+    2.10's is_causal without GQA) shows the glue hands it ``[N, H, D]`` rows with causal spans and GQA handled."""
+    import torch.nn.attention.varlen as varlen
+
+    monkeypatch.setattr(varlen, "varlen_attn", fake)
+    CALLS.clear()
+    padded, packed = _models("qwen2", PACKED_ATTENTION["varlen"])
+    ids, attention, response = _batch()
+    lp_ref, _ = _padded_stats(padded, ids, attention, response)
+    with torch.no_grad():
+        out = packed_pass(packed, PackedRows.build(ids, attention, torch.arange(4), "cpu"), response, 1.0, chunk=8)
+    torch.testing.assert_close(out.logprobs[response], lp_ref[response], atol=ATOL, rtol=0)
+    assert len(CALLS) == 2  # one call per layer
