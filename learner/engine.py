@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from gyre.learner.checkpoint import store as ckpt
 from gyre.learner.checkpoint import engine as ckpt_engine
-from gyre.learner.batch import TrainBatch, reward_error_metrics, truncation_metrics
+from gyre.learner.batch import TrainBatch
 from gyre.learner.comm_timer import CommTimer
 from gyre.learner.checkpoint.request import CheckpointRequest
 from gyre.learner.config import AlgorithmConfig, LearnerConfig
@@ -36,7 +36,7 @@ from gyre.learner.packing import PackedRows, packed_attn_implementation
 from gyre.learner.ranks import gather_step_metrics
 from gyre.learner.algo.losses import (kl_penalty, loss_normaliser, policy_loss, row_token_scale, scaled_token_sum,
                             value_loss)
-from gyre.learner.step_metrics import explained_variance, kish_ess_fraction, merge_metrics, staleness_histogram
+from gyre.learner.step_metrics import batch_metrics, kish_ess_fraction, merge_metrics
 from gyre.learner.step_start import StepTargets, mini_batch_rows, proximal_logprobs, step_targets
 
 VALUE_HEAD = "value_head"
@@ -195,7 +195,7 @@ class LearnerEngine:
             "tokens_per_s": tokens / elapsed,
             **merge_metrics(parts),
             "is_ess_frac": kish_ess_fraction(torch.cat([r for u in updates for r in u.rhos])),
-            **self._batch_metrics(batch, targets),
+            **batch_metrics(batch, targets, self.algo),
             "step": float(self.step),
         }
         if self.ref_model is not None:  # this step's beta, then the controller's update for the next step
@@ -259,35 +259,6 @@ class LearnerEngine:
         CUDA only (a CPU engine runs eagerly)."""
         if torch.device(self.device).type == "cuda":
             torch.cuda.synchronize(self.device)
-
-    def _batch_metrics(self, batch: TrainBatch, targets: StepTargets | None) -> dict[str, float]:
-        """Reward, advantage, staleness (and critic, KL-in-reward) metrics of the batch itself, and its
-        ``truncated_frac`` (``overlong_penalty_mean`` with the soft overlong punishment;
-        ``learner.batch.truncation_metrics``), and multi-turn episodes' metrics (``learner.batch.episode_metrics``).
-        ``reward_mean`` / ``reward_std`` are the verifier's raw rewards of the rows that train, as is
-        ``advantage_abs_mean``: a row whose score failed, or that the overlong filter dropped, is out of all three
-        (``reward_error_frac`` counts the failed ones); 0.0 when no row trains."""
-        adv, critic = batch.advantages if targets is None else targets.advantages, {}
-        trained = batch.baseline_rows & ~(batch.truncated if self.algo.overlong_filter else torch.zeros_like(batch.truncated))
-        valid = adv[batch.response_mask] if adv.dim() == 2 else adv[trained]
-        adv_abs = float(valid.abs().mean()) if valid.numel() else 0.0  # 0, not NaN, when every row is filtered
-        rewards = batch.rewards[trained]
-        if targets is not None and targets.old_values is not None:
-            critic["explained_variance"] = explained_variance(targets.old_values, targets.returns, batch.response_mask)
-        if targets is not None and targets.kl_to_ref is not None:
-            critic["kl_to_ref"] = targets.kl_to_ref
-        return {
-            "reward_mean": float(rewards.mean()) if rewards.numel() else 0.0,
-            "reward_std": float(rewards.std(unbiased=False)) if rewards.numel() else 0.0,
-            "advantage_abs_mean": adv_abs,
-            "staleness_mean": float(batch.staleness.float().mean()),
-            "staleness_max": float(batch.staleness.max()),
-            **staleness_histogram(batch.staleness),
-            **critic,
-            **truncation_metrics(batch, self.algo),
-            **reward_error_metrics(batch),
-            **batch.episodes,
-        }
 
     def _pass(self, batch: TrainBatch, rows: torch.Tensor, entropy: bool = False) -> MicroPass:
         """The policy's packed forward of ``rows`` (``learner.forward.packed_pass``): ``[b, W - 1]`` logprobs of the

@@ -1,11 +1,13 @@
 """Per-step learner metrics that are not loss terms: importance-weight ESS, staleness histogram, rows from a
-crashed learner's timeline, critic explained variance, and merging per-micro-batch metrics. Pure, no state."""
+crashed learner's timeline, critic explained variance, merging per-micro-batch metrics, and the batch's own metrics
+(``batch_metrics``). Pure, no state."""
 
 from __future__ import annotations
 
 import pyarrow as pa
 import torch
 
+from gyre.learner.batch import TrainBatch, reward_error_metrics, truncation_metrics
 from gyre.proto.timeline import SHARED, UNKNOWN
 
 STALENESS_BUCKETS = 8
@@ -108,3 +110,34 @@ def merge_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
             weight = sum(p["valid_tokens"] for p in have)
             merged[key] = sum(p[key] * p["valid_tokens"] for p in have) / weight if total and weight else 0.0
     return merged
+
+
+def batch_metrics(batch: TrainBatch, targets, algo) -> dict[str, float]:
+    """Reward, advantage, staleness (and critic, KL-in-reward) metrics of the batch itself (``targets``: the
+    step's ``learner.step_start.StepTargets`` or None; ``algo``: its ``AlgorithmConfig``), and its
+    ``truncated_frac`` (``overlong_penalty_mean`` with the soft overlong punishment;
+    ``learner.batch.truncation_metrics``), and multi-turn episodes' metrics (``learner.batch.episode_metrics``).
+    ``reward_mean`` / ``reward_std`` are the verifier's raw rewards of the rows that train, as is
+    ``advantage_abs_mean``: a row whose score failed, or that the overlong filter dropped, is out of all three
+    (``reward_error_frac`` counts the failed ones); 0.0 when no row trains."""
+    adv, critic = batch.advantages if targets is None else targets.advantages, {}
+    trained = batch.baseline_rows & ~(batch.truncated if algo.overlong_filter else torch.zeros_like(batch.truncated))
+    valid = adv[batch.response_mask] if adv.dim() == 2 else adv[trained]
+    adv_abs = float(valid.abs().mean()) if valid.numel() else 0.0  # 0, not NaN, when every row is filtered
+    rewards = batch.rewards[trained]
+    if targets is not None and targets.old_values is not None:
+        critic["explained_variance"] = explained_variance(targets.old_values, targets.returns, batch.response_mask)
+    if targets is not None and targets.kl_to_ref is not None:
+        critic["kl_to_ref"] = targets.kl_to_ref
+    return {
+        "reward_mean": float(rewards.mean()) if rewards.numel() else 0.0,
+        "reward_std": float(rewards.std(unbiased=False)) if rewards.numel() else 0.0,
+        "advantage_abs_mean": adv_abs,
+        "staleness_mean": float(batch.staleness.float().mean()),
+        "staleness_max": float(batch.staleness.max()),
+        **staleness_histogram(batch.staleness),
+        **critic,
+        **truncation_metrics(batch, algo),
+        **reward_error_metrics(batch),
+        **batch.episodes,
+    }

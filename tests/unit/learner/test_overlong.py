@@ -15,6 +15,7 @@ from gyre.learner.algo.logprobs import token_logprobs
 from gyre.learner.batch import build_train_batch, truncation_metrics
 from gyre.learner.config import AlgorithmConfig
 from gyre.learner.algo.kl_control import KLController
+from gyre.learner.step_metrics import batch_metrics
 from gyre.learner.step_start import step_targets
 from gyre.proto.trajectory import to_table
 from tests.unit.learner.test_batch import PAD, _rows
@@ -92,11 +93,9 @@ def test_truncation_metrics():
 
 
 def test_step_metrics_carry_the_truncated_fraction_and_the_raw_reward():
-    from gyre.learner.engine import LearnerEngine  # deepspeed's import: only for this test
-
     cfg = AlgorithmConfig(max_response_tokens=4, overlong_buffer_len=2)
     batch = build_train_batch(to_table(_truncated_rows(1)), PAD, 4, cfg)
-    metrics = LearnerEngine._batch_metrics(types.SimpleNamespace(algo=cfg), batch, None)
+    metrics = batch_metrics(batch, None, cfg)
     assert metrics["truncated_frac"] == 0.25 and metrics["overlong_penalty_mean"] == -0.25
     assert metrics["reward_mean"] == 0.25  # the verifier's (1, 0, 0, 0), the penalty left out
 
@@ -158,13 +157,11 @@ def test_gae_sees_the_penalty_on_the_last_token():
 
 def test_a_gae_batch_whose_rows_are_all_filtered_reports_zero_advantage():
     """Every row truncated and filtered: nothing trains, and ``advantage_abs_mean`` is 0 rather than NaN."""
-    from gyre.learner.engine import LearnerEngine
-
     algo = AlgorithmConfig(advantage="gae", overlong_filter=True)
     batch = build_train_batch(to_table(_truncated_rows(0, 1, 2, 3)), PAD, 4, algo)
     assert not batch.response_mask.any()
     targets = step_targets(_FakeLearner(algo), batch)
-    metrics = LearnerEngine._batch_metrics(types.SimpleNamespace(algo=algo), batch, targets)
+    metrics = batch_metrics(batch, targets, algo)
     assert metrics["advantage_abs_mean"] == 0.0 and metrics["truncated_frac"] == 1.0
 
 
@@ -210,13 +207,11 @@ def test_reward_and_advantage_metrics_count_only_the_rows_that_train():
     # Issue #39: row 0 (reward 1) is cut and filtered out of the loss, row 3's score failed, which leaves its group
     # (rows 1, 3) without a baseline: only row 2 trains (reward 0, advantage -1). Before the fix reward_mean counted
     # all four rows: 0.25, a filtered or failed row moving the reward curve; advantage_abs_mean 0.5.
-    from gyre.learner.engine import LearnerEngine
-
     rows = _truncated_rows(0)
     rows[3] = dataclasses.replace(rows[3], reward_error="reward_fn_error: boom", reward=0.0)
     algo = AlgorithmConfig(overlong_filter=True)
     batch = build_train_batch(to_table(rows), PAD, 4, algo)
-    metrics = LearnerEngine._batch_metrics(types.SimpleNamespace(algo=algo), batch, None)
+    metrics = batch_metrics(batch, None, algo)
     assert metrics["reward_mean"] == 0.0 and metrics["reward_std"] == 0.0
     assert metrics["reward_error_frac"] == 0.25
     assert batch.baseline_rows.tolist() == [True, False, True, False]
