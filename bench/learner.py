@@ -101,12 +101,12 @@ def measure_step_overhead(learner, bare, batch, reps: int) -> dict:
     """Interleaved learner / bare steps on the same batch; medians."""
     mine, base = [], []
     learner.train_step(batch)  # warm-up both (allocator, first-touch)
-    bare_step(bare, batch, learner.config.micro_batch_size)
+    bare_step(bare, batch, learner.config.rows_per_micro_batch)
     for _ in range(reps):
         t0 = time.perf_counter()
         learner.train_step(batch)
         mine.append(time.perf_counter() - t0)
-        base.append(bare_step(bare, batch, learner.config.micro_batch_size))
+        base.append(bare_step(bare, batch, learner.config.rows_per_micro_batch))
     return {"learner_step_s": statistics.median(mine), "bare_step_s": statistics.median(base),
             "step_overhead_ratio": statistics.median(mine) / statistics.median(base)}
 

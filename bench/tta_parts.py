@@ -100,7 +100,7 @@ def trl_settings(recipe, output_dir: str) -> dict:
     """
     s = shared_settings(recipe)
     engine = recipe.learner.engine
-    per_micro = s["samples_per_step"] if engine.micro_batch_tokens is not None else engine.micro_batch_size
+    per_micro = s["samples_per_step"] if engine.micro_batch_tokens is not None else engine.rows_per_micro_batch
     micro = min(per_micro, s["samples_per_step"])
     if s["samples_per_step"] % micro:
         raise ValueError(f"learner.engine.micro_batch_size ({micro}) must divide the samples per step "

@@ -314,6 +314,10 @@ class AlgorithmConfig(BaseModel):
         return self.ppo_epochs * self.mini_batches
 
 
+DEFAULT_MICRO_BATCH_ROWS = 8
+"""Rows per micro-batch when neither ``micro_batch_size`` nor ``micro_batch_tokens`` is set."""
+
+
 class LearnerConfig(BaseModel):
     """Model, optimiser and DeepSpeed settings of the learner engine."""
 
@@ -352,10 +356,11 @@ class LearnerConfig(BaseModel):
     """Parameter/activation dtype. With ``bf16`` DeepSpeed keeps fp32 master weights and optimizer
     states; with ``fp32`` everything is fp32."""
 
-    micro_batch_size: int = Field(8, ge=1)
-    """Rows per forward/backward when ``micro_batch_tokens`` is unset: each rank's rows are split into
-    ``ceil(rows / micro_batch_size)`` consecutive micro-batches whose gradients are accumulated before one
-    optimizer step. Leave it unset with ``micro_batch_tokens`` (the two would disagree on what a micro-batch is)."""
+    micro_batch_size: int | None = Field(None, ge=1)
+    """Rows per forward/backward: each rank's rows are split into ``ceil(rows / micro_batch_size)`` consecutive
+    micro-batches whose gradients are accumulated before one optimizer step. ``None``: 8 rows
+    (``DEFAULT_MICRO_BATCH_ROWS``), unless ``micro_batch_tokens`` is set; setting both is refused (they would
+    disagree on what a micro-batch is)."""
 
     micro_batch_tokens: int | None = Field(None, ge=1)
     """Token budget of a micro-batch (verl's ``use_dynamic_bsz`` with ``ppo_max_token_len_per_gpu``): the most real
@@ -416,9 +421,15 @@ class LearnerConfig(BaseModel):
                              "ZeRO-Offload partitions the optimizer states it moves")
         return self
 
+    @property
+    def rows_per_micro_batch(self) -> int:
+        """``micro_batch_size``, or ``DEFAULT_MICRO_BATCH_ROWS`` when it is unset (what a row-count micro-batch holds;
+        unused with ``micro_batch_tokens``)."""
+        return self.micro_batch_size or DEFAULT_MICRO_BATCH_ROWS
+
     @model_validator(mode="after")
     def _one_micro_batch_rule(self) -> "LearnerConfig":
-        if self.micro_batch_tokens is not None and "micro_batch_size" in self.model_fields_set:
+        if self.micro_batch_tokens is not None and self.micro_batch_size is not None:
             raise ValueError(
                 f"micro_batch_size ({self.micro_batch_size}) and micro_batch_tokens ({self.micro_batch_tokens}) are "
                 "both set: a micro-batch is either a row count or a token budget; drop micro_batch_size to pack "

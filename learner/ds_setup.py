@@ -33,7 +33,7 @@ def build_ds_config(config: LearnerConfig) -> dict[str, Any]:
         "torch_adam": True,
     }
     ds: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": config.micro_batch_size,
+        "train_micro_batch_size_per_gpu": config.rows_per_micro_batch,
         "gradient_accumulation_steps": 1,
         "managed_gradient_accumulation": False,
         "optimizer": {"type": "AdamW", "params": optimizer_params},
@@ -72,7 +72,7 @@ def build_ref_ds_config(config: LearnerConfig) -> dict[str, Any]:
     if config.offload_optimizer == "cpu":
         zero["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
     return {
-        "train_micro_batch_size_per_gpu": config.micro_batch_size,
+        "train_micro_batch_size_per_gpu": config.rows_per_micro_batch,
         "gradient_accumulation_steps": 1,
         "bf16": {"enabled": config.dtype == "bf16"},
         "zero_optimization": zero,

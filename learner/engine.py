@@ -218,7 +218,7 @@ class LearnerEngine:
         if self.config.micro_batch_tokens is not None:
             plan = token_budget_plan(batch.attention_mask.sum(dim=1), rows, world, self.config.micro_batch_tokens)
         else:
-            plan = row_count_plan(rows, world, self.config.micro_batch_size)
+            plan = row_count_plan(rows, world, self.config.rows_per_micro_batch)
         return [None if m is None else torch.tensor(m, dtype=torch.int64) for m in plan[rank]], world
 
     def _update(self, batch: TrainBatch, rows: range, targets: StepTargets | None,

@@ -76,7 +76,7 @@ def micro_batch_tokens(recipe: Recipe) -> tuple[int, str]:
     e, longest = recipe.learner.engine, recipe.rollout.engine.max_model_len
     if e.micro_batch_tokens is not None:
         return e.micro_batch_tokens, "learner.engine.micro_batch_tokens"
-    return e.micro_batch_size * longest, (f"learner.engine.micro_batch_size {e.micro_batch_size} × the longest row, "
+    return e.rows_per_micro_batch * longest, (f"learner.engine.micro_batch_size {e.rows_per_micro_batch} × the longest row, "
                                           f"rollout.engine.max_model_len {longest}")
 
 

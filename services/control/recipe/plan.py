@@ -57,7 +57,7 @@ def describe(recipe: Recipe) -> str:
 def _micro_batch(e) -> str:
     """``micro_batch_tokens=N`` (a token budget per rank) or ``micro_batch=N`` (rows)."""
     return f"micro_batch_tokens={e.micro_batch_tokens}" if e.micro_batch_tokens is not None else \
-        f"micro_batch={e.micro_batch_size}"
+        f"micro_batch={e.rows_per_micro_batch}"
 
 
 def _model_line(recipe: Recipe) -> str:

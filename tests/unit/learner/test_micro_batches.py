@@ -71,3 +71,18 @@ def test_row_count_plan_keeps_contiguous_shares():
     assert row_count_plan(range(4, 12), 2, 3) == [[[4, 5, 6], [7]], [[8, 9, 10], [11]]]
     with pytest.raises(ValueError, match="mini-batch of 7 rows cannot be sharded over 2"):
         row_count_plan(range(7), 2, 3)
+
+
+def test_a_token_budget_config_survives_its_own_dump(tmp_path):
+    """The driver sends ``model_dump()`` to the learner actor, which validates it again: a recipe with a token budget
+    must reload (found when the default recipe moved to ``micro_batch_tokens``: its dump carried
+    ``micro_batch_size: 8`` and was refused as setting both)."""
+    from gyre.learner.config import LearnerConfig
+
+    (tmp_path / "config.json").write_text("{}")
+    cfg = LearnerConfig(model=str(tmp_path), micro_batch_tokens=4096)
+    again = LearnerConfig(**cfg.model_dump())
+    assert again.micro_batch_tokens == 4096 and again.micro_batch_size is None
+    assert LearnerConfig(model=str(tmp_path)).rows_per_micro_batch == 8
+    with pytest.raises(ValueError, match=r"micro_batch_size \(4\) and micro_batch_tokens \(4096\) are both set"):
+        LearnerConfig(model=str(tmp_path), micro_batch_size=4, micro_batch_tokens=4096)
