@@ -203,7 +203,7 @@ def _varlen_attention(module, query, key, value, attention_mask, dropout: float 
     if dropout:
         raise PackedKernelError(f"attn_kernel 'varlen' has no attention dropout (the model asks {dropout}); "
                                 "use attn_kernel 'per_row'")
-    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [N, H, D]
+    q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))  # [N, H, D]
     width = int(kwargs["max_length_q"])
     params = _parameters(varlen_attn)
     extra = {"scale": scaling} if "scale" in params else {}
