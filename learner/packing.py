@@ -9,9 +9,9 @@ under ``PACKED_ATTENTION`` names and picked by ``LearnerConfig.attn_kernel``:
 - ``varlen``: ``torch.nn.attention.varlen.varlen_attn``, PyTorch's own variable-length FlashAttention (CUDA,
   bf16/fp16, compute capability >= 8.0). It ships in the torch wheel, so nothing is compiled from source;
   ``flash-attn`` would be (no wheel on PyPI for the lock's torch).
-- ``per_row``: ``scaled_dot_product_attention`` causal within each row's span, rows of similar length batched
-  into one call (padded within the group, at most 1.5x their own ``sum_i l_i^2``, never ``N^2``). Runs on any
-  device and dtype (the CPU path and the tests').
+- ``per_row``: ``scaled_dot_product_attention`` causal over each row's span in turn (on a CPU its math kernel).
+  Runs on any device and dtype (the CPU path and the tests'); its cost is ``sum_i l_i^2`` like varlen's, not
+  ``N^2``.
 
 The model's attention mask is not used (``attention_mask`` stays ``None``): a packed model given padded input
 (an attention mask) raises rather than attending to padding; unpacked rows without a mask are each one
@@ -138,59 +138,27 @@ def _segments(cu: torch.Tensor) -> list[tuple[int, int]]:
 
 
 def _per_row_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
-    """Causal SDPA within each row's span of the packed ``[1, H, N, D]`` query/key/value; returns
-    ``([1, N, H, D], None)`` as transformers' attention functions do. Rows of similar length are batched into one
-    SDPA call (``_length_groups``: padded to the group's longest, the padding masked out as keys and dropped as
-    queries), so a micro-batch of many short rows is a few kernel calls, not one per row. Unpacked input without
-    a mask: every batch row is one whole sequence."""
+    """Causal SDPA over each row's span of the packed ``[1, H, N, D]`` query/key/value in turn (on a CPU with
+    SDPA's math kernel, ``_cpu_math``); returns ``([1, N, H, D], None)`` as transformers' attention functions do.
+    Unpacked input without a mask: every batch row is one whole sequence."""
     cu = _require_cu(kwargs, attention_mask)
     if cu is None:
         return _whole_rows(query, key, value, dropout, scaling)
     gqa = query.shape[1] != key.shape[1]
-    q, k, v = query[0], key[0], value[0]  # [H, N, D]
-    positions, outputs = [], []
-    for group in _length_groups(_segments(cu)):
-        width = max(b - a for a, b in group)
-        ar = torch.arange(width, device=q.device)
-        starts = torch.tensor([a for a, _ in group], device=q.device)
-        lengths = torch.tensor([b - a for a, b in group], device=q.device)
-        real = ar.unsqueeze(0) < lengths.unsqueeze(1)  # [g, W]
-        idx = starts.unsqueeze(1) + torch.minimum(ar.unsqueeze(0), (lengths - 1).unsqueeze(1))  # [g, W]
-        gq, gk, gv = (t[:, idx].transpose(0, 1) for t in (q, k, v))  # [g, H, W, D]
-        causal = torch.ones(width, width, dtype=torch.bool, device=q.device).tril()
-        mask = (causal.unsqueeze(0) & real.unsqueeze(1)).unsqueeze(1)  # [g, 1, W, W]: earlier real keys
-        with _cpu_math(q.device):
-            out = F.scaled_dot_product_attention(gq, gk, gv, attn_mask=mask, dropout_p=dropout, scale=scaling,
-                                                 enable_gqa=gqa)  # [g, H, W, D]
-        outputs.append(out.transpose(0, 1)[:, real])  # [H, n, D]: the real queries
-        positions.append(idx[real])
-    order = torch.argsort(torch.cat(positions))  # the groups' tokens back into packed order
-    return torch.cat(outputs, dim=1)[:, order].unsqueeze(0).transpose(1, 2).contiguous(), None
+    with _cpu_math(query.device):
+        parts = [F.scaled_dot_product_attention(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], dropout_p=dropout,
+                                                is_causal=True, scale=scaling, enable_gqa=gqa)
+                 for a, b in _segments(cu)]
+    return torch.cat(parts, dim=2).transpose(1, 2).contiguous(), None
 
 
 def _cpu_math(device: torch.device):
-    """SDPA's math kernel on a CPU: with a mask and short rows its backward runs ~1.8x faster there than the CPU
-    flash kernel's (bf16, rows of ~80 tokens, 2 cores; measured); other devices keep SDPA's own choice."""
+    """SDPA's math kernel on a CPU: on short rows its backward runs faster there than the CPU flash kernel's (the
+    default recipe's learner step: 4.9-5.1 -> 4.2 s, bf16, rows of ~60 tokens, 2 cores; measured); other devices keep SDPA's
+    own choice."""
     if device.type != "cpu":
         return contextlib.nullcontext()
     return sdpa_kernel(SDPBackend.MATH)
-
-
-def _length_groups(segments: list[tuple[int, int]], waste: float = 1.5) -> list[list[tuple[int, int]]]:
-    """Row spans grouped for one padded SDPA call each: longest first, a row joins the open group while the
-    group's padded cost ``rows x longest^2`` stays within ``waste`` times its rows' own ``sum l^2``."""
-    groups: list[list[tuple[int, int]]] = []
-    cost = 0
-    for a, b in sorted(segments, key=lambda ab: ab[0] - ab[1]):  # longest first
-        if groups:
-            longest = groups[-1][0][1] - groups[-1][0][0]
-            if (len(groups[-1]) + 1) * longest**2 <= waste * (cost + (b - a) ** 2):
-                groups[-1].append((a, b))
-                cost += (b - a) ** 2
-                continue
-        groups.append([(a, b)])
-        cost = (b - a) ** 2
-    return groups
 
 
 def _varlen_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):

@@ -47,6 +47,16 @@ def main() -> None:
             metrics[f"{mode}/{name}"] = engine.train_step(batch)
             for param, tensor in engine.named_weights(dtype=None):
                 deltas[f"{mode}/{name}/{param}"] = (tensor - initial[param]).contiguous()
+    # three rows of 8, 10 and 12 tokens under a 13-token budget: on two ranks one rank holds the 12-token row
+    # alone and runs its second micro-batch empty (zero weight), so both ranks make the same collectives
+    algo = AlgorithmConfig()
+    batch = build_train_batch(_table(num_groups=1, group_size=3, seed=5), 0, 0, algo)
+    cfg = LearnerConfig(model=model, zero_stage=2, dtype="fp32", lr=1.0, adam_eps=1.0, seed=7, micro_batch_tokens=13)
+    engine = LearnerEngine(cfg, algo)
+    initial = dict(engine.named_weights(dtype=None))
+    metrics["uneven/tokens-13"] = engine.train_step(batch)
+    for param, tensor in engine.named_weights(dtype=None):
+        deltas[f"uneven/tokens-13/{param}"] = (tensor - initial[param]).contiguous()
     if dist.get_rank() == 0:
         save_file(deltas, out)
         Path(f"{out}.json").write_text(json.dumps(metrics))

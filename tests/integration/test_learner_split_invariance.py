@@ -2,7 +2,8 @@
 token budgets (``learner.engine.micro_batch_tokens``), on 1 or 2 data-parallel ranks (token-balanced shares), give
 the same gradient to fp32 rounding, for ``token-mean`` and ``seq-mean-token-mean`` with the KL and entropy terms
 on. Every micro-batch is normalised by its whole mini-batch (``loss_agg_mode``); a normaliser taken from the
-micro-batch or the rank's share instead moves the update by tens of percent (checked by planting one)."""
+micro-batch or the rank's share instead moves the update by tens of percent (checked by planting one). A rank left
+with fewer rows than the other's micro-batches runs an empty one at zero weight: the same update, no hang."""
 
 from __future__ import annotations
 
@@ -53,6 +54,13 @@ def test_every_split_gives_the_same_update(tiny_llama, tmp_path):
                     got = deltas[f"{mode}/{split}/{param}"]
                     assert float((got - expected).abs().max()) <= 1e-7 + 1e-4 * float(expected.abs().max()), \
                         (world, mode, split, param)
+    uneven = {k.split("/", 2)[2]: v for k, v in one_deltas.items() if k.startswith("uneven/")}
+    for param, expected in uneven.items():  # one rank ran an empty micro-batch: same update, no hang
+        got = runs[2][0][f"uneven/tokens-13/{param}"]
+        assert float((got - expected).abs().max()) <= 1e-7 + 1e-4 * float(expected.abs().max()), param
+    assert runs[2][1]["uneven/tokens-13"]["micro_batches"] == 3  # the empty one is not a micro-batch of metrics
+    assert runs[2][1]["uneven/tokens-13"]["grad_norm"] == pytest.approx(one_metrics["uneven/tokens-13"]["grad_norm"],
+                                                                        rel=1e-5)
     two = runs[2][1]
     assert two["token-mean/tokens-13"]["micro_batches"] == 6  # one row per micro-batch, 3 per rank
     assert two["token-mean/tokens-63"]["micro_batches"] == 2  # each rank packs its share into one
