@@ -20,6 +20,7 @@ from bench.replay_parts import serving_address
 from gyre.learner.publisher import WeightPublisher
 from gyre.proto.tensor_chunks import encode_tensors
 from gyre.services.common import grpc_common, port_file
+from gyre.services.common.aio_server import AioServer
 from gyre.services.learner import weight_server
 from gyre.services.rollout.transport.subscriber import WeightSubscriber
 
@@ -41,7 +42,7 @@ def serve_weights(kind: str, port_file_path: str, total_bytes: int) -> None:
     of the same size (``CHUNK_BYTES``) on the same server options, on a port the OS picks (written to
     ``port_file_path`` once serving), until SIGTERM."""
     named = bench_tensors(total_bytes)
-    server, health = grpc_common.make_server()
+    server = AioServer()
     if kind == "gyre":
         pub = WeightPublisher()
         pub.publish(0, named)
@@ -51,7 +52,7 @@ def serve_weights(kind: str, port_file_path: str, total_bytes: int) -> None:
         blobs = [bytes(t.data) for t in encode_tensors(named)]
         chunk = weight_server.CHUNK_BYTES
 
-        def raw(request, context):
+        async def raw(request, context):
             for blob in blobs:
                 for off in range(0, len(blob), chunk):
                     yield blob[off:off + chunk]
@@ -59,7 +60,7 @@ def serve_weights(kind: str, port_file_path: str, total_bytes: int) -> None:
                                                        response_serializer=lambda b: b)
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(RAW_SERVICE, {"Subscribe": handler}),))
         name = RAW_SERVICE
-    port_file.write(port_file_path, grpc_common.start(server, health, name, "127.0.0.1", 0))
+    port_file.write(port_file_path, server.start(name, "127.0.0.1", 0))
     signal.sigwait({signal.SIGTERM, signal.SIGINT})
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Callable
 
 import torch
 
@@ -28,6 +29,7 @@ class WeightPublisher:
         self._tensors: list[EncodedTensor] = []
         self._manifest: list[TensorMeta] | None = None
         self._closed = False
+        self._listeners: list[Callable[[], None]] = []
         self.published_at = 0.0
         """Unix time (seconds) of the newest publish."""
 
@@ -56,6 +58,7 @@ class WeightPublisher:
             self._version, self._timeline, self._tensors, self._manifest = version, timeline, encoded, None
             self.published_at = time.time()
             self._cond.notify_all()
+        self._notify()
 
     def announce(self, version: int, manifest: list[TensorMeta], timeline: int = SHARED) -> None:
         """Make ``version`` the newest, bytes sent elsewhere (a broadcast that follows); ``Announce``
@@ -65,6 +68,28 @@ class WeightPublisher:
             self._version, self._timeline, self._tensors, self._manifest = version, timeline, [], list(manifest)
             self.published_at = time.time()
             self._cond.notify_all()
+        self._notify()
+
+    def add_listener(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` (no arguments, from the publishing thread, outside the lock; it must not block)
+        after every ``publish``, ``announce`` and ``close``: how an ``asyncio`` server learns of a new version."""
+        with self._cond:
+            self._listeners.append(callback)
+
+    def _notify(self) -> None:
+        with self._cond:
+            listeners = list(self._listeners)
+        for callback in listeners:
+            callback()
+
+    def offer(self, have_version: int, have_timeline: int, manifest: bool = False) -> tuple[int, int, list] | None:
+        """``wait_offer`` without waiting: the newest version new to ``(have_version, have_timeline)`` or ``None``."""
+        return self._wait(have_version, have_timeline, 0.0, manifest)
+
+    @property
+    def closed(self) -> bool:
+        """``close`` was called."""
+        return self._closed
 
     def _check_newer(self, version: int) -> None:
         if version <= self._version:
@@ -106,3 +131,4 @@ class WeightPublisher:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
+        self._notify()

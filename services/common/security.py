@@ -259,6 +259,38 @@ def _refusal(handler: grpc.RpcMethodHandler | None, message: str) -> grpc.RpcMet
         refuse, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
 
 
+class AioTokenAuthInterceptor(grpc.aio.ServerInterceptor):
+    """``TokenAuthInterceptor`` for a ``grpc.aio`` server (``services.common.aio_server``): the same check, the
+    same exemptions and messages; a refused call ends with UNAUTHENTICATED before the servicer runs."""
+
+    def __init__(self, token: str) -> None:
+        self._check = TokenAuthInterceptor(token)
+
+    async def intercept_service(self, continuation, handler_call_details):
+        method = handler_call_details.method
+        problem = (None if method in EXEMPT_METHODS
+                   else self._check._problem(handler_call_details.invocation_metadata or ()))
+        handler = await continuation(handler_call_details)
+        if problem is None:
+            return handler
+        log.warning("rpc_unauthenticated", method=method, problem=problem)
+        return _aio_refusal(handler, f"{method}: {problem}")
+
+
+def _aio_refusal(handler: grpc.RpcMethodHandler | None, message: str) -> grpc.RpcMethodHandler:
+    """``_refusal`` for ``grpc.aio``: a coroutine handler (any streaming kind may be one) that aborts."""
+
+    async def refuse(_request_or_iterator, context):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    if handler is None:
+        return grpc.unary_unary_rpc_method_handler(refuse)
+    make = {(False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
+            (True, False): grpc.stream_unary_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}
+    return make[(handler.request_streaming, handler.response_streaming)](
+        refuse, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
+
+
 class _CallDetails(grpc.ClientCallDetails):
     def __init__(self, details: grpc.ClientCallDetails, metadata: list[tuple[str, str]]) -> None:
         self.method, self.timeout, self.metadata = details.method, details.timeout, metadata

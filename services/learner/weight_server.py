@@ -1,7 +1,10 @@
 """WeightService servicer: streams ``learner.publisher.WeightPublisher`` versions as checksummed chunks.
 
+Served by ``grpc.aio`` (``services.common.aio_server``): an open stream holds no thread, so the number of
+subscribers never starves health checks or ``Latest`` (the threaded server tied one of its 16 threads to each).
+
 Each Subscribe stream serializes its own ``WeightChunk`` messages as it sends them (``serialize_chunk``:
-protobuf for the small fields, one copy of the chunk's bytes) and yields them as bytes (``_serialize``
+protobuf for the small fields, one copy of the chunk's bytes) and writes them as bytes (``_serialize``
 passes bytes through). grpc copies every message into its own buffer per stream anyway, so a per-stream
 message costs one more copy into memory that is freed and reused chunk after chunk, where a cache of
 serialized messages shared by all streams would hold a second copy of the whole version (283 MB for
@@ -9,6 +12,8 @@ SmolLM2-135M's size, 2 bytes per parameter) in freshly faulted pages for as long
 """
 
 from __future__ import annotations
+
+import asyncio
 
 import grpc
 import structlog
@@ -19,51 +24,79 @@ from gyre.proto import weights_pb2, weights_pb2_grpc
 from gyre.proto.tensor_chunks import CHECKSUM_KIND, iter_chunks
 from gyre.proto.trajectory import SCHEMA_VERSION
 from gyre.services.common import grpc_common
+from gyre.services.common.aio_server import AioServer, AsyncNotifier
 from gyre.services.common.security import SecurityConfig
 
 log = structlog.get_logger("weights")
 SERVICE_NAME = "gyre.weights.v1.WeightService"
 CHUNK_BYTES = 4 * 1024 * 1024
+WRITE_TIMEOUT_S = 120.0
+"""Seconds a Subscribe/Announce stream waits for its subscriber to take one message before dropping it."""
 
 
 class WeightServicer(weights_pb2_grpc.WeightServiceServicer):
-    """Each Subscribe stream sends every newest version greater than what the subscriber has."""
+    """Each Subscribe stream sends every newest version greater than what the subscriber has.
 
-    def __init__(self, publisher: WeightPublisher, chunk_bytes: int = CHUNK_BYTES) -> None:
+    Served on a ``grpc.aio`` server (``services.common.aio_server.AioServer``): every method is a coroutine, a
+    stream waiting for the next version or for its subscriber to read is suspended, not a thread, so any number of
+    subscribers leave health checks and ``Latest`` answered at once. A subscriber that does not take a chunk
+    within ``write_timeout_s`` seconds is cut off (``DEADLINE_EXCEEDED``; it resubscribes from the version it
+    holds), so a stuck reader pins at most the one version it was being sent, never the learner.
+    """
+
+    def __init__(self, publisher: WeightPublisher, chunk_bytes: int = CHUNK_BYTES,
+                 write_timeout_s: float = WRITE_TIMEOUT_S) -> None:
         self.publisher = publisher
         self.chunk_bytes = chunk_bytes
+        self.write_timeout_s = write_timeout_s
+        self._notifier: AsyncNotifier | None = None
 
-    def Subscribe(self, request, context):
+    def notifier(self) -> AsyncNotifier:
+        """The running loop's ``AsyncNotifier`` of new versions (registered with the publisher on first use)."""
+        if self._notifier is None:
+            self._notifier = AsyncNotifier(asyncio.get_running_loop())
+            self.publisher.add_listener(self._notifier.notify)
+        return self._notifier
+
+    async def _offers(self, request, manifest: bool):
+        """Yields ``(version, timeline, payload)`` for each newest version new to the subscriber, until close."""
         have, have_timeline = request.have_version, request.have_timeline
-        log.info("subscriber_joined", subscriber=request.subscriber, have_version=have, have_timeline=have_timeline)
-        while context.is_active():
-            got = self.publisher.wait_offer(have, have_timeline, timeout_s=1.0)
+        notifier = self.notifier()
+        while not self.publisher.closed:
+            got = self.publisher.offer(have, have_timeline, manifest=manifest)
             if got is None:
+                await notifier.wait(1.0)
                 continue
-            version, timeline, tensors = got
-            chunks = iter_chunks(version, tensors, self.chunk_bytes, timeline=timeline)
-            for i, msg in enumerate(map(serialize_chunk, chunks)):
+            yield got
+            have, have_timeline = got[0], got[1]
+
+    async def _write(self, context, msg) -> None:
+        try:
+            await asyncio.wait_for(context.write(msg), self.write_timeout_s)
+        except asyncio.TimeoutError:
+            log.warning("subscriber_not_reading", peer=context.peer(), timeout_s=self.write_timeout_s)
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                f"subscriber took no chunk for {self.write_timeout_s}s; stream dropped")
+
+    async def Subscribe(self, request, context):
+        log.info("subscriber_joined", subscriber=request.subscriber, have_version=request.have_version,
+                 have_timeline=request.have_timeline)
+        async for version, timeline, tensors in self._offers(request, manifest=False):
+            for i, chunk in enumerate(iter_chunks(version, tensors, self.chunk_bytes, timeline=timeline)):
                 if i == 1:  # the first chunk of a new version is out, the rest not yet
                     fault_point("learner.publish.mid_stream")
-                yield msg
-            have, have_timeline = version, timeline
+                await self._write(context, serialize_chunk(chunk))
 
-    def Announce(self, request, context):
-        have, have_timeline = request.have_version, request.have_timeline
-        log.info("announce_subscriber_joined", subscriber=request.subscriber, have_version=have,
-                 have_timeline=have_timeline)
-        while context.is_active():
-            got = self.publisher.wait_offer(have, have_timeline, timeout_s=1.0, manifest=True)
-            if got is None:
-                continue
-            version, timeline, metas = got
-            yield weights_pb2.VersionManifest(
+    async def Announce(self, request, context):
+        log.info("announce_subscriber_joined", subscriber=request.subscriber, have_version=request.have_version,
+                 have_timeline=request.have_timeline)
+        async for version, timeline, metas in self._offers(request, manifest=True):
+            await self._write(context, weights_pb2.VersionManifest(
                 version=version, checksum_kind=CHECKSUM_KIND, schema_version=SCHEMA_VERSION, timeline=timeline,
                 tensors=[weights_pb2.TensorMeta(name=m.name, dtype=m.dtype, shape=m.shape, nbytes=m.nbytes,
-                                                checksum=m.checksum) for m in metas])
-            have, have_timeline = version, timeline
+                                                checksum=m.checksum) for m in metas]))
 
-    def Latest(self, request, context):
+    async def Latest(self, request, context):
         version, timeline = self.publisher.latest()
         return weights_pb2.LatestResponse(version=version, timeline=timeline)
 
@@ -94,7 +127,7 @@ def _serialize(msg) -> bytes:
     return msg if isinstance(msg, bytes) else msg.SerializeToString()
 
 
-def add_servicer(servicer: WeightServicer, server: grpc.Server) -> None:
+def add_servicer(servicer: WeightServicer, server: AioServer) -> None:
     """``add_WeightServiceServicer_to_server`` with Subscribe's responses passed through as bytes."""
     handlers = {
         "Subscribe": grpc.unary_stream_rpc_method_handler(
@@ -111,12 +144,16 @@ def add_servicer(servicer: WeightServicer, server: grpc.Server) -> None:
 
 
 def serve(publisher: WeightPublisher, host: str | None = None, port: int = 0,
-          security: SecurityConfig | None = None) -> tuple[grpc.Server, int]:
+          security: SecurityConfig | None = None) -> tuple[AioServer, int]:
     """Start a weight server on ``host:port`` (0 = free port; host defaults to ``security.bind_host``,
     else 127.0.0.1), with TLS and token auth per ``security``; returns ``(server, bound_port)``."""
     host = grpc_common.bind_host(host, security)
-    server, health_servicer = grpc_common.make_server(security=security)
+    server = AioServer(security)
     add_servicer(WeightServicer(publisher), server)
-    port = grpc_common.start(server, health_servicer, SERVICE_NAME, host, port, security)
+    try:
+        port = server.start(SERVICE_NAME, host, port)
+    except BaseException:
+        server.stop(0)
+        raise
     log.info("weights_serving", address=f"{host}:{port}")
     return server, port

@@ -32,7 +32,7 @@ PROMPT = [1, 2, 3, 4, 5]
 # picks), written to the port file `{marker}.up` once serving; with STALL set it writes the marker file after half
 # the chunks and then hangs (the test SIGKILLs it there).
 LEARNER = r"""
-import os, sys, time, torch
+import asyncio, os, sys, time, torch
 from safetensors.torch import load_file
 from gyre.learner.publisher import WeightPublisher
 from gyre.services.common import port_file
@@ -42,16 +42,18 @@ gen = torch.Generator().manual_seed(version)
 named = [(n, (t.float() + 0.05 * torch.randn(t.shape, generator=gen)).to(torch.bfloat16))
          for n, t in sorted(load_file(model + "/model.safetensors").items())]
 pub = WeightPublisher(); pub.publish(version, named)
+from gyre.services.common.aio_server import AioServer
 class Stalling(weight_server.WeightServicer):
-    def Subscribe(self, request, context):
-        for i, msg in enumerate(super().Subscribe(request, context)):
-            if os.environ.get("STALL") and i == 40:
-                open(marker, "w").write("half")
-                time.sleep(3600)
-            yield msg
-server, health = weight_server.grpc_common.make_server()
+    sent = 0
+    async def _write(self, context, msg):
+        if os.environ.get("STALL") and self.sent == 40:
+            open(marker, "w").write("half")
+            await asyncio.sleep(3600)
+        self.sent += 1
+        await super()._write(context, msg)
+server = AioServer()
 weight_server.add_servicer(Stalling(pub, chunk_bytes=4096), server)
-port = weight_server.grpc_common.start(server, health, weight_server.SERVICE_NAME, "127.0.0.1", port)
+port = server.start(weight_server.SERVICE_NAME, "127.0.0.1", port)
 port_file.write(marker + ".up", port)
 time.sleep(3600)
 """

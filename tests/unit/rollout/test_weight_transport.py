@@ -15,12 +15,12 @@ from pydantic import ValidationError
 from safetensors.torch import save_file
 
 from gyre.learner.publisher import WeightPublisher
-from gyre.proto import weights_pb2, weights_pb2_grpc
+from gyre.proto import weights_pb2
 from gyre.proto.broadcast import receive_verified, torch_distributed_broadcast
 from gyre.proto.tensor_chunks import ChunkError, TensorMeta, device_checksum, tensor_metas
 from gyre.rollout.config import EngineConfig
 from gyre.proto.weight_transport import GrpcTransportConfig, NcclTransportConfig
-from gyre.services.common import grpc_common
+from gyre.services.common.aio_server import AioServer
 from gyre.services.learner import weight_server
 from gyre.services.rollout.transport import TransportUnavailableError, make_transport
 from gyre.proto.exports import newest_export, write_export_version
@@ -164,31 +164,28 @@ def test_receive_verified_names_the_bad_tensor():
         receive_verified(fake, [TensorMeta("x", "int4", (2,), 1, 0)], "cpu")
 
 
-class _ReplayingServicer(weights_pb2_grpc.WeightServiceServicer):
+class _ReplayingServicer(weight_server.WeightServicer):
     """Sends one fixed version whatever the subscriber has (a learner restored from an old checkpoint), then
     ends the stream; records the ``have_version`` of every Subscribe request in ``requests``."""
 
     def __init__(self, version):
-        self.version, self.requests = version, []
-
-    def Subscribe(self, request, context):
-        self.requests.append(request.have_version)
         pub = WeightPublisher()
-        pub.publish(self.version, named(self.version))
-        servicer = weight_server.WeightServicer(pub)
-        for raw in servicer.Subscribe(weights_pb2.SubscribeRequest(have_version=-1), context):
-            yield raw  # WeightChunk wire bytes
-            if parse_chunk(raw).last_of_version:
-                return
+        pub.publish(version, named(version))
+        super().__init__(pub)
+        self.requests = []
+
+    async def _offers(self, request, manifest):
+        self.requests.append(request.have_version)
+        yield self.publisher.offer(-1, 0, manifest)
 
 
 def test_subscriber_ignores_a_version_from_the_past():
     """The subscriber decided on the old version: it took the whole stream (a normal end, no error) and
     subscribed again, which it does only after handling every version the stream carried."""
-    server, health = grpc_common.make_server()
+    server = AioServer()
     servicer = _ReplayingServicer(1)
     weight_server.add_servicer(servicer, server)
-    port = grpc_common.start(server, health, weight_server.SERVICE_NAME)
+    port = server.start(weight_server.SERVICE_NAME)
     got = []
     sub = WeightSubscriber(f"127.0.0.1:{port}", lambda v, t, _tl: got.append(v), have_version=3, backoff_s=0.1).start()
     _wait(lambda: len(servicer.requests) >= 2)
