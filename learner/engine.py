@@ -38,6 +38,7 @@ from gyre.learner.algo.losses import (kl_penalty, loss_normaliser, policy_loss, 
                             value_loss)
 from gyre.learner.step_metrics import batch_metrics, kish_ess_fraction, merge_metrics
 from gyre.learner.step_start import StepTargets, mini_batch_rows, proximal_logprobs, step_targets
+from gyre.learner.weight_capture import capture_weights, published_parameters
 
 VALUE_HEAD = "value_head"
 """Attribute name of the critic's value head on the HF model (and prefix of its parameter names)."""
@@ -358,13 +359,17 @@ class LearnerEngine:
         ``dtype=None`` keeps the training dtype.
         """
         out = []
-        for name, param in self.module.named_parameters():
-            if (self.tied_lm_head and name == "lm_head.weight") or name.startswith(VALUE_HEAD + "."):
-                continue
+        for name, param in published_parameters(self):
             with self._gathered([param]):
                 tensor = param.detach().to("cpu", dtype=dtype or param.dtype, copy=True).contiguous()
             out.append((name, tensor))
         return out
+
+    def capture_weights(self, dtype: torch.dtype | None = torch.bfloat16) -> list[tuple[str, torch.Tensor]]:
+        """What ``named_weights`` carries as private copies on the parameters' device, the part of publishing a
+        step waits for (``learner.weight_capture.capture_weights``: ZeRO-3 gathers a bucket at a time and only
+        rank 0 keeps a copy; other ranks get ``[]``)."""
+        return capture_weights(self, dtype)
 
     def _gathered(self, params: list[torch.nn.Parameter]):
         if self.config.zero_stage == 3:

@@ -23,6 +23,7 @@ import structlog
 
 from gyre.learner.batch import build_train_batch
 from gyre.learner.checkpoint.cycle import CheckpointCycle
+from gyre.learner.background_publish import BackgroundPublisher
 from gyre.learner.publisher import WeightPublisher
 from gyre.learner.loop_config import LearnerLoopConfig
 from gyre.learner.versions import learner_versions
@@ -90,6 +91,8 @@ class LearnerLoop:
         """``(checkpoint metadata or None,)`` after ``resume`` until ``rejoin_replay`` ran (first ``step``)."""
         self.versions = learner_versions(config)
         """The determinism mode's seam (``learner.versions``): timeline, lease bounds, version store."""
+        self.background = BackgroundPublisher(publisher, self.versions)
+        """Publishes each captured version behind the next steps (``learner.background_publish``)."""
         self.start_version = 0
         """Policy version this learner started at (``resume``): its predecessor's versions above it are dead."""
         self.spikes = SpikeDetector(config.spike_save)
@@ -130,19 +133,26 @@ class LearnerLoop:
             self._emergency = signum
         log.warning("emergency_checkpoint_requested", signal=signal.Signals(signum).name)
 
-    def publish_current(self) -> float:
+    def publish_current(self, wait: bool = True) -> float:
         """Publish the engine's current weights under its current version and this learner's timeline
-        (``SHARED`` for version 0); returns seconds.
+        (``SHARED`` for version 0); returns the seconds this call blocked. The weights are captured on their
+        device (``engine.capture_weights``); the rest runs in the background (``learner.background_publish``)
+        unless ``wait`` is set or the determinism mode waits (lockstep).
 
         Raises:
             proto.lockstep.VersionMismatchError: lockstep, and this version was stored before (a predecessor's)
                 with other weights: exact resume is broken, so the run stops here, loudly.
+            Exception: what an earlier background publish raised (``BackgroundPublisher.raise_if_failed``).
         """
         t0 = time.perf_counter()
-        named = self.engine.named_weights()
-        self.versions.published(self.engine.version, named)  # lockstep: into the version store
-        self.publisher.publish(self.engine.version, named, timeline=label(self.engine.version, self.timeline))
+        captured = self.engine.capture_weights()
+        self.background.submit(self.engine.version, label(self.engine.version, self.timeline), captured,
+                               wait=wait or not self.versions.publish_in_background)
         return time.perf_counter() - t0
+
+    def close_publishing(self, timeout_s: float = 60.0) -> None:
+        """Publish the version still queued, then stop the background publisher (at most ``timeout_s`` seconds)."""
+        self.background.close(timeout_s)
 
     def step(self) -> dict:
         """One optimizer step; returns its metrics row (plain floats/ints), with its wall time split into phases
@@ -164,8 +174,8 @@ class LearnerLoop:
         timer.move("forward_backward", "optimizer", metrics.get("optimizer_step_s", 0.0))
         metrics |= self.spikes.observe(self.engine.step, metrics)
         t_trained = time.perf_counter()  # train_step advanced engine.version by one
-        with timer.phase("publish"):
-            publish_s = self.publish_current()
+        with timer.phase("publish_blocking"):
+            publish_s = self.publish_current(wait=False)
         self.checkpoints.trained(lease_id, group_ids_of(table))
         save_s, before = 0.0, self.last_checkpoint
         emergency, self._emergency = self._emergency, None
@@ -183,7 +193,8 @@ class LearnerLoop:
             **metrics,
             "step": self.engine.version, "version": self.engine.version, "groups": self.config.groups_per_step,
             "trajectories": table.num_rows, "sample_wait_s": timer.seconds["wait_data"],
-            "train_s": t_trained - t_sampled, "publish_s": publish_s, "checkpoint_s": save_s, **background,
+            "train_s": t_trained - t_sampled, "publish_s": publish_s, "weights/publish_background_s": self.background.last_background_s,
+            "weights/versions_superseded": self.background.superseded, "checkpoint_s": save_s, **background,
             **committed, "dead_timeline_rows": dead, "pending_leases": len(self.pending_lease_ids),
             **times, "step_s": times["time/learner/step_s"], "time": time.time(),
         }

@@ -52,10 +52,14 @@ class WeightPublisher:
         """Make ``version`` (of ``timeline``) the newest. Raises ``ValueError`` if it is not newer than the
         current one."""
         self._check_newer(version)
-        encoded = encode_tensors(named)
+        self.publish_encoded(version, encode_tensors(named), timeline)
+
+    def publish_encoded(self, version: int, encoded: list[EncodedTensor], timeline: int = SHARED) -> None:
+        """``publish`` for tensors already encoded (``encode_tensors``: e.g. in ``learner.background_publish``).
+        Raises ``ValueError`` if ``version`` is not newer than the current one."""
         with self._cond:
             self._check_newer(version)
-            self._version, self._timeline, self._tensors, self._manifest = version, timeline, encoded, None
+            self._version, self._timeline, self._tensors, self._manifest = version, timeline, list(encoded), None
             self.published_at = time.time()
             self._cond.notify_all()
         self._notify()

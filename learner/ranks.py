@@ -33,7 +33,7 @@ from gyre.learner.checkpoint.request import CheckpointRequest
 
 log = structlog.get_logger("learner")
 
-OPS = ("train_step", "named_weights", "save_checkpoint", "load_checkpoint", "export_hf", "stop", "ping")
+OPS = ("train_step", "named_weights", "capture_weights", "save_checkpoint", "load_checkpoint", "export_hf", "stop", "ping")
 """Commands a follower understands; anything else is a protocol error."""
 HEARTBEAT_S = 60.0
 """An idle rank 0 pings its followers this often (seconds). A learner that waits for data longer than the
@@ -204,6 +204,13 @@ class LeaderEngine:
         return self._run("named_weights", {"dtype": None if dtype is None else str(dtype)}, None,
                          lambda: self._engine.named_weights(dtype))
 
+    def capture_weights(self, dtype: torch.dtype | None = torch.bfloat16) -> list[tuple[str, torch.Tensor]]:
+        """Rank 0's device copies of the weights; under ZeRO-3 every rank takes part in the gathers, keeping nothing."""
+        if self._engine.config.zero_stage != 3:
+            return self._engine.capture_weights(dtype)
+        return self._run("capture_weights", {"dtype": None if dtype is None else str(dtype)}, None,
+                         lambda: self._engine.capture_weights(dtype))
+
     def save_checkpoint(self, request: CheckpointRequest):
         """Every rank writes its shard; rank 0 commits (metadata, manifest, rename) and runs
         ``request.after_commit`` (``learner.checkpoint.engine.save_checkpoint``). Followers get ``root``,
@@ -257,8 +264,8 @@ def follow(engine) -> int:
             return done
         if op == "train_step":
             engine.train_step(_batch_of(args, tensors))
-        elif op == "named_weights":
-            engine.named_weights(None if args["dtype"] is None else _DTYPES[args["dtype"]])
+        elif op in ("named_weights", "capture_weights"):
+            getattr(engine, op)(None if args["dtype"] is None else _DTYPES[args["dtype"]])
         elif op == "save_checkpoint":
             if args.get("async") and saver is None:
                 saver = BackgroundSaver()

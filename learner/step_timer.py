@@ -11,7 +11,7 @@ from collections.abc import Iterator
 PREFIX = "time/learner/"
 """Prefix of the learner's phase keys in a metrics row (``time/learner/wait_data_s``, ...)."""
 
-PHASES = ("wait_data", "forward_backward", "optimizer", "checkpoint", "publish")
+PHASES = ("wait_data", "forward_backward", "optimizer", "checkpoint", "publish_blocking")
 """The named phases of a learner step, in the order a step runs them (``other`` is the rest):
 
 - ``wait_data``: leasing the batch from replay until it is there (the first step after a start also
@@ -22,8 +22,9 @@ PHASES = ("wait_data", "forward_backward", "optimizer", "checkpoint", "publish")
 - ``optimizer``: the engine's ``optimizer_step_s`` (DeepSpeed ``engine.step()``, summed over the step's updates);
 - ``checkpoint``: the seconds a checkpoint blocked the step (0 when none was due; with ``async_save`` only the
   capture, the background write is not on the step's clock);
-- ``publish``: gathering the new weights and handing them to the weights publisher (rollouts fetch them from
-  there, off the learner's clock)."""
+- ``publish_blocking``: capturing the new weights on their device (``learner.weight_capture``) and queueing them
+  for the background publisher (``learner.background_publish``: host copy, checksums and serving run behind the
+  next steps; lockstep waits for them here)."""
 
 
 class StepTimer:

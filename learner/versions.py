@@ -36,6 +36,9 @@ class LearnerVersions(ABC):
     """
 
     timeline: int
+    publish_in_background: bool = True
+    """Whether a step may go on while its version is published (``learner.background_publish``); lockstep waits,
+    so a version that disagrees with its stored predecessor stops the step that made it."""
 
     @staticmethod
     def prepare_process() -> None:
@@ -79,6 +82,8 @@ class LockstepPublishing(LearnerVersions):
 
     The store keeps ``lag + 2`` versions: the ``lag + 1`` a re-issued prompt may still need, plus the newest.
     """
+
+    publish_in_background = False
 
     def __init__(self, config: LockstepConfig) -> None:
         self.config = config

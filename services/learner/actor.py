@@ -204,6 +204,7 @@ class LearnerActor:
     def stop(self) -> None:
         if hasattr(self.engine, "stop_followers"):
             self.engine.stop_followers()
+        self.loop.close_publishing()
         self.publisher.close()
         self.server.stop(grace=2).wait()
 

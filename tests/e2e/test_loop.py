@@ -40,7 +40,7 @@ def hub_cache(tiny_llama, tmp_path, monkeypatch):
 def _check_time_breakdown(steps):
     """Each step row says where its time went (docs/guides/monitoring.md): learner phases summing to the step,
     the fleet's rollout seconds in it."""
-    learner = ["wait_data", "forward_backward", "optimizer", "checkpoint", "publish", "other"]
+    learner = ["wait_data", "forward_backward", "optimizer", "checkpoint", "publish_blocking", "other"]
     for r in steps:
         parts = [r[f"time/learner/{p}_s"] for p in learner]
         assert sum(parts) == pytest.approx(r["time/learner/step_s"], abs=1e-6) and min(parts) >= -1e-9, r

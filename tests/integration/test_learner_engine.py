@@ -81,6 +81,25 @@ def test_named_weights_match_hf_state_dict(trained, tiny_llama):
     assert all(t.dtype == torch.bfloat16 and t.device.type == "cpu" and t.is_contiguous() for _, t in weights)
 
 
+def test_captured_weights_are_private_copies_equal_to_the_published_weights(trained):
+    """What a step's publish captures (``capture_weights``) is what ``named_weights`` gives, on the parameters'
+    device, and an optimizer step after the capture does not reach it (the background publish reads it later)."""
+    engine, _, _ = trained
+    captured = engine.capture_weights()
+    expected = engine.named_weights()
+    assert [n for n, _ in captured] == [n for n, _ in expected]
+    assert all(torch.equal(c, e) and c.dtype == torch.bfloat16 for (_, c), (_, e) in zip(captured, expected))
+    param = dict(engine.module.named_parameters())[captured[0][0]]
+    kept = param.detach().clone()
+    with torch.no_grad():
+        param.add_(1.0)
+    try:
+        assert torch.equal(captured[0][1], expected[0][1])
+    finally:
+        with torch.no_grad():
+            param.copy_(kept)
+
+
 def test_export_hf_reloads_with_same_logits(trained, tiny_llama, tmp_path):
     engine, _, _ = trained
     engine.export_hf(tmp_path / "hf", tokenizer_dir=str(tiny_llama))

@@ -41,6 +41,10 @@ class RecordingEngine:
         self.calls.append(["named_weights", str(dtype)])
         return []
 
+    def capture_weights(self, dtype=torch.bfloat16):
+        self.calls.append(["capture_weights", str(dtype)])
+        return []
+
     def save_checkpoint(self, request: CheckpointRequest):
         self.calls.append(["save_checkpoint", str(request.root), request.fingerprint, request.keep_last_n])
         return request.root / "global_step_0"
@@ -101,6 +105,7 @@ def rank_main(rank: int, env: dict, out: str, mode: str) -> None:
                 leader = ranks.LeaderEngine(engine)
                 leader.train_step(batch())
                 leader.named_weights(torch.float32)
+                leader.capture_weights()
                 leader.save_checkpoint(CheckpointRequest("/ckpt", pending_lease_ids=["lease-1"], acked_lease_count=3,
                                                          fingerprint="fp", keep_last_n=2))
                 leader.load_checkpoint("/ckpt/global_step_0", "fp", True)
@@ -135,13 +140,14 @@ def run_pair(tmp_path: Path, mode: str) -> list[dict]:
 
 def test_follower_runs_the_leaders_collective_calls_in_order(tmp_path):
     leader, follower = run_pair(tmp_path, "ok")
-    assert follower["commands"] == 5
+    assert follower["commands"] == 6
     # the follower saw the same calls with the same arguments and bit-identical batch tensors, in order;
     # lease ids stay on rank 0 (only it commits checkpoint metadata)
-    assert [c[0] for c in follower["calls"]] == ["train_step", "named_weights", "save_checkpoint",
-                                                 "load_checkpoint", "export_hf"]
+    assert [c[0] for c in follower["calls"]] == ["train_step", "named_weights", "capture_weights",
+                                                 "save_checkpoint", "load_checkpoint", "export_hf"]
     assert follower["calls"][0] == leader["calls"][0]
-    assert follower["calls"][1:] == [["named_weights", "torch.float32"], ["save_checkpoint", "/ckpt", "fp", 2],
+    assert follower["calls"][1:] == [["named_weights", "torch.float32"], ["capture_weights", "torch.bfloat16"],
+                                     ["save_checkpoint", "/ckpt", "fp", 2],
                                      ["load_checkpoint", "/ckpt/global_step_0", "fp", True],
                                      ["export_hf", "/export", "/tok"]]
 
@@ -154,7 +160,7 @@ def test_the_ranks_meet_though_every_released_port_is_taken(tmp_path, monkeypatc
         _, follower = run_pair(tmp_path, "ok")
     finally:
         thief.release()
-    assert follower["commands"] == 5
+    assert follower["commands"] == 6
 
 
 def test_an_unknown_command_is_refused_by_name(tmp_path):

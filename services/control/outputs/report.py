@@ -212,7 +212,7 @@ def plot_report(metrics_path: Path, out_dir: Path) -> list[Path]:
 
 
 LEARNER_TIME_KEYS = [f"time/learner/{p}_s" for p in ("wait_data", "forward_backward", "optimizer", "checkpoint",
-                                                     "publish", "other")]
+                                                     "publish_blocking", "other")]
 """The stacked parts of a learner step in ``time_breakdown.png`` (``learner.step_timer``): they sum to its
 ``time/learner/step_s``."""
 ROLLOUT_TIME_KEYS = [f"time/rollout/{p}_s" for p in ("generate", "score", "insert", "weight_apply")]

@@ -55,7 +55,7 @@ class FakeLearnerEngine:
         self.future_paths.append(path)
         return self.futures[-1]
 
-    def named_weights(self):
+    def capture_weights(self):
         return [("w", torch.full((4,), float(self.version)))]
 
 
@@ -80,9 +80,11 @@ def test_step_trains_publishes_next_version_and_acks_after_checkpoint():
     assert pub.version == 0
     row = loop.step()
     assert (row["step"], row["version"], row["trajectories"]) == (1, 1, 8) and row["checkpoint_committed"] == 1.0
+    loop.background.flush()  # published behind the step
     assert pub.version == 1 and pub.wait_newer(0, 0)[1][0].data == torch.full((4,), 1.0).numpy().tobytes()
     assert buf.info()["acked_groups_total"] == 2 and buf.info()["leased_groups"] == 0
     loop.step()
+    loop.background.flush()
     assert pub.version == 2 and buf.info()["acked_groups_total"] == 4
     assert [s[0] for s in loop.engine.saves] == [1, 2]
 

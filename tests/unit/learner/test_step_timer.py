@@ -9,7 +9,7 @@ from gyre.learner.step_timer import PHASES, PREFIX, StepTimer
 from tests.fakes import FakeClock, FakeReplay
 from tests.unit.learner.test_learner_loop import FakeLearnerEngine, filled_buffer, make_loop
 
-SECONDS = {"wait_data": 7.0, "forward_backward": 5.0, "optimizer": 3.0, "checkpoint": 6.0, "publish": 4.0,
+SECONDS = {"wait_data": 7.0, "forward_backward": 5.0, "optimizer": 3.0, "checkpoint": 6.0, "publish_blocking": 4.0,
            "other": 2.0}
 """What each collaborator of the loop below spends on the fake clock, by the phase it belongs to."""
 
@@ -28,9 +28,9 @@ class TimedEngine(FakeLearnerEngine):
         self.clock.advance(SECONDS["optimizer"])
         return metrics | {"optimizer_step_s": SECONDS["optimizer"]}
 
-    def named_weights(self):
-        self.clock.advance(SECONDS["publish"])
-        return super().named_weights()
+    def capture_weights(self):
+        self.clock.advance(SECONDS["publish_blocking"])
+        return super().capture_weights()
 
     def save_checkpoint(self, request):
         self.clock.advance(SECONDS["checkpoint"])
@@ -64,7 +64,7 @@ def test_each_phase_lands_in_its_bucket_and_the_parts_sum_to_the_step(monkeypatc
     assert {k: v for k, v in row.items() if k.startswith(PREFIX)} == {
         **{f"{PREFIX}{name}_s": s for name, s in SECONDS.items()}, f"{PREFIX}step_s": sum(SECONDS.values())}
     assert row["step_s"] == row[f"{PREFIX}step_s"] and row["sample_wait_s"] == SECONDS["wait_data"]
-    assert row["publish_s"] == SECONDS["publish"] and row["checkpoint_s"] == SECONDS["checkpoint"]
+    assert row["publish_s"] == SECONDS["publish_blocking"] and row["checkpoint_s"] == SECONDS["checkpoint"]
 
 
 def test_a_step_without_a_checkpoint_has_zero_checkpoint_time_and_still_sums_exactly():

@@ -159,7 +159,7 @@ def test_a_resumed_lockstep_learner_checks_its_predecessors_versions_before_roll
     class Engine:  # what resume (cold start) and publish_current read
         step = version = 0
 
-        def named_weights(self):
+        def capture_weights(self):
             return [("w", torch.full((4,), float(self.version)))]
 
     cfg = lock(tmp_path, lag=1, p=2)

@@ -126,7 +126,7 @@ def test_learner_publishes_version_0_shared_and_later_versions_under_its_incarna
     class Engine:  # what publish_current reads
         step = version = 0
 
-        def named_weights(self):
+        def capture_weights(self):
             return [("w", torch.full((2,), float(self.version)))]
 
     def loop():
@@ -175,7 +175,7 @@ def test_resumed_learner_rejoins_with_its_timeline_and_counts_dead_rows_it_still
     class Engine:
         step = version = 0
 
-        def named_weights(self):
+        def capture_weights(self):
             return [("w", torch.zeros(2))]
 
     buf = TrajectoryBuffer(ReplayConfig(max_staleness=10))

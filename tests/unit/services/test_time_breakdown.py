@@ -84,7 +84,7 @@ def test_report_draws_the_time_breakdown_and_skips_rows_without_the_keys(tmp_pat
         assert bars == []
         return
     drawn = {label: (x, h) for label, x, h in bars}
-    assert list(drawn) == ["wait_data", "forward_backward", "optimizer", "checkpoint", "publish", "other",
+    assert list(drawn) == ["wait_data", "forward_backward", "optimizer", "checkpoint", "publish_blocking", "other",
                            "generate", "score", "insert", "weight_apply"]
     assert drawn["wait_data"] == ([2, 3, 4], [1.5, 0.1, 0.1])  # every learner row, by step
     assert drawn["forward_backward"] == ([2, 3, 4], [0.1, 2.0, 0.1])
