@@ -193,8 +193,9 @@ class LearnerLoop:
             **metrics,
             "step": self.engine.version, "version": self.engine.version, "groups": self.config.groups_per_step,
             "trajectories": table.num_rows, "sample_wait_s": timer.seconds["wait_data"],
-            "train_s": t_trained - t_sampled, "publish_s": publish_s, "weights/publish_background_s": self.background.last_background_s,
-            "weights/versions_superseded": self.background.superseded, "checkpoint_s": save_s, **background,
+            "train_s": t_trained - t_sampled, "publish_s": publish_s, "checkpoint_s": save_s, **background,
+            "weights/publish_background_s": self.background.last_background_s,
+            "weights/versions_superseded": self.background.superseded,
             **committed, "dead_timeline_rows": dead, "pending_leases": len(self.pending_lease_ids),
             **times, "step_s": times["time/learner/step_s"], "time": time.time(),
         }
