@@ -12,10 +12,20 @@ delete, so a ``lock`` file found then is a dead process's and is removed. DeepSp
 
 A process outside gyre that builds into the same ``TORCH_EXTENSIONS_DIR`` at that moment is not covered: give
 gyre its own (the Makefile sets ``.cache/torch_extensions``).
+
+The build runs with the interpreter's own ``bin`` folder first on ``PATH`` (``ninja_first``): torch runs the first
+``ninja`` on ``PATH``, and ninja 1.11 (Debian's ``/usr/bin/ninja``) and 1.13 (the lock's, in the venv) record a
+different hash of the same command in ``.ninja_log``, so a process that found one after a process that found the
+other rebuilt the op from scratch (~25–50 s of both cores). Which one a process found depended on how it was
+started (``make test`` does not put the venv on ``PATH``; Ray workers and the cluster tests do): in the test suite
+learners alternated, and every learner incarnation of a crash test recompiled the op.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
 from pathlib import Path
 
 import structlog
@@ -45,6 +55,23 @@ def build_dir(name: str) -> Path:
     return Path(_get_build_directory(name, verbose=False))
 
 
+@contextlib.contextmanager
+def ninja_first():
+    """Within the block, ``PATH`` starts with the interpreter's ``bin`` folder when a ``ninja`` is there (the lock's
+    ``ninja`` package installs one), so every gyre process builds with the same ninja; restored after."""
+    own = Path(sys.executable).parent
+    before = os.environ.get("PATH")
+    if (own / "ninja").is_file():
+        os.environ["PATH"] = os.pathsep.join([str(own), *(before or "").split(os.pathsep)])
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("PATH", None)
+        else:
+            os.environ["PATH"] = before
+
+
 def load_comm_op(builder=None) -> object | None:
     """Load DeepSpeed's comm op (``builder``: its op builder; default: the accelerator's) under an flock, first
     removing a ``lock`` file a killed process left in its build folder. Returns the loaded module, or ``None``
@@ -60,4 +87,5 @@ def load_comm_op(builder=None) -> object | None:
             log.warning("stale_jit_lock_removed", op=builder.name, path=str(stale),
                         why="left by a process killed while loading the op; every later load would wait forever")
             stale.unlink()
-        return builder.load()
+        with ninja_first():
+            return builder.load()

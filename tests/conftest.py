@@ -35,9 +35,8 @@ os.environ["WANDB_SILENT"] = "true"
 os.environ["TRACKIO_DIR"] = tempfile.mkdtemp(prefix="gyre-test-trackio-")
 
 
-BUILD_DEEPSPEED_OP = ("from deepspeed.accelerator import get_accelerator\n"
-                      "builder = get_accelerator().create_op_builder('ShareMemCommBuilder')\n"
-                      "builder is not None and builder.load()\n")
+BUILD_DEEPSPEED_OP = "from gyre.learner.jit_ops import load_comm_op\nload_comm_op()\n"
+"""The learners' own loader (``learner.jit_ops``: its flock, and the venv's ninja whatever ``PATH`` says)."""
 
 
 def pytest_sessionstart(session):

@@ -3,7 +3,11 @@ under an flock, instead of hanging every later learner in torch's ``FileBaton.wa
 
 from __future__ import annotations
 
+import os
+import shutil
+import sys
 import threading
+from pathlib import Path
 
 from torch.utils.file_baton import FileBaton
 
@@ -56,3 +60,26 @@ def test_the_cpu_accelerator_has_the_comm_op_this_guards(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     builder = jit_ops._comm_op_builder()
     assert builder is not None and jit_ops.build_dir(builder.name) == tmp_path / "deepspeed_shm_comm"
+
+
+class PathRecordingBuilder(FakeBuilder):
+    def load(self):
+        self.ninja = shutil.which("ninja")
+        return super().load()
+
+
+def test_the_op_builds_with_the_interpreters_own_ninja_whatever_path_says(tmp_path, monkeypatch):
+    """torch runs the first ``ninja`` on ``PATH``; ninja 1.11 and 1.13 hash a command differently in
+    ``.ninja_log``, so processes finding different ones rebuilt the op for each other (25–50 s each time)."""
+    other = tmp_path / "bin"
+    other.mkdir()
+    (other / "ninja").write_text("#!/bin/sh\necho 1.11.1\n")
+    (other / "ninja").chmod(0o755)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    monkeypatch.setenv("PATH", os.pathsep.join([str(other), os.environ["PATH"]]))
+    own = Path(sys.executable).parent / "ninja"
+    assert own.is_file(), "the lock's ninja package is not in the interpreter's bin folder"
+    builder = PathRecordingBuilder()
+    assert jit_ops.load_comm_op(builder) == "module"
+    assert Path(builder.ninja) == own
+    assert shutil.which("ninja") == str(other / "ninja")  # PATH restored
