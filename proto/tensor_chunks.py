@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import warnings
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 import google_crc32c
 import torch
+import xxhash
 
 DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
@@ -75,6 +76,16 @@ class TensorChunk:
     """Algorithm of ``checksum``, a key of ``CHUNK_CHECKSUMS``; the same on every chunk of a tensor."""
     timeline: int = 0
     """Timeline of ``version`` (``proto.timeline``), the same on every chunk of a version."""
+    chunk_checksum: int | None = None
+    """``chunk_checksum(data)`` (XXH3-64) set by the learner, checked on arrival by every relay and subscriber;
+    ``None`` from senders before it existed."""
+
+
+def chunk_checksum(data: bytes | memoryview) -> int:
+    """XXH3-64 of one chunk's bytes (unsigned 64-bit; ``xxhash``: reads a ``memoryview`` in place, ~70 GB/s
+    here). Per chunk, where CRC-32C guards whole tensors: a relay forwarding a chunk it cannot have verified
+    whole yet is still caught by the next hop."""
+    return xxhash.xxh3_64_intdigest(data)
 
 
 @dataclass(frozen=True)
@@ -89,6 +100,17 @@ class EncodedTensor:
     without copying."""
     checksum: int
     """CRC-32C (``CHUNK_CHECKSUM_KIND``) of ``data``."""
+    chunk_sums: dict[int, list[int]] = field(default_factory=dict, compare=False, repr=False)
+    """``chunk_bytes`` → ``chunk_checksum`` of each chunk, computed once per chunk size (``iter_chunks``)."""
+
+    def chunk_checksums(self, chunk_bytes: int) -> list[int]:
+        """``chunk_checksum`` of each ``chunk_bytes`` piece of ``data`` (cached; a race computes it twice)."""
+        sums = self.chunk_sums.get(chunk_bytes)
+        if sums is None:
+            n = len(self.data)
+            sums = [chunk_checksum(self.data[o:o + chunk_bytes]) for o in range(0, max(n, 1), chunk_bytes)]
+            self.chunk_sums[chunk_bytes] = sums
+        return sums
 
 
 def encode_tensors(named: list[tuple[str, torch.Tensor]]) -> list[EncodedTensor]:
@@ -114,7 +136,7 @@ def iter_chunks(version: int, tensors: list[EncodedTensor], chunk_bytes: int,
     for i, t in enumerate(tensors):
         n = len(t.data)
         offsets = range(0, max(n, 1), chunk_bytes)
-        for offset in offsets:
+        for offset, sum64 in zip(offsets, t.chunk_checksums(chunk_bytes)):
             last = offset + chunk_bytes >= n
             yield TensorChunk(
                 version=version, name=t.name, dtype=t.dtype, shape=t.shape, offset=offset,
@@ -122,7 +144,7 @@ def iter_chunks(version: int, tensors: list[EncodedTensor], chunk_bytes: int,
                 checksum=t.checksum if last else 0,
                 last_of_version=last and i == len(tensors) - 1,
                 num_tensors=len(tensors) if last and i == len(tensors) - 1 else 0,
-                checksum_kind=CHUNK_CHECKSUM_KIND, timeline=timeline,
+                checksum_kind=CHUNK_CHECKSUM_KIND, timeline=timeline, chunk_checksum=sum64,
             )
 
 
@@ -176,6 +198,9 @@ class ChunkAssembler:
             raise ChunkError(f"tensor {c.name!r}: chunk at offset {c.offset}, expected {self._filled}")
         if c.offset == 0:
             _check_size(c)  # before staging what the chunk claims
+        if c.chunk_checksum is not None and chunk_checksum(c.data) != c.chunk_checksum:
+            raise ChunkError(f"tensor {c.name!r}: chunk at offset {c.offset} ({len(c.data)} bytes) fails its "
+                             f"checksum (XXH3-64 {chunk_checksum(c.data):#018x} != sent {c.chunk_checksum:#018x})")
         end = c.offset + len(c.data)
         if end > c.nbytes:
             raise ChunkError(f"tensor {c.name!r}: chunk ends at byte {end}, tensor has {c.nbytes} bytes")

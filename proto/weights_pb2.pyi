@@ -17,7 +17,7 @@ class SubscribeRequest(_message.Message):
     def __init__(self, have_version: _Optional[int] = ..., subscriber: _Optional[str] = ..., have_timeline: _Optional[int] = ...) -> None: ...
 
 class WeightChunk(_message.Message):
-    __slots__ = ("version", "name", "dtype", "shape", "offset", "data", "nbytes", "last_of_tensor", "checksum", "last_of_version", "num_tensors", "schema_version", "checksum_kind", "timeline")
+    __slots__ = ("version", "name", "dtype", "shape", "offset", "data", "nbytes", "last_of_tensor", "checksum", "last_of_version", "num_tensors", "schema_version", "checksum_kind", "timeline", "chunk_checksum")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -32,6 +32,7 @@ class WeightChunk(_message.Message):
     SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_KIND_FIELD_NUMBER: _ClassVar[int]
     TIMELINE_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     version: int
     name: str
     dtype: str
@@ -46,7 +47,8 @@ class WeightChunk(_message.Message):
     schema_version: int
     checksum_kind: str
     timeline: int
-    def __init__(self, version: _Optional[int] = ..., name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., nbytes: _Optional[int] = ..., last_of_tensor: _Optional[bool] = ..., checksum: _Optional[int] = ..., last_of_version: _Optional[bool] = ..., num_tensors: _Optional[int] = ..., schema_version: _Optional[int] = ..., checksum_kind: _Optional[str] = ..., timeline: _Optional[int] = ...) -> None: ...
+    chunk_checksum: int
+    def __init__(self, version: _Optional[int] = ..., name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., nbytes: _Optional[int] = ..., last_of_tensor: _Optional[bool] = ..., checksum: _Optional[int] = ..., last_of_version: _Optional[bool] = ..., num_tensors: _Optional[int] = ..., schema_version: _Optional[int] = ..., checksum_kind: _Optional[str] = ..., timeline: _Optional[int] = ..., chunk_checksum: _Optional[int] = ...) -> None: ...
 
 class TensorMeta(_message.Message):
     __slots__ = ("name", "dtype", "shape", "nbytes", "checksum")

@@ -113,7 +113,7 @@ def serialize_chunk(c) -> bytes:
         version=c.version, name=c.name, dtype=c.dtype, shape=c.shape, offset=c.offset, nbytes=c.nbytes,
         last_of_tensor=c.last_of_tensor, checksum=c.checksum, last_of_version=c.last_of_version,
         num_tensors=c.num_tensors, schema_version=SCHEMA_VERSION, checksum_kind=c.checksum_kind,
-        timeline=c.timeline).SerializeToString()
+        timeline=c.timeline, chunk_checksum=c.chunk_checksum).SerializeToString()
     n, length = len(c.data), bytearray()
     while True:
         length.append((n & 0x7F) | (0x80 if n > 0x7F else 0))

@@ -188,7 +188,8 @@ def parse_chunk(raw: bytes) -> TensorChunk:
     return TensorChunk(version=msg.version, name=msg.name, dtype=msg.dtype, shape=tuple(msg.shape),
                        offset=msg.offset, data=data, nbytes=msg.nbytes, last_of_tensor=msg.last_of_tensor,
                        checksum=msg.checksum, last_of_version=msg.last_of_version, num_tensors=msg.num_tensors,
-                       checksum_kind=msg.checksum_kind, timeline=msg.timeline)
+                       checksum_kind=msg.checksum_kind, timeline=msg.timeline,
+                       chunk_checksum=msg.chunk_checksum if msg.HasField("chunk_checksum") else None)
 
 
 class _Watchdog:

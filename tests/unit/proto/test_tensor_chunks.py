@@ -25,12 +25,14 @@ def test_round_trip_in_small_chunks_is_bit_exact():
 
 
 def test_flipped_byte_fails_checksum_and_names_tensor():
+    """Caught on arrival by the chunk's own checksum; from a sender without chunk checksums, by the tensor's."""
     chunks = list(iter_chunks(1, encode_tensors(named()), chunk_bytes=8))
     chunks[1] = dataclasses.replace(chunks[1], data=bytes([chunks[1].data[0] ^ 1]) + chunks[1].data[1:])
-    asm = ChunkAssembler()
+    with pytest.raises(ChunkError, match="'a.weight': chunk at offset 8 .8 bytes. fails its checksum"):
+        _feed_all(chunks)
+    old_sender = [dataclasses.replace(c, chunk_checksum=None) for c in chunks]
     with pytest.raises(ChunkError, match="'a.weight': checksum"):
-        for c in chunks:
-            asm.feed(c)
+        _feed_all(old_sender)
 
 
 def test_missing_chunk_is_an_offset_gap():

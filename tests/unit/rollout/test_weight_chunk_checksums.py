@@ -50,7 +50,7 @@ def test_checksum_kind_survives_the_wire_and_an_old_senders_chunk_reads_as_empty
 
 @pytest.mark.parametrize("kind", ["crc32", ""])
 def test_legacy_zlib_crc32_chunks_are_still_verified(kind):
-    chunks = [dataclasses.replace(c, checksum_kind=kind,
+    chunks = [dataclasses.replace(c, checksum_kind=kind, chunk_checksum=None,  # a sender from before both
                                   checksum=zlib.crc32(t.reshape(-1).view(torch.uint8).numpy().tobytes())
                                   if c.last_of_tensor else 0)
               for c, (_, t) in _with_tensor(named(), chunk_bytes=8)]
@@ -84,7 +84,10 @@ def test_a_checksum_kind_that_changes_mid_tensor_is_refused():
 
 
 def test_a_flipped_byte_under_crc32c_names_the_tensor_and_both_values():
-    chunks = list(iter_chunks(1, encode_tensors(named()), chunk_bytes=8))
+    """The tensor's CRC-32C, as a sender without per-chunk checksums has it checked (``test_tensor_chunks`` has
+    the per-chunk check)."""
+    chunks = [dataclasses.replace(c, chunk_checksum=None)
+              for c in iter_chunks(1, encode_tensors(named()), chunk_bytes=8)]
     i = next(j for j, c in enumerate(chunks) if c.name == "b.bias")
     chunks[i] = dataclasses.replace(chunks[i], data=bytes([chunks[i].data[0] ^ 1]) + bytes(chunks[i].data[1:]))
     sent = next(c.checksum for c in chunks if c.name == "b.bias" and c.last_of_tensor)
