@@ -85,8 +85,8 @@ class NcclTransport(StreamThread, WeightTransport):
     def _follow(self) -> None:
         with grpc_common.channel(self.address, self.security) as ch:
             stub = weights_pb2_grpc.WeightServiceStub(ch)
-            self._call = stub.Announce(weights_pb2.SubscribeRequest(
-                have_version=self._cursor[0], have_timeline=self._cursor[1], subscriber=self.name))
+            self._opened(stub.Announce(weights_pb2.SubscribeRequest(
+                have_version=self._cursor[0], have_timeline=self._cursor[1], subscriber=self.name)))
             for msg in self._call:
                 manifest = to_manifest(msg)
                 if not is_new(manifest.version, manifest.timeline, *self._cursor):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -21,6 +21,9 @@ from gyre.services.common.security import SecurityConfig
 log = structlog.get_logger("weights")
 
 OnVersion = Callable[[int, list[tuple[str, torch.Tensor]], int], None]
+
+if TYPE_CHECKING:
+    from gyre.services.rollout.transport.relay import RelayCache
 
 
 class StreamThread:
@@ -39,6 +42,14 @@ class StreamThread:
     def start(self):
         self._thread.start()
         return self
+
+    def _opened(self, call):
+        """Record ``call`` as the stream in flight; cancel it at once if ``stop`` came first (``stop`` sets the
+        event before it cancels ``self._call``, so a call opened meanwhile is cancelled by one side or the other)."""
+        self._call = call
+        if self._stop.is_set():
+            call.cancel()
+        return call
 
     def stop(self) -> None:
         self._stop.set()
@@ -65,12 +76,22 @@ class WeightSubscriber(StreamThread):
         have_version: newest version the caller already has (-1 for none).
         have_timeline: its timeline (``proto.timeline``; ``SHARED`` for none or the initial weights).
         security: TLS and token settings for the channel (``None``: plaintext, no token).
+        fallback_address: where to fetch a version when ``address`` (a parent relay,
+            ``services.rollout.transport.relay``) failed — broke, stalled, or sent a chunk that failed its
+            checksum: the next attempt goes there for one version, then back to ``address``.
+        relay: a ``RelayCache`` fed every chunk this subscriber checked, as it arrives (this rollout relays them).
     """
 
     def __init__(self, address: str, on_version: OnVersion, have_version: int = -1, name: str = "",
                  chunk_timeout_s: float = 30.0, backoff_s: float = 0.5, max_backoff_s: float = 10.0,
-                 security: SecurityConfig | None = None, have_timeline: int = SHARED) -> None:
+                 security: SecurityConfig | None = None, have_timeline: int = SHARED,
+                 fallback_address: str | None = None, relay: "RelayCache | None" = None) -> None:
         self.address = address
+        self.fallback_address = fallback_address
+        self.relay = relay
+        self._on_fallback = False
+        self.fallback_versions = 0
+        """Versions fetched from ``fallback_address`` because ``address`` failed."""
         self.security = security
         self.on_version = on_version
         self.have_version, self.have_timeline = have_version, have_timeline
@@ -86,27 +107,46 @@ class WeightSubscriber(StreamThread):
 
     def _broken(self, exc: BaseException, retry_in_s: float) -> None:
         self.errors += 1
-        log.warning("weight_stream_broken", subscriber=self.name, error=str(exc)[:300], kind=type(exc).__name__,
-                    retry_in_s=retry_in_s)
+        if self.relay is not None:
+            self.relay.abandon()
+        upstream = self.fallback_address if self._on_fallback else self.address
+        if self.fallback_address is not None and not self._on_fallback:
+            self._on_fallback = True  # the next attempt fetches one version from the fallback
+        log.warning("weight_stream_broken", subscriber=self.name, upstream=upstream, error=str(exc)[:300],
+                    kind=type(exc).__name__, retry_in_s=retry_in_s, next_upstream=self._upstream())
+
+    def _upstream(self) -> str:
+        return self.fallback_address if self._on_fallback and self.fallback_address is not None else self.address
 
     def _stream_once(self) -> None:
-        with grpc_common.channel(self.address, self.security) as ch:
-            subscribe = ch.unary_stream(SUBSCRIBE_METHOD, request_serializer=weights_pb2.SubscribeRequest.SerializeToString,
-                                        response_deserializer=parse_chunk)
-            self._call = subscribe(weights_pb2.SubscribeRequest(
-                have_version=self.have_version, have_timeline=self.have_timeline, subscriber=self.name))
+        on_fallback = self._on_fallback and self.fallback_address is not None
+        with grpc_common.channel(self._upstream(), self.security) as ch:
+            subscribe = ch.unary_stream(SUBSCRIBE_METHOD,
+                                        request_serializer=weights_pb2.SubscribeRequest.SerializeToString,
+                                        response_deserializer=None)  # raw bytes: a relay forwards them as they are
+            self._opened(subscribe(weights_pb2.SubscribeRequest(
+                have_version=self.have_version, have_timeline=self.have_timeline, subscriber=self.name)))
             watchdog = _Watchdog(self._call, self.chunk_timeout_s)
             assembler = ChunkAssembler()
             try:
-                for msg in self._call:
+                for raw in self._call:
                     watchdog.kick(in_version=True)
+                    msg = parse_chunk(raw)
                     done = assembler.feed(msg)
+                    if self.relay is not None:
+                        self.relay.add(msg.version, msg.timeline, raw)
                     if done is None:
                         continue
                     watchdog.kick(in_version=False)
+                    if self.relay is not None:
+                        self.relay.complete()
                     version, tensors = done
                     if is_new(version, msg.timeline, self.have_version, self.have_timeline):
                         self._deliver(version, tensors, msg.timeline)
+                    if on_fallback:  # one version from the fallback, then back to the parent
+                        self.fallback_versions += 1
+                        self._on_fallback = False
+                        return
             finally:
                 watchdog.stop()
             if watchdog.fired:

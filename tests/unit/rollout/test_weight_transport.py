@@ -324,3 +324,19 @@ def test_bootstrap_cold_start_is_reported_not_silent(tmp_path, capsys):
     result = _boot(engine, _FakeTransport(engine, [None]), tmp_path, wait_s=0.3)
     assert (result.version, result.source, result.learner_latest) == (0, "initial", None)
     assert "BOOTSTRAP_COLD_START" in capsys.readouterr().out
+
+
+def test_a_stream_opened_while_stop_runs_is_cancelled_at_once():
+    """``stop`` sets the event, then cancels the call in flight: a call opened in between (a reconnect racing the
+    stop) was never cancelled and held the thread until the server sent something (seen as 10 s joins)."""
+    sub = WeightSubscriber("127.0.0.1:1", lambda *a: None)
+
+    class Call:
+        cancelled = False
+
+        def cancel(self):
+            self.cancelled = True
+
+    sub._stop.set()  # stop() ran between the reconnect's check and its new call
+    call = Call()
+    assert sub._opened(call) is call and call.cancelled and sub._call is call
