@@ -64,7 +64,7 @@ class Node:
         self.address = f"127.0.0.1:{port}"
         self.got: list[tuple[int, list]] = []
         self.sub = WeightSubscriber(upstream, lambda v, t, tl: self.got.append((v, t)), name=name, backoff_s=0.05,
-                                    max_backoff_s=0.2, chunk_timeout_s=5.0, fallback_address=learner,
+                                    max_backoff_s=0.2, chunk_timeout_s=5.0, fallbacks=(learner,),
                                     relay=self.cache).start()
 
     def versions(self) -> list[int]:

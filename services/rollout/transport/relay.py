@@ -49,6 +49,16 @@ def relay_parent(index: int, fanout: int = FANOUT) -> int | None:
     return None if index == 0 else (index - 1) // fanout
 
 
+def relay_ancestors(index: int, fanout: int = FANOUT) -> list[int]:
+    """Rollout ``index``'s relays up the tree, nearest first (its parent, grandparent, ... rollout 0); ``[]`` for 0.
+    A subscriber's fallbacks are these after the parent, then the learner."""
+    out, parent = [], relay_parent(index, fanout)
+    while parent is not None:
+        out.append(parent)
+        parent = relay_parent(parent, fanout)
+    return out
+
+
 @dataclass
 class RelayedVersion:
     """The chunks of one version as a relay received them, in order (``WeightChunk`` wire bytes)."""

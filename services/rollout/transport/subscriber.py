@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -76,22 +76,25 @@ class WeightSubscriber(StreamThread):
         have_version: newest version the caller already has (-1 for none).
         have_timeline: its timeline (``proto.timeline``; ``SHARED`` for none or the initial weights).
         security: TLS and token settings for the channel (``None``: plaintext, no token).
-        fallback_address: where to fetch a version when ``address`` (a parent relay,
-            ``services.rollout.transport.relay``) failed — broke, stalled, or sent a chunk that failed its
-            checksum: the next attempt goes there for one version, then back to ``address``.
+        fallbacks: where to fetch a version when ``address`` (a parent relay, ``services.rollout.transport.relay``)
+            failed — broke, stalled, or sent a chunk that failed its checksum: the next attempt goes to
+            ``fallbacks[0]`` (e.g. the grandparent relay), a failure there to ``fallbacks[1]`` and so on (the last
+            is the learner); after one version from a fallback the subscriber goes back to ``address``.
         relay: a ``RelayCache`` fed every chunk this subscriber checked, as it arrives (this rollout relays them).
     """
 
     def __init__(self, address: str, on_version: OnVersion, have_version: int = -1, name: str = "",
                  chunk_timeout_s: float = 30.0, backoff_s: float = 0.5, max_backoff_s: float = 10.0,
                  security: SecurityConfig | None = None, have_timeline: int = SHARED,
-                 fallback_address: str | None = None, relay: "RelayCache | None" = None) -> None:
+                 fallbacks: Sequence[str] = (), relay: "RelayCache | None" = None) -> None:
         self.address = address
-        self.fallback_address = fallback_address
+        self.upstreams = (address, *fallbacks)
+        """``address``, then the fallbacks in order."""
         self.relay = relay
-        self._on_fallback = False
+        self._level = 0
+        """Index in ``upstreams`` of the next attempt."""
         self.fallback_versions = 0
-        """Versions fetched from ``fallback_address`` because ``address`` failed."""
+        """Versions fetched from a fallback because ``address`` failed."""
         self.security = security
         self.on_version = on_version
         self.have_version, self.have_timeline = have_version, have_timeline
@@ -109,17 +112,16 @@ class WeightSubscriber(StreamThread):
         self.errors += 1
         if self.relay is not None:
             self.relay.abandon()
-        upstream = self.fallback_address if self._on_fallback else self.address
-        if self.fallback_address is not None and not self._on_fallback:
-            self._on_fallback = True  # the next attempt fetches one version from the fallback
+        upstream = self._upstream()
+        self._level = min(self._level + 1, len(self.upstreams) - 1)  # the next attempt: one level further up
         log.warning("weight_stream_broken", subscriber=self.name, upstream=upstream, error=str(exc)[:300],
                     kind=type(exc).__name__, retry_in_s=retry_in_s, next_upstream=self._upstream())
 
     def _upstream(self) -> str:
-        return self.fallback_address if self._on_fallback and self.fallback_address is not None else self.address
+        return self.upstreams[self._level]
 
     def _stream_once(self) -> None:
-        on_fallback = self._on_fallback and self.fallback_address is not None
+        on_fallback = self._level > 0
         with grpc_common.channel(self._upstream(), self.security) as ch:
             subscribe = ch.unary_stream(SUBSCRIBE_METHOD,
                                         request_serializer=weights_pb2.SubscribeRequest.SerializeToString,
@@ -145,7 +147,7 @@ class WeightSubscriber(StreamThread):
                         self._deliver(version, tensors, msg.timeline)
                     if on_fallback:  # one version from the fallback, then back to the parent
                         self.fallback_versions += 1
-                        self._on_fallback = False
+                        self._level = 0
                         return
             finally:
                 watchdog.stop()
