@@ -26,6 +26,11 @@ class GrpcTransportConfig(BaseModel):
     """First reconnect delay in seconds; doubles per failure up to ``max_backoff_s``."""
     max_backoff_s: float = Field(default=10.0, gt=0)
     """Longest reconnect delay in seconds."""
+    relay_fanout: int | None = Field(default=None, ge=1)
+    """Relay fan-out (``services.rollout.transport.relay``): every rollout re-serves the chunks it receives, and the
+    supervisor points rollout ``i`` > 0 at rollout ``(i - 1) // relay_fanout``'s relay (falling back up the tree,
+    then to the learner), so the learner sends each version once, not once per rollout. ``None``: every rollout
+    subscribes to the learner (fine up to ~16 rollouts; 8 is the fleet setting)."""
 
 
 class NcclTransportConfig(BaseModel):

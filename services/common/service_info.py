@@ -86,6 +86,10 @@ class RolloutInfo(ServiceInfo):
     """Its ``rollout.stats.RolloutStats.as_dict`` (reward means and counts, spool gauges, ...)."""
     reward_versions: dict[str, str] = field(default_factory=dict)
     """``{task: reward_fn_version}`` scoring the groups it starts now (``TaskSource.reward_versions``)."""
+    relay_address: str | None = None
+    """``host:port`` of its weight relay (``weight_transport.relay_fanout``), ``None`` without one."""
+    weight_upstreams: tuple[str, ...] = ()
+    """Where its weights come from, nearest first (its parent relay, ..., the learner)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -73,6 +73,7 @@ class RolloutActor:
         self.metrics = RolloutMetrics(run_id, rollout_id, source=lambda: self.worker.stats.as_dict(self._version()))
         host = self.security.bind_host if self.security is not None else "127.0.0.1"
         self.metrics_port = serve(self.metrics.registry, host, metrics_port) if metrics_port is not None else None
+        self._start_relay(host)
         await self.set_weights_address(weights_address)
         self._journal_weights()
         self.task, self.stopped = None, False
@@ -80,22 +81,48 @@ class RolloutActor:
         """Rewards built by ``prepare_reward``, put in force by ``commit_reward`` (``TaskSource.prepare_swap``)."""
         return os.getpid()
 
+    def _start_relay(self, host: str) -> None:
+        """With ``weight_transport.relay_fanout``: serve this rollout's weight relay (``services.rollout.transport
+        .relay``), fed by its own subscriber; the supervisor points other rollouts at it."""
+        from gyre.services.common.actor_env import advertised_host
+
+        self.relay_cache = self.relay_server = self.relay_address = None
+        self.learner_address, self.relay_upstreams = None, ()
+        if getattr(self.engine_config.weight_transport, "relay_fanout", None) is None:
+            return
+        from gyre.services.rollout.transport.relay import RelayCache, serve_relay
+
+        self.relay_cache = RelayCache()
+        self.relay_server, port = serve_relay(self.relay_cache, host, security=self.security)
+        self.relay_address = f"{advertised_host(host)}:{port}"
+
+    async def set_relay_upstreams(self, relays: list[str]) -> None:
+        """Fetch weights from these relays (nearest first: the parent, its parent, ...) before the learner; pushed
+        by the supervisor (``services.control.orchestration.relay_tree``). No-op when unchanged."""
+        if tuple(relays) != self.relay_upstreams:
+            self.relay_upstreams = tuple(relays)
+            await self.set_weights_address(self.learner_address)
+
     async def set_weights_address(self, address: str) -> None:
         """(Re-)subscribe to the learner's WeightService at ``address`` through the configured transport
         (``engine.weight_transport``: grpc | nccl), from the version we have (no-op when already subscribed
-        there). The first subscription bootstraps: the engine reaches the learner's newest version (or the
-        newest export in ``engine.bootstrap_dir`` if the learner is unreachable, said loudly) before any
-        generation starts."""
+        there), through this rollout's relay upstreams first when it has any (``set_relay_upstreams``). The first
+        subscription bootstraps: the engine reaches the learner's newest version (or the newest export in
+        ``engine.bootstrap_dir`` if the learner is unreachable, said loudly) before any generation starts."""
         from gyre.services.rollout.transport import make_transport
         from gyre.services.rollout.transport.bootstrap import BootstrapResult, bootstrap
 
-        if self.subscriber is not None and self.subscriber.address == address:
+        self.learner_address = address
+        upstreams = (*self.relay_upstreams, address)
+        if self.subscriber is not None and getattr(self.subscriber, "upstreams", (self.subscriber.address,)) \
+                == upstreams:
             return
         if self.subscriber is not None:  # off the event loop: its thread may be applying a version on it
             await asyncio.to_thread(self.subscriber.stop)
+        extra = {"relays": self.relay_upstreams, "relay": self.relay_cache} if self.relay_cache is not None else {}
         self.subscriber = make_transport(self.engine_config.weight_transport, address, self._on_version,
                                          have_version=self.engine.version, name=self.rollout_id,
-                                         security=self.security, have_timeline=self.worker.timeline)
+                                         security=self.security, have_timeline=self.worker.timeline, **extra)
         if self.bootstrapped is None:  # lockstep: nothing to catch up to (VersionSource.first_subscription)
             self.bootstrapped = await self.worker.versions.first_subscription(
                 self.subscriber, lambda: bootstrap(self.engine, self.subscriber, self.engine_config), BootstrapResult)
@@ -246,11 +273,15 @@ class RolloutActor:
         return RolloutInfo(pid=os.getpid(), node=node_ip(), generating=self.task is not None,
                            metrics_port=self.metrics_port, version=stats["version"],
                            tokens_per_s=stats["tokens_per_s"], stats=stats,
-                           reward_versions=self.worker.task.reward_versions())
+                           reward_versions=self.worker.task.reward_versions(), relay_address=self.relay_address,
+                           weight_upstreams=getattr(self.subscriber, "upstreams", ()))
 
     async def stop(self) -> None:
         """Stop generating and shut the engine and weight subscription down; ``start`` then raises."""
         self.stopped = True
         await self.pause()
         await asyncio.to_thread(self.subscriber.stop)
+        if self.relay_server is not None:
+            self.relay_cache.close()
+            self.relay_server.stop(grace=1)
         await self.engine.shutdown()

@@ -27,6 +27,7 @@ import structlog
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from gyre.services.common.grpc_common import check_health
+from gyre.services.control.orchestration.relay_tree import RelayTree
 from gyre.services.common.names import ServiceName
 from gyre.services.control.commands import reward_swaps
 from gyre.services.control.orchestration import topology
@@ -62,6 +63,9 @@ class Supervisor:
         self.deaths: list[Death] = []
         """Every death handled, in order: one per replacement created (``restart_counts`` counts them)."""
         self.generating = False
+        transport = factory.recipe.rollout.engine.weight_transport
+        self.relay_tree = RelayTree(getattr(transport, "relay_fanout", None))
+        """Points each rollout at its parent relay's weights (``relay_tree``; idle without ``relay_fanout``)."""
 
     # ---- topology -----------------------------------------------------------------------------
     @property
@@ -209,6 +213,7 @@ class Supervisor:
                 self._restart_or_retry(svc, reason=f"{svc.failures} failed health checks")
         self.scale(requests["rollouts"])
         self._adopt_started()
+        self.relay_tree.update(self.running_rollouts())
         if requests["checkpoint"]:
             log.info("checkpoint_requested", result=ray.get(self.learner.handle.request_checkpoint.remote()))
         ray.get(self.state.publish.remote(self.status()))

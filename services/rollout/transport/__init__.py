@@ -11,9 +11,11 @@ __all__ = ["OnVersion", "Payload", "TransportUnavailableError", "WeightTransport
 
 def make_transport(config: GrpcTransportConfig | NcclTransportConfig, address: str, on_version: OnVersion,
                    have_version: int = -1, name: str = "",
-                   security: SecurityConfig | None = None, have_timeline: int = 0) -> WeightTransport:
+                   security: SecurityConfig | None = None, have_timeline: int = 0,
+                   relays: tuple[str, ...] = (), relay=None) -> WeightTransport:
     """The transport ``config.type`` names, not started. ``address`` is the learner's WeightService;
-    ``(have_version, have_timeline)`` is what the engine serves (``proto.timeline``).
+    ``(have_version, have_timeline)`` is what the engine serves (``proto.timeline``). gRPC only: ``relays`` are the
+    relay addresses to fetch from before the learner (nearest first), ``relay`` this rollout's ``RelayCache``.
 
     Raises:
         TransportUnavailableError: ``type: nccl`` on a machine without CUDA.
@@ -22,4 +24,6 @@ def make_transport(config: GrpcTransportConfig | NcclTransportConfig, address: s
         from gyre.services.rollout.transport.nccl import NcclTransport
         return NcclTransport(config, address, on_version, have_version, name, security, have_timeline=have_timeline)
     from gyre.services.rollout.transport.grpc_transport import GrpcTransport
-    return GrpcTransport(config, address, on_version, have_version, name, security, have_timeline=have_timeline)
+    upstreams = (*relays, address)
+    return GrpcTransport(config, upstreams[0], on_version, have_version, name, security, have_timeline=have_timeline,
+                         fallbacks=upstreams[1:], relay=relay)

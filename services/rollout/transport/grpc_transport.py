@@ -13,18 +13,24 @@ class GrpcTransport(WeightTransport):
     exponential backoff, versions only forward within a timeline) behind the ``WeightTransport`` ABC.
 
     Args:
-        address: ``host:port`` of the learner's WeightService.
+        address: ``host:port`` of the learner's WeightService, or of a parent relay (then ``fallbacks`` ends with
+            the learner's).
+        fallbacks: where to fetch a version when ``address`` fails (``WeightSubscriber``).
+        relay: this rollout's ``RelayCache``, fed every checked chunk (``None``: it relays nothing).
         on_version: gets ``(version, [(name, CPU tensor)], timeline)`` for each verified new version.
         have_version, have_timeline: the version the engine already serves and its timeline.
     """
 
     def __init__(self, config: GrpcTransportConfig, address: str, on_version: OnVersion, have_version: int = -1,
-                 name: str = "", security: SecurityConfig | None = None, have_timeline: int = 0) -> None:
+                 name: str = "", security: SecurityConfig | None = None, have_timeline: int = 0,
+                 fallbacks: tuple[str, ...] = (), relay=None) -> None:
         self.address, self.security = address, security
+        self.upstreams = (address, *fallbacks)
+        """Where versions come from: a parent relay first, then its ancestors and the learner (last)."""
         self._subscriber = WeightSubscriber(
             address, on_version, have_version=have_version, name=name, chunk_timeout_s=config.chunk_timeout_s,
             backoff_s=config.backoff_s, max_backoff_s=config.max_backoff_s, security=security,
-            have_timeline=have_timeline)
+            have_timeline=have_timeline, fallbacks=fallbacks, relay=relay)
 
     def start(self) -> "GrpcTransport":
         self._subscriber.start()
@@ -34,7 +40,7 @@ class GrpcTransport(WeightTransport):
         self._subscriber.stop()
 
     def latest_version(self, timeout_s: float = 2.0) -> int | None:
-        return latest_version(self.address, timeout_s, self.security)
+        return latest_version(self.upstreams[-1], timeout_s, self.security)  # the learner's, not a relay's
 
     @property
     def delivered_version(self) -> int:

@@ -12,7 +12,8 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from gyre.services.common.service_info import LearnerInfo, LearnerRankInfo, ReplayInfo, RewardModelInfo, RolloutInfo
 from gyre.services.common.names import ROLES, ServiceName
 from gyre.services.control.orchestration import supervisor as sup_mod
-from gyre.services.control.orchestration import topology
+from gyre.services.control.orchestration import relay_tree, topology
+from gyre.proto.weight_transport import GrpcTransportConfig
 from gyre.services.control.commands import ops
 from gyre.services.control.commands.ops import FleetRequests
 from gyre.services.control.commands.reward_swaps import SWAP_JOURNAL, RewardSwaps
@@ -34,8 +35,9 @@ def learner_info(version: int = 5) -> LearnerInfo:
                        resumed_from="", last_checkpoint="", checkpoint_age_s=None, tokens_per_s=None)
 
 
-def rollout_info(pid: int, version: int = 5) -> RolloutInfo:
-    return RolloutInfo(pid=pid, node="n", version=version, generating=True, tokens_per_s=0.0)
+def rollout_info(pid: int, version: int = 5, relay_address: str | None = None) -> RolloutInfo:
+    return RolloutInfo(pid=pid, node="n", version=version, generating=True, tokens_per_s=0.0,
+                       relay_address=relay_address)
 
 
 class Call:
@@ -72,10 +74,12 @@ def _get(x, timeout=None):
 
 
 class FakeFactory:
-    def __init__(self):
+    def __init__(self, relay_fanout=None):
         self.made = {"replay": 0, "learner": 0, "rollout": 0, "reward_model": 0}
         self.incarnations: dict[str, int] = {}
-        self.recipe = SimpleNamespace(security=None)
+        transport = GrpcTransportConfig(relay_fanout=relay_fanout)
+        self.recipe = SimpleNamespace(security=None, rollout=SimpleNamespace(engine=SimpleNamespace(
+            weight_transport=transport)))
         self.log_dir = Path("/runs/r/logs")
         self.swaps = RewardSwaps(TaskConfig(), Path(tempfile.mkdtemp(prefix="gyre-test-")) / SWAP_JOURNAL)
 
@@ -116,7 +120,9 @@ class FakeFactory:
     def begin_rollout(self, index, replay_address, weights_address, reward_model_address=None):
         self.made["rollout"] += 1
         self._created(f"rollout-{index}")
-        handle = FakeHandle(f"rollout-{index}", describe=lambda: rollout_info(10 + index))
+        made = self.made["rollout"]
+        handle = FakeHandle(f"rollout-{index}", describe=lambda: rollout_info(10 + index,
+                                                                             relay_address=f"relay-{made}:1"))
         return handle, handle.setup.remote()
 
     def rollouts(self, indices, replay_address, weights_address, reward_model_address=None):
@@ -124,14 +130,15 @@ class FakeFactory:
                         incarnation=self.newest(f"rollout-{i}")) for i in indices]
 
 
-def unstarted(monkeypatch, attach=None, reward_model=False) -> Supervisor:
+def unstarted(monkeypatch, attach=None, reward_model=False, relay_fanout=None) -> Supervisor:
     """A supervisor over ``FakeFactory`` with Ray faked; ``attach``: service name → live handle to re-attach."""
     fake_ray = SimpleNamespace(get=_get, kill=lambda h, no_restart=True: setattr(h, "killed", True),
                                wait=lambda refs, timeout=0: (refs, []), exceptions=sup_mod.ray.exceptions)
     monkeypatch.setattr(sup_mod, "ray", fake_ray)
+    monkeypatch.setattr(relay_tree, "ray", fake_ray)
     monkeypatch.setattr(sup_mod, "check_health", lambda address, timeout_s, security=None: True)
     state = FleetRequests("r", "gyre", 1)
-    s = Supervisor(FakeFactory(), FakeHandle("state", take_requests=state.take_requests, publish=state.publish,
+    s = Supervisor(FakeFactory(relay_fanout), FakeHandle("state", take_requests=state.take_requests, publish=state.publish,
                                                  finish_reward_swap=state.finish_reward_swap))
     s.factory.with_reward_model = reward_model
     s.factory.attach = lambda name: (attach or {}).get(name)
@@ -373,3 +380,39 @@ def test_the_status_shows_the_reward_models_loaded(monkeypatch):
     assert st["reward_models"] == {"models": {"/m/rm": "rm:classifier:rm@abc"}, "counts": {"batches": 2}}
     assert "rm         rm:classifier:rm@abc loaded by reward_model" in ops.format_status(st).splitlines()
     assert st["restarts"]["reward_model"] == 0
+
+
+def _upstreams_told(svc):
+    return [args[0] for method, args in svc.handle.calls if method == "set_relay_upstreams"]
+
+
+def test_relay_fanout_points_each_rollout_at_its_running_ancestors_and_follows_restarts(monkeypatch):
+    """fanout 2: rollout 1 and 2 under 0, 3 and 4 under 1. A restarting relay's children skip to its parent until
+    its replacement joins with a new address; nobody is told twice the same thing."""
+    sup = unstarted(monkeypatch, relay_fanout=2)
+    sup.start(1)
+    sup.learner.info = learner_info()
+    sup.state_body.request_scale("rollout", 5)
+    sup.tick()
+    told = {s.id.index: _upstreams_told(s) for s in sup.rollouts()}
+    relay = {s.id.index: s.info.relay_address for s in sup.rollouts()}
+    assert told == {0: [[]], 1: [[relay[0]]], 2: [[relay[0]]], 3: [[relay[1], relay[0]]], 4: [[relay[1], relay[0]]]}
+    sup.tick()
+    assert {s.id.index: len(_upstreams_told(s)) for s in sup.rollouts()} == {i: 1 for i in range(5)}
+    sup.services["rollout-1"].handle.killed = True
+    sup.tick()  # rollout-1 restarted; its replacement joined in the same tick here
+    new = sup.services["rollout-1"].info.relay_address
+    assert new != relay[1] and _upstreams_told(sup.services["rollout-3"])[-1] == [new, relay[0]]
+    assert _upstreams_told(sup.services["rollout-1"])[-1] == [relay[0]]
+
+
+def test_a_missing_or_relayless_ancestor_is_skipped():
+    """While rollout 1 restarts (not running) or serves no relay, 3 and 4 fetch from rollout 0's relay."""
+    assert relay_tree.relay_upstreams({0: "a:1", 2: "b:1", 3: None, 4: "d:1"}, fanout=2) == {
+        0: [], 2: ["a:1"], 3: ["a:1"], 4: ["a:1"]}
+    assert relay_tree.relay_upstreams({0: "a:1", 1: None, 3: "c:1"}, fanout=2) == {0: [], 1: ["a:1"], 3: ["a:1"]}
+
+
+def test_without_relay_fanout_no_rollout_is_told_about_relays(sup):
+    sup.tick()
+    assert _upstreams_told(sup.rollouts()[0]) == []
