@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import OrderedDict
 from typing import Callable
 
 import torch
@@ -22,7 +23,12 @@ class WeightPublisher:
     (``services.learner.weight_broadcast``); one publisher holds one kind of version at a time.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, delta_bases: int = 2) -> None:
+        if delta_bases < 0:
+            raise ValueError(f"delta_bases ({delta_bases}) must be >= 0")
+        self.delta_bases = delta_bases
+        """Published versions kept (encoded) besides the newest, as bases of sparse deltas (``proto.sparse_delta``)."""
+        self._history: OrderedDict[tuple[int, int], list[EncodedTensor]] = OrderedDict()
         self._cond = threading.Condition()
         self._version = -1
         self._timeline = SHARED
@@ -60,9 +66,17 @@ class WeightPublisher:
         with self._cond:
             self._check_newer(version)
             self._version, self._timeline, self._tensors, self._manifest = version, timeline, list(encoded), None
+            self._history[(version, timeline)] = self._tensors
+            while len(self._history) > self.delta_bases + 1:
+                self._history.popitem(last=False)
             self.published_at = time.time()
             self._cond.notify_all()
         self._notify()
+
+    def encoded(self, version: int, timeline: int) -> list[EncodedTensor] | None:
+        """The encoded tensors of ``(version, timeline)`` if it is the newest or one of the ``delta_bases`` before."""
+        with self._cond:
+            return self._history.get((version, timeline))
 
     def announce(self, version: int, manifest: list[TensorMeta], timeline: int = SHARED) -> None:
         """Make ``version`` the newest, bytes sent elsewhere (a broadcast that follows); ``Announce``

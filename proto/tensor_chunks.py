@@ -8,6 +8,7 @@ named dtype — never pickle.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 import zlib
 from dataclasses import dataclass, field
@@ -16,6 +17,8 @@ from typing import Callable, Iterator
 import google_crc32c
 import torch
 import xxhash
+
+from gyre.proto import sparse_delta
 
 DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
@@ -79,6 +82,11 @@ class TensorChunk:
     chunk_checksum: int | None = None
     """``chunk_checksum(data)`` (XXH3-64) set by the learner, checked on arrival by every relay and subscriber;
     ``None`` from senders before it existed."""
+    encoding: str = ""
+    """``""``: ``data`` is the tensor's raw bytes; ``proto.sparse_delta.ENCODING``: a delta against the same tensor of
+    ``base`` (``nbytes`` is then the delta's size; ``checksum`` still the CRC-32C of the rebuilt tensor)."""
+    base: tuple[int, int] | None = None
+    """``(version, timeline)`` the version was sent relative to (on every chunk of it), or ``None``."""
 
 
 def chunk_checksum(data: bytes | memoryview) -> int:
@@ -100,6 +108,9 @@ class EncodedTensor:
     without copying."""
     checksum: int
     """CRC-32C (``CHUNK_CHECKSUM_KIND``) of ``data``."""
+    encoding: str = ""
+    """``""``: ``data`` is the raw tensor; ``proto.sparse_delta.ENCODING``: ``data`` is a delta (``checksum`` is still
+    the whole tensor's)."""
     chunk_sums: dict[int, list[int]] = field(default_factory=dict, compare=False, repr=False)
     """``chunk_bytes`` → ``chunk_checksum`` of each chunk, computed once per chunk size (``iter_chunks``)."""
 
@@ -129,8 +140,9 @@ def encode_tensors(named: list[tuple[str, torch.Tensor]]) -> list[EncodedTensor]
 
 
 def iter_chunks(version: int, tensors: list[EncodedTensor], chunk_bytes: int,
-                timeline: int = 0) -> Iterator[TensorChunk]:
-    """Cut a version (of ``timeline``) into chunks of at most ``chunk_bytes`` bytes, tensors in order."""
+                timeline: int = 0, base: tuple[int, int] | None = None) -> Iterator[TensorChunk]:
+    """Cut a version (of ``timeline``; sent relative to ``base``, whose delta tensors say so in ``encoding``) into
+    chunks of at most ``chunk_bytes`` bytes, tensors in order."""
     if chunk_bytes < 1:
         raise ValueError(f"chunk_bytes ({chunk_bytes}) must be >= 1")
     for i, t in enumerate(tensors):
@@ -145,6 +157,7 @@ def iter_chunks(version: int, tensors: list[EncodedTensor], chunk_bytes: int,
                 last_of_version=last and i == len(tensors) - 1,
                 num_tensors=len(tensors) if last and i == len(tensors) - 1 else 0,
                 checksum_kind=CHUNK_CHECKSUM_KIND, timeline=timeline, chunk_checksum=sum64,
+                encoding=t.encoding, base=base,
             )
 
 
@@ -160,7 +173,11 @@ class ChunkAssembler:
     engine copies weights out of it): writing into it is not supported.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, base: tuple[int, int, dict[str, bytes]] | None = None) -> None:
+        self.base = base
+        """``(version, timeline, {name: raw bytes})`` a delta tensor is applied to (``proto.sparse_delta``)."""
+        self.raw: dict[str, bytes] = {}
+        """Raw bytes of each tensor of the newest complete version (a delta's base for the next one)."""
         self._reset()
 
     def _reset(self) -> None:
@@ -169,6 +186,7 @@ class ChunkAssembler:
         self._filled = 0
         self._current: TensorChunk | None = None
         self._done: list[tuple[str, torch.Tensor]] = []
+        self._raw: dict[str, bytes] = {}
 
     def feed(self, chunk: TensorChunk) -> tuple[int, list[tuple[str, torch.Tensor]]] | None:
         """Add a chunk; returns ``(version, [(name, tensor)])`` after the version's last chunk.
@@ -215,18 +233,19 @@ class ChunkAssembler:
             return None
         if c.num_tensors != len(self._done):
             raise ChunkError(f"version {c.version}: {len(self._done)} tensors received, {c.num_tensors} sent")
-        version, tensors = self.version, self._done
+        version, tensors, self.raw = self.version, self._done, self._raw
         self._reset()
         return version, tensors
 
     def _check_like_first(self, c: TensorChunk) -> None:
         first = self._current
-        if (c.dtype, tuple(c.shape), c.nbytes, c.checksum_kind) != (
-                first.dtype, tuple(first.shape), first.nbytes, first.checksum_kind):
+        if (c.dtype, tuple(c.shape), c.nbytes, c.checksum_kind, c.encoding, c.base) != (
+                first.dtype, tuple(first.shape), first.nbytes, first.checksum_kind, first.encoding, first.base):
             raise ChunkError(f"tensor {c.name!r}: chunk at offset {c.offset} says dtype {c.dtype}, shape "
-                             f"{list(c.shape)}, {c.nbytes} bytes, checksum {c.checksum_kind!r}; its first chunk "
-                             f"said dtype {first.dtype}, shape {list(first.shape)}, {first.nbytes} bytes, "
-                             f"checksum {first.checksum_kind!r}")
+                             f"{list(c.shape)}, {c.nbytes} bytes, checksum {c.checksum_kind!r}, encoding "
+                             f"{c.encoding!r} against {c.base}; its first chunk said dtype {first.dtype}, shape "
+                             f"{list(first.shape)}, {first.nbytes} bytes, checksum {first.checksum_kind!r}, "
+                             f"encoding {first.encoding!r} against {first.base}")
         if c.dtype not in DTYPES:
             raise ChunkError(f"tensor {c.name!r}: unknown dtype {c.dtype!r}; expected one of {sorted(DTYPES)}")
         if c.checksum_kind not in CHUNK_CHECKSUMS:
@@ -237,15 +256,34 @@ class ChunkAssembler:
         if self._filled != c.nbytes:
             raise ChunkError(f"tensor {c.name!r}: {self._filled} bytes received, {c.nbytes} expected")
         raw = b"".join(self._parts)  # the one copy: uninitialised bytes filled once, no zero-fill pass
+        if c.encoding:
+            raw = self._undelta(c, raw)
+        self._raw[c.name] = raw
         crc = CHUNK_CHECKSUMS[c.checksum_kind](raw)
         if crc != c.checksum:
             raise ChunkError(f"tensor {c.name!r}: checksum {crc:#010x} != sent {c.checksum:#010x} "
                              f"({c.checksum_kind or 'crc32'})")
         dtype = DTYPES[c.dtype]
-        _check_size(c)
+        _check_size(dataclasses.replace(c, nbytes=len(raw), encoding=""))
         if not raw:
             return torch.empty(c.shape, dtype=dtype)
         return torch.frombuffer(raw, dtype=torch.uint8).view(dtype).reshape(c.shape)
+
+
+    def _undelta(self, c: TensorChunk, delta: bytes) -> bytes:
+        """The tensor ``delta`` rebuilds from this assembler's base (checked by the caller against its CRC-32C)."""
+        if c.encoding != sparse_delta.ENCODING:
+            raise ChunkError(f"tensor {c.name!r}: unknown encoding {c.encoding!r}; expected '' or "
+                             f"{sparse_delta.ENCODING!r}")
+        held = None if self.base is None else self.base[:2]
+        if held != c.base or c.name not in self.base[2]:
+            raise ChunkError(f"tensor {c.name!r}: a delta against version {c.base}, but this subscriber holds "
+                             f"{held if held is not None else 'no base'}"
+                             f"{'' if held != c.base else ' without that tensor'}")
+        try:
+            return sparse_delta.apply_delta(self.base[2][c.name], delta, DTYPES[c.dtype].itemsize)
+        except sparse_delta.DeltaError as exc:
+            raise ChunkError(f"tensor {c.name!r}: {exc}") from exc
 
 
 def _check_size(c: TensorChunk) -> None:
@@ -256,7 +294,10 @@ def _check_size(c: TensorChunk) -> None:
     numel = 1
     for d in c.shape:
         numel *= d
-    if numel * DTYPES[c.dtype].itemsize != c.nbytes:
+    full = numel * DTYPES[c.dtype].itemsize
+    if c.encoding and c.nbytes >= full:
+        raise ChunkError(f"tensor {c.name!r}: a {c.nbytes}-byte delta of a {full}-byte tensor (never sent: not smaller)")
+    if not c.encoding and full != c.nbytes:
         raise ChunkError(f"tensor {c.name!r}: shape {list(c.shape)} × {c.dtype} != {c.nbytes} bytes")
 
 

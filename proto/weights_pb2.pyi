@@ -7,17 +7,21 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SubscribeRequest(_message.Message):
-    __slots__ = ("have_version", "subscriber", "have_timeline")
+    __slots__ = ("have_version", "subscriber", "have_timeline", "base_version", "base_timeline")
     HAVE_VERSION_FIELD_NUMBER: _ClassVar[int]
     SUBSCRIBER_FIELD_NUMBER: _ClassVar[int]
     HAVE_TIMELINE_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    BASE_TIMELINE_FIELD_NUMBER: _ClassVar[int]
     have_version: int
     subscriber: str
     have_timeline: int
-    def __init__(self, have_version: _Optional[int] = ..., subscriber: _Optional[str] = ..., have_timeline: _Optional[int] = ...) -> None: ...
+    base_version: int
+    base_timeline: int
+    def __init__(self, have_version: _Optional[int] = ..., subscriber: _Optional[str] = ..., have_timeline: _Optional[int] = ..., base_version: _Optional[int] = ..., base_timeline: _Optional[int] = ...) -> None: ...
 
 class WeightChunk(_message.Message):
-    __slots__ = ("version", "name", "dtype", "shape", "offset", "data", "nbytes", "last_of_tensor", "checksum", "last_of_version", "num_tensors", "schema_version", "checksum_kind", "timeline", "chunk_checksum")
+    __slots__ = ("version", "name", "dtype", "shape", "offset", "data", "nbytes", "last_of_tensor", "checksum", "last_of_version", "num_tensors", "schema_version", "checksum_kind", "timeline", "chunk_checksum", "encoding", "base_version", "base_timeline")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -33,6 +37,9 @@ class WeightChunk(_message.Message):
     CHECKSUM_KIND_FIELD_NUMBER: _ClassVar[int]
     TIMELINE_FIELD_NUMBER: _ClassVar[int]
     CHUNK_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    ENCODING_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    BASE_TIMELINE_FIELD_NUMBER: _ClassVar[int]
     version: int
     name: str
     dtype: str
@@ -48,7 +55,10 @@ class WeightChunk(_message.Message):
     checksum_kind: str
     timeline: int
     chunk_checksum: int
-    def __init__(self, version: _Optional[int] = ..., name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., nbytes: _Optional[int] = ..., last_of_tensor: _Optional[bool] = ..., checksum: _Optional[int] = ..., last_of_version: _Optional[bool] = ..., num_tensors: _Optional[int] = ..., schema_version: _Optional[int] = ..., checksum_kind: _Optional[str] = ..., timeline: _Optional[int] = ..., chunk_checksum: _Optional[int] = ...) -> None: ...
+    encoding: str
+    base_version: int
+    base_timeline: int
+    def __init__(self, version: _Optional[int] = ..., name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., nbytes: _Optional[int] = ..., last_of_tensor: _Optional[bool] = ..., checksum: _Optional[int] = ..., last_of_version: _Optional[bool] = ..., num_tensors: _Optional[int] = ..., schema_version: _Optional[int] = ..., checksum_kind: _Optional[str] = ..., timeline: _Optional[int] = ..., chunk_checksum: _Optional[int] = ..., encoding: _Optional[str] = ..., base_version: _Optional[int] = ..., base_timeline: _Optional[int] = ...) -> None: ...
 
 class TensorMeta(_message.Message):
     __slots__ = ("name", "dtype", "shape", "nbytes", "checksum")

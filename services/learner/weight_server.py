@@ -19,6 +19,7 @@ import grpc
 import structlog
 
 from gyre.faults import fault_point
+from gyre.learner.delta_versions import DeltaVersion, relative_version
 from gyre.learner.publisher import WeightPublisher
 from gyre.proto import weights_pb2, weights_pb2_grpc
 from gyre.proto.tensor_chunks import CHECKSUM_KIND, iter_chunks
@@ -50,6 +51,11 @@ class WeightServicer(weights_pb2_grpc.WeightServiceServicer):
         self.chunk_bytes = chunk_bytes
         self.write_timeout_s = write_timeout_s
         self._notifier: AsyncNotifier | None = None
+        self._deltas: dict[tuple, asyncio.Future] = {}
+        """``(base, version, timeline)`` → the version relative to ``base`` (``learner.delta_versions``), computed
+        once in a worker thread for every subscriber on that base; only the newest version's are kept."""
+        self.last_delta: DeltaVersion | None = None
+        """The newest delta computed (its bytes and density are logged as ``weights_delta``)."""
 
     def notifier(self) -> AsyncNotifier:
         """The running loop's ``AsyncNotifier`` of new versions (registered with the publisher on first use)."""
@@ -78,14 +84,51 @@ class WeightServicer(weights_pb2_grpc.WeightServiceServicer):
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
                                 f"subscriber took no chunk for {self.write_timeout_s}s; stream dropped")
 
+    async def _relative(self, base: tuple[int, int] | None, version: int, timeline: int, tensors):
+        """``(tensors to send, the base they are relative to or None)`` for a subscriber holding ``base``: sparse
+        deltas when the publisher still has ``base`` and they save bytes, else the version whole."""
+        base_tensors = self.publisher.encoded(*base) if base is not None and base != (version, timeline) else None
+        if base_tensors is None:
+            return tensors, None
+        key = (base, version, timeline)
+        future = self._deltas.get(key)
+        if future is None:
+            self._deltas = {k: f for k, f in self._deltas.items() if k[1:] == (version, timeline)}
+            future = self._deltas[key] = asyncio.ensure_future(
+                asyncio.to_thread(relative_version, base_tensors, tensors))
+            future.add_done_callback(lambda f, key=key: self._log_delta(key, f))
+        try:
+            delta = await asyncio.shield(future)
+        except Exception:  # logged by _log_delta; the version goes whole
+            return tensors, None
+        return (tensors, None) if delta is None else (delta.tensors, base)
+
+    def _log_delta(self, key, future: asyncio.Future) -> None:
+        if future.cancelled():
+            return
+        if future.exception() is not None:
+            log.error("weights_delta_failed", base=key[0], version=key[1], error=repr(future.exception())[:300])
+            return
+        delta = future.result()
+        if delta is not None:
+            self.last_delta = delta
+        log.info("weights_delta", base=key[0], version=key[1], sent=delta is not None,
+                 changed_fraction=None if delta is None else round(delta.changed_fraction, 5),
+                 delta_bytes=None if delta is None else delta.delta_bytes,
+                 full_bytes=None if delta is None else delta.full_bytes)
+
     async def Subscribe(self, request, context):
         log.info("subscriber_joined", subscriber=request.subscriber, have_version=request.have_version,
                  have_timeline=request.have_timeline)
+        base = (request.base_version, request.base_timeline) if request.HasField("base_version") else None
         async for version, timeline, tensors in self._offers(request, manifest=False):
-            for i, chunk in enumerate(iter_chunks(version, tensors, self.chunk_bytes, timeline=timeline)):
+            send, relative_to = await self._relative(base, version, timeline, tensors)
+            chunks = iter_chunks(version, send, self.chunk_bytes, timeline=timeline, base=relative_to)
+            for i, chunk in enumerate(chunks):
                 if i == 1:  # the first chunk of a new version is out, the rest not yet
                     fault_point("learner.publish.mid_stream")
                 await self._write(context, serialize_chunk(chunk))
+            base = (version, timeline)
 
     async def Announce(self, request, context):
         log.info("announce_subscriber_joined", subscriber=request.subscriber, have_version=request.have_version,
@@ -113,7 +156,9 @@ def serialize_chunk(c) -> bytes:
         version=c.version, name=c.name, dtype=c.dtype, shape=c.shape, offset=c.offset, nbytes=c.nbytes,
         last_of_tensor=c.last_of_tensor, checksum=c.checksum, last_of_version=c.last_of_version,
         num_tensors=c.num_tensors, schema_version=SCHEMA_VERSION, checksum_kind=c.checksum_kind,
-        timeline=c.timeline, chunk_checksum=c.chunk_checksum).SerializeToString()
+        timeline=c.timeline, chunk_checksum=c.chunk_checksum, encoding=c.encoding,
+        base_version=None if c.base is None else c.base[0],
+        base_timeline=0 if c.base is None else c.base[1]).SerializeToString()
     n, length = len(c.data), bytearray()
     while True:
         length.append((n & 0x7F) | (0x80 if n > 0x7F else 0))

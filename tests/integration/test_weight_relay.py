@@ -121,11 +121,11 @@ def test_a_tree_of_relays_brings_every_version_to_every_rollout_with_one_copy_fr
 class CorruptingCache(RelayCache):
     """A relay that flips one byte of the data of the 3rd chunk it relays (its own copy was fine)."""
 
-    def add(self, version, timeline, raw):
+    def add(self, version, timeline, raw, base=None):
         self.n = getattr(self, "n", 0) + 1
         if self.n == 3:
             raw = raw[:-1] + bytes([raw[-1] ^ 0xFF])
-        super().add(version, timeline, raw)
+        super().add(version, timeline, raw, base)
 
 
 def test_a_chunk_corrupted_by_a_relay_is_refused_counted_and_refetched_from_the_learner():

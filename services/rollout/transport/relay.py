@@ -10,6 +10,9 @@ A relay forwards each ``WeightChunk`` message exactly as it received it (its byt
 checks it again, and every tensor's CRC-32C, so a relay that corrupts a chunk is caught by the next hop
 (``WeightSubscriber`` then re-fetches that version from its fallback, the learner). A version the relay loses
 mid-stream (its upstream broke, a checksum failed) ends its children's streams with ``UNAVAILABLE``; they retry.
+A version the relay received as sparse deltas (``proto.sparse_delta``) goes only to children holding the same base
+(in a tree that moves together, all of them); another child is refused (``FAILED_PRECONDITION``) and fetches that
+version further up.
 
 ``RelayCache`` is fed by the rollout's ``WeightSubscriber`` thread; ``RelayServicer`` serves it on the rollout's
 own ``AioServer`` (``Subscribe`` and ``Latest``; ``Announce`` is the NCCL transport's and is not relayed).
@@ -65,6 +68,8 @@ class RelayedVersion:
 
     version: int
     timeline: int
+    base: tuple[int, int] | None = None
+    """The version it travels relative to (sparse deltas, ``proto.sparse_delta``), or ``None`` (whole)."""
     chunks: list[bytes] = field(default_factory=list)
     complete: bool = False
     """Its last chunk arrived and every tensor checksum matched."""
@@ -95,14 +100,15 @@ class RelayCache:
         for callback in listeners:
             callback()
 
-    def add(self, version: int, timeline: int, raw: bytes) -> None:
-        """Append one checked chunk of ``version`` (``timeline``); the first chunk of another version starts it."""
+    def add(self, version: int, timeline: int, raw: bytes, base: tuple[int, int] | None = None) -> None:
+        """Append one checked chunk of ``version`` (``timeline``; sent relative to ``base``); the first chunk of
+        another version starts it."""
         with self._lock:
             cur = self.current
             if cur is None or cur.complete or cur.abandoned or (cur.version, cur.timeline) != (version, timeline):
                 if cur is not None and not cur.complete:
                     cur.abandoned = True
-                cur = self.current = RelayedVersion(version, timeline)
+                cur = self.current = RelayedVersion(version, timeline, base)
             cur.chunks.append(raw)
         self._notify()
 
@@ -155,6 +161,7 @@ class RelayServicer(weight_server.WeightServicer):
 
     async def Subscribe(self, request, context):
         have, have_timeline = request.have_version, request.have_timeline
+        base = (request.base_version, request.base_timeline) if request.HasField("base_version") else None
         log.info("relay_child_joined", subscriber=request.subscriber, have_version=have)
         notifier = self.notifier()
         while not self.cache.closed:
@@ -162,6 +169,10 @@ class RelayServicer(weight_server.WeightServicer):
             if entry is None:
                 await notifier.wait(1.0)
                 continue
+            if entry.base is not None and entry.base != base:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                    f"relay holds version {entry.version} as deltas against {entry.base}; the "
+                                    f"subscriber holds {base}: fetch it from further up")
             sent = 0
             while not entry.complete or sent < len(entry.chunks):
                 if entry.abandoned:
@@ -173,6 +184,7 @@ class RelayServicer(weight_server.WeightServicer):
                 else:
                     await notifier.wait(1.0)
             have, have_timeline = entry.version, entry.timeline
+            base = (entry.version, entry.timeline)
 
     async def Announce(self, request, context):
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, "a relay serves Subscribe only; NCCL manifests come "

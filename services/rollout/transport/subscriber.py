@@ -95,6 +95,10 @@ class WeightSubscriber(StreamThread):
         """Index in ``upstreams`` of the next attempt."""
         self.fallback_versions = 0
         """Versions fetched from a fallback because ``address`` failed."""
+        self.base: tuple[int, int, dict[str, bytes]] | None = None
+        """``(version, timeline, {name: raw bytes})`` of the newest complete version received: what a sparse delta
+        (``proto.sparse_delta``) is applied to; dropped after a refused chunk, so the next attempt asks for a whole
+        version."""
         self.security = security
         self.on_version = on_version
         self.have_version, self.have_timeline = have_version, have_timeline
@@ -110,12 +114,24 @@ class WeightSubscriber(StreamThread):
 
     def _broken(self, exc: BaseException, retry_in_s: float) -> None:
         self.errors += 1
-        if self.relay is not None:
-            self.relay.abandon()
+        if isinstance(exc, ChunkError):
+            self.base = None  # e.g. a delta against the wrong base: the next version comes whole
+        self._to_relay("abandon")
         upstream = self._upstream()
         self._level = min(self._level + 1, len(self.upstreams) - 1)  # the next attempt: one level further up
         log.warning("weight_stream_broken", subscriber=self.name, upstream=upstream, error=str(exc)[:300],
                     kind=type(exc).__name__, retry_in_s=retry_in_s, next_upstream=self._upstream())
+
+    def _to_relay(self, method: str, *args) -> None:
+        """Hand the relay what this subscriber received; a relay that fails is turned off (logged), never the
+        rollout's own weights."""
+        if self.relay is None:
+            return
+        try:
+            getattr(self.relay, method)(*args)
+        except Exception as exc:
+            log.error("weight_relay_failed_turned_off", subscriber=self.name, error=f"{type(exc).__name__}: {exc}")
+            self.relay = None
 
     def _upstream(self) -> str:
         return self.upstreams[self._level]
@@ -126,23 +142,24 @@ class WeightSubscriber(StreamThread):
             subscribe = ch.unary_stream(SUBSCRIBE_METHOD,
                                         request_serializer=weights_pb2.SubscribeRequest.SerializeToString,
                                         response_deserializer=None)  # raw bytes: a relay forwards them as they are
+            base = self.base
             self._opened(subscribe(weights_pb2.SubscribeRequest(
-                have_version=self.have_version, have_timeline=self.have_timeline, subscriber=self.name)))
+                have_version=self.have_version, have_timeline=self.have_timeline, subscriber=self.name,
+                base_version=None if base is None else base[0], base_timeline=0 if base is None else base[1])))
             watchdog = _Watchdog(self._call, self.chunk_timeout_s)
-            assembler = ChunkAssembler()
+            assembler = ChunkAssembler(base=base)
             try:
                 for raw in self._call:
                     watchdog.kick(in_version=True)
                     msg = parse_chunk(raw)
                     done = assembler.feed(msg)
-                    if self.relay is not None:
-                        self.relay.add(msg.version, msg.timeline, raw)
+                    self._to_relay("add", msg.version, msg.timeline, raw, msg.base)
                     if done is None:
                         continue
                     watchdog.kick(in_version=False)
-                    if self.relay is not None:
-                        self.relay.complete()
+                    self._to_relay("complete")
                     version, tensors = done
+                    self.base = assembler.base = (version, msg.timeline, assembler.raw)
                     if is_new(version, msg.timeline, self.have_version, self.have_timeline):
                         self._deliver(version, tensors, msg.timeline)
                     if on_fallback:  # one version from the fallback, then back to the parent
@@ -231,7 +248,9 @@ def parse_chunk(raw: bytes) -> TensorChunk:
                        offset=msg.offset, data=data, nbytes=msg.nbytes, last_of_tensor=msg.last_of_tensor,
                        checksum=msg.checksum, last_of_version=msg.last_of_version, num_tensors=msg.num_tensors,
                        checksum_kind=msg.checksum_kind, timeline=msg.timeline,
-                       chunk_checksum=msg.chunk_checksum if msg.HasField("chunk_checksum") else None)
+                       chunk_checksum=msg.chunk_checksum if msg.HasField("chunk_checksum") else None,
+                       encoding=msg.encoding,
+                       base=(msg.base_version, msg.base_timeline) if msg.HasField("base_version") else None)
 
 
 class _Watchdog:
