@@ -8,7 +8,9 @@ each with its own gRPC channel, ``WeightSubscriber`` and chunk checks; the ident
 - ``direct`` (the baseline, measured in the same run): every identity subscribes to the learner, as before relays;
 - ``relay``: the tree;
 - ``relay_killed``: the tree, with ``--kill-fraction`` of the relays killed (server and subscriber stopped) while the
-  version is on its way; their children fall back to the learner for that version.
+  version is on its way; their children fetch that version further up the tree;
+- ``relay_delta``: the tree, each version changing ``--delta-density`` of the previous one's elements: versions travel
+  as sparse deltas (``proto.sparse_delta``); ``changed_fraction`` is what the learner measured.
 
 Per phase, for its last version: ``egress_ratio`` = bytes the learner's server wrote ÷ model bytes; ``p50_s`` /
 ``p99_s`` = seconds from publish until an identity holds the version (verified, every chunk and tensor checksum);
@@ -29,6 +31,8 @@ import os
 import statistics
 import threading
 import time
+
+import torch
 
 from gyre.learner.publisher import WeightPublisher
 from gyre.services.common.aio_server import AioServer
@@ -103,21 +107,36 @@ def _wait_all(fleet: list[Identity], version: int, timeout_s: float) -> None:
         time.sleep(0.005)
 
 
+def perturbed(named: list, fraction: float, seed: int) -> list:
+    """``named`` with ``fraction`` of each tensor's elements redrawn (what an RL step does to bf16 weights)."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for name, t in named:
+        t = t.clone()
+        flat = t.view(-1)
+        idx = torch.randperm(flat.numel(), generator=gen)[:int(flat.numel() * fraction)]
+        flat[idx] = torch.randn(idx.numel(), generator=gen).to(t.dtype)
+        out.append((name, t))
+    return out
+
+
 def run_phase(n: int, fanout: int | None, versions: int, model_bytes: int, kill_fraction: float = 0.0,
-              timeout_s: float = 600.0) -> dict:
-    """One fleet, ``versions`` published versions; the figures of the last one (module docstring)."""
+              density: float | None = None, timeout_s: float = 600.0) -> dict:
+    """One fleet, ``versions`` published versions (each ``density`` of the previous one's elements changed, or all
+    drawn afresh); the figures of the last one (module docstring)."""
     pub = WeightPublisher()
     server = AioServer()
     servicer = EgressServicer(pub)
     weight_server.add_servicer(servicer, server)
     learner = f"127.0.0.1:{server.start(weight_server.SERVICE_NAME)}"
-    pub.publish(0, bench_tensors(model_bytes, seed=0))
+    named = bench_tensors(model_bytes, seed=0)
+    pub.publish(0, named)
     fleet = build_fleet(n, learner, fanout)
     killed: list[Identity] = []
     try:
         _wait_all(fleet, 0, timeout_s)
         for v in range(1, versions + 1):
-            named = bench_tensors(model_bytes, seed=v)
+            named = bench_tensors(model_bytes, seed=v) if density is None else perturbed(named, density, seed=v)
             sent0, cpu0 = servicer.sent_bytes, time.process_time()
             kill = bool(kill_fraction) and v == versions
             if kill:
@@ -140,6 +159,8 @@ def run_phase(n: int, fanout: int | None, versions: int, model_bytes: int, kill_
                 "p99_s": round(waits[min(len(waits) - 1, math.ceil(0.99 * len(waits)) - 1)], 4),
                 "cpu_s": round(cpu, 3), "relays": sum(f.server is not None for f in fleet), "killed": len(killed),
                 "fallback_versions": sum(f.sub.fallback_versions for f in fleet),
+                "changed_fraction": (round(servicer.last_delta.changed_fraction, 4)
+                                     if density is not None and servicer.last_delta is not None else None),
                 "errors": sum(f.sub.errors for f in fleet)}
     finally:
         for f in fleet:
@@ -174,22 +195,27 @@ def main() -> None:
     parser.add_argument("--versions", type=int, default=2)
     parser.add_argument("--fanout", type=int, default=FANOUT)
     parser.add_argument("--kill-fraction", type=float, default=0.1)
+    parser.add_argument("--delta-density", type=float, default=0.03,
+                        help="fraction of elements changed per version in the sparse-delta phase")
     args = parser.parse_args()
-    if args.subscribers < 1 or args.versions < 1 or args.model_mb <= 0 or not 0 <= args.kill_fraction < 1:
-        parser.error("--subscribers and --versions must be >= 1, --model-mb > 0, --kill-fraction in [0, 1)")
+    if (args.subscribers < 1 or args.versions < 1 or args.model_mb <= 0 or not 0 <= args.kill_fraction < 1
+            or not 0 <= args.delta_density <= 1):
+        parser.error("--subscribers and --versions must be >= 1, --model-mb > 0, --kill-fraction in [0, 1), "
+                     "--delta-density in [0, 1]")
     model_bytes = int(args.model_mb * 1e6)
     transfer = transfer_seconds(model_bytes)
     direct = run_phase(args.subscribers, None, args.versions, model_bytes)
     relay = run_phase(args.subscribers, args.fanout, args.versions, model_bytes)
     killed = run_phase(args.subscribers, args.fanout, args.versions, model_bytes, args.kill_fraction)
+    delta = run_phase(args.subscribers, args.fanout, args.versions, model_bytes, density=args.delta_density)
     cores = len(os.sched_getaffinity(0))
-    for phase in (direct, relay, killed):
+    for phase in (direct, relay, killed, delta):
         phase["p99_over_transfer"] = round(phase["p99_s"] / transfer, 2)
         phase["cpu_floor_s"] = round(phase["cpu_s"] / cores, 4)  # the whole fleet's checks on this machine's cores
     print(json.dumps({
         "bench": "fanout", "subscribers": args.subscribers, "fanout": args.fanout, "model_mb": args.model_mb,
         "cores": cores, "transfer_s": round(transfer, 4), "egress_vs_direct": round(relay["egress_ratio"] / direct["egress_ratio"], 4),
-        "direct": direct, "relay": relay, "relay_killed": killed,
+        "direct": direct, "relay": relay, "relay_killed": killed, "relay_delta": delta,
         "threads": threading.active_count()}))
 
 
