@@ -18,7 +18,10 @@ of ``SHAPE``'s architecture (built from its config, nothing downloaded), a GRPO 
 ``LearnerEngine.train_step`` with packed token-budget micro-batches (``--budget`` tokens per micro-batch) against
 a same-process bare DeepSpeed step on length-sorted, padded token-budget micro-batches with full logits
 (``sorted_budget_ratio`` = gyre ÷ bare; goal <= 0.7 on a GPU), plus tokens/s, MFU against the device's bf16 dense
-peak (named; on a CPU a measured matmul rate), pad fractions and peak memory. ``python -m bench.learner --shape
+peak (named; on a CPU a measured matmul rate), pad fractions and peak memory, and the publish of a version:
+``publish_blocking_s`` (what a step waits for: the device capture; goal <= 0.5 s for 1.5B on an H200) against
+``publish_inline_s`` (host copy + CRC-32C inside the step, as before), ``publish_ratio`` = the two's ratio and
+``publish_background_s`` (what now runs behind the next steps). ``python -m bench.learner --shape
 qwen2.5-1.5b --lengths grpo-math`` on an H100/H200; ``--shape qwen2-tiny --lengths grpo-math-small --quick`` on
 CPU (the test suite runs it).
 """
@@ -156,6 +159,36 @@ def measure_async_save(learner, batch, root: Path, rounds: int) -> dict:
             "sync_save_s": sync_s, "checkpoint_bytes": size}
 
 
+def measure_publish(learner, reps: int) -> dict:
+    """Seconds a version's publish blocks the step, gyre's way (``capture_weights`` on the device, synchronised,
+    then queued for ``BackgroundPublisher``) against the inline way it replaced (``named_weights`` to host memory,
+    then ``encode_tensors``: bytes + CRC-32C), alternating, medians; and how long the background part took."""
+    from bench import learner_shapes as shapes
+    from gyre.learner.background_publish import BackgroundPublisher
+    from gyre.learner.publisher import WeightPublisher
+    from gyre.learner.versions import StreamedPublishing
+    from gyre.proto.tensor_chunks import encode_tensors
+
+    background = BackgroundPublisher(WeightPublisher(), StreamedPublishing())
+    blocking, inline, behind = [], [], []
+    for version in range(1, reps + 1):
+        shapes._sync()
+        t0 = time.perf_counter()
+        captured = learner.capture_weights()
+        shapes._sync()
+        background.submit(version, 0, captured)
+        blocking.append(time.perf_counter() - t0)
+        background.flush()
+        behind.append(background.last_background_s)
+        t0 = time.perf_counter()
+        encode_tensors(learner.named_weights())
+        inline.append(time.perf_counter() - t0)
+    background.close()
+    return {"publish_blocking_s": statistics.median(blocking), "publish_inline_s": statistics.median(inline),
+            "publish_background_s": statistics.median(behind),
+            "publish_ratio": statistics.median(blocking) / statistics.median(inline)}
+
+
 def shape_bench(shape: str, lengths: str, budget: int, zero_stage: int, reps: int, model_root: Path,
                 gradient_checkpointing: bool | None = None) -> dict:
     """The GPU-shaped bench (module docstring): one dict of results."""
@@ -192,6 +225,7 @@ def shape_bench(shape: str, lengths: str, budget: int, zero_stage: int, reps: in
         base.append(seconds)
         pads.append(pad)
     step, bare_step = statistics.median(mine), statistics.median(base)
+    publish = measure_publish(learner, reps)
     params = shapes.parameter_count(shape)
     lengths_t = batch.attention_mask.sum(dim=1)
     rowcount_padded = sum(8 * int(lengths_t[i:i + 8].max()) for i in range(0, batch.batch_size, 8))
@@ -202,7 +236,7 @@ def shape_bench(shape: str, lengths: str, budget: int, zero_stage: int, reps: in
             "pad_fraction": 0.0, "peak_memory_gib": memory, "bare_step_s": bare_step,
             "bare_pad_fraction": statistics.median(pads), "rowcount8_pad_fraction": 1 - real / rowcount_padded,
             "bare_mfu": 6 * params * real / bare_step / (peak_tflops * 1e12),
-            "sorted_budget_ratio": step / bare_step, "reps": reps}
+            "sorted_budget_ratio": step / bare_step, **publish, "reps": reps}
 
 
 def main() -> None:
@@ -240,6 +274,7 @@ def main() -> None:
               "tokens_per_batch": int(batch.attention_mask.sum()), "quick": args.quick}
     result |= measure_step_overhead(learner, bare, batch, reps=4 if args.quick else 10)
     del bare
+    result |= measure_publish(learner, reps=3 if args.quick else 5)
     root = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="gyre-bench-learner-"))
     try:
         result |= measure_async_save(learner, batch, root, rounds=2 if args.quick else 4)

@@ -26,6 +26,7 @@ def test_quick_shape_bench_prints_one_json_line(tmp_path):
     print(json.dumps(result))
     assert result["rows"] == 32 and result["real_tokens"] > 1000 and result["pad_fraction"] == 0.0
     assert result["micro_batches"] >= 2 and 0.0 < result["bare_pad_fraction"] < result["rowcount8_pad_fraction"]
-    for key in ("step_s", "bare_step_s", "tokens_per_s", "mfu", "sorted_budget_ratio", "peak_memory_gib"):
+    for key in ("step_s", "bare_step_s", "tokens_per_s", "mfu", "sorted_budget_ratio", "peak_memory_gib",
+                "publish_blocking_s", "publish_inline_s", "publish_background_s", "publish_ratio"):
         assert result[key] > 0, key
     assert "measured" in result["device"] and result["device_peak_tflops"] > 0
