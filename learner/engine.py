@@ -38,9 +38,8 @@ from gyre.learner.algo.losses import (kl_penalty, loss_normaliser, policy_loss, 
                             value_loss)
 from gyre.learner.step_metrics import batch_metrics, kish_ess_fraction, merge_metrics
 from gyre.learner.step_start import StepTargets, mini_batch_rows, proximal_logprobs, step_targets
-from gyre.learner.weight_capture import capture_weights, published_parameters
+from gyre.learner.weight_capture import VALUE_HEAD, capture_weights, published_parameters
 
-VALUE_HEAD = "value_head"
 """Attribute name of the critic's value head on the HF model (and prefix of its parameter names)."""
 log = structlog.get_logger("learner")
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+VALUE_HEAD = "value_head"
+"""Module name of the critic's value head on a policy model (``learner.engine``); never published."""
 BUCKET_BYTES = 256 << 20
 """Full-parameter bytes (in the published dtype) gathered at once under ZeRO-3."""
 
@@ -20,8 +22,6 @@ BUCKET_BYTES = 256 << 20
 def published_parameters(engine) -> list[tuple[str, torch.nn.Parameter]]:
     """``(HF name, parameter)`` of what a version carries: every parameter but a tied ``lm_head.weight``
     (vLLM ties it) and the critic's value head (not part of the policy)."""
-    from gyre.learner.engine import VALUE_HEAD
-
     return [(name, p) for name, p in engine.module.named_parameters()
             if not ((engine.tied_lm_head and name == "lm_head.weight") or name.startswith(VALUE_HEAD + "."))]
 

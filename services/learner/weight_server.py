@@ -15,27 +15,26 @@ from __future__ import annotations
 
 import asyncio
 
-import grpc
 import structlog
 
 from gyre.faults import fault_point
 from gyre.learner.delta_versions import DeltaVersion, relative_version
 from gyre.learner.publisher import WeightPublisher
-from gyre.proto import weights_pb2, weights_pb2_grpc
+from gyre.proto import weights_pb2
 from gyre.proto.tensor_chunks import CHECKSUM_KIND, iter_chunks
 from gyre.proto.trajectory import SCHEMA_VERSION
 from gyre.services.common import grpc_common
-from gyre.services.common.aio_server import AioServer, AsyncNotifier
+from gyre.services.common.aio_server import AioServer
+from gyre.services.common.weight_stream import SERVICE_NAME, WRITE_TIMEOUT_S, WeightStreamServicer, add_servicer
 from gyre.services.common.security import SecurityConfig
 
 log = structlog.get_logger("weights")
-SERVICE_NAME = "gyre.weights.v1.WeightService"
 CHUNK_BYTES = 4 * 1024 * 1024
-WRITE_TIMEOUT_S = 120.0
-"""Seconds a Subscribe/Announce stream waits for its subscriber to take one message before dropping it."""
+__all__ = ["CHUNK_BYTES", "SERVICE_NAME", "WRITE_TIMEOUT_S", "AioServer", "WeightServicer", "add_servicer", "serve",
+           "serialize_chunk"]
 
 
-class WeightServicer(weights_pb2_grpc.WeightServiceServicer):
+class WeightServicer(WeightStreamServicer):
     """Each Subscribe stream sends every newest version greater than what the subscriber has.
 
     Served on a ``grpc.aio`` server (``services.common.aio_server.AioServer``): every method is a coroutine, a
@@ -47,22 +46,14 @@ class WeightServicer(weights_pb2_grpc.WeightServiceServicer):
 
     def __init__(self, publisher: WeightPublisher, chunk_bytes: int = CHUNK_BYTES,
                  write_timeout_s: float = WRITE_TIMEOUT_S) -> None:
+        super().__init__(publisher, write_timeout_s)
         self.publisher = publisher
         self.chunk_bytes = chunk_bytes
-        self.write_timeout_s = write_timeout_s
-        self._notifier: AsyncNotifier | None = None
         self._deltas: dict[tuple, asyncio.Future] = {}
         """``(base, version, timeline)`` → the version relative to ``base`` (``learner.delta_versions``), computed
         once in a worker thread for every subscriber on that base; only the newest version's are kept."""
         self.last_delta: DeltaVersion | None = None
         """The newest delta computed (its bytes and density are logged as ``weights_delta``)."""
-
-    def notifier(self) -> AsyncNotifier:
-        """The running loop's ``AsyncNotifier`` of new versions (registered with the publisher on first use)."""
-        if self._notifier is None:
-            self._notifier = AsyncNotifier(asyncio.get_running_loop())
-            self.publisher.add_listener(self._notifier.notify)
-        return self._notifier
 
     async def _offers(self, request, manifest: bool):
         """Yields ``(version, timeline, payload)`` for each newest version new to the subscriber, until close."""
@@ -75,14 +66,6 @@ class WeightServicer(weights_pb2_grpc.WeightServiceServicer):
                 continue
             yield got
             have, have_timeline = got[0], got[1]
-
-    async def _write(self, context, msg) -> None:
-        try:
-            await asyncio.wait_for(context.write(msg), self.write_timeout_s)
-        except asyncio.TimeoutError:
-            log.warning("subscriber_not_reading", peer=context.peer(), timeout_s=self.write_timeout_s)
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                f"subscriber took no chunk for {self.write_timeout_s}s; stream dropped")
 
     async def _relative(self, base: tuple[int, int] | None, version: int, timeline: int, tensors):
         """``(tensors to send, the base they are relative to or None)`` for a subscriber holding ``base``: sparse
@@ -166,26 +149,6 @@ def serialize_chunk(c) -> bytes:
         if not n:
             break
     return b"".join((head, _DATA_TAG, length, c.data))
-
-
-def _serialize(msg) -> bytes:
-    return msg if isinstance(msg, bytes) else msg.SerializeToString()
-
-
-def add_servicer(servicer: WeightServicer, server: AioServer) -> None:
-    """``add_WeightServiceServicer_to_server`` with Subscribe's responses passed through as bytes."""
-    handlers = {
-        "Subscribe": grpc.unary_stream_rpc_method_handler(
-            servicer.Subscribe, request_deserializer=weights_pb2.SubscribeRequest.FromString,
-            response_serializer=_serialize),
-        "Announce": grpc.unary_stream_rpc_method_handler(
-            servicer.Announce, request_deserializer=weights_pb2.SubscribeRequest.FromString,
-            response_serializer=weights_pb2.VersionManifest.SerializeToString),
-        "Latest": grpc.unary_unary_rpc_method_handler(
-            servicer.Latest, request_deserializer=weights_pb2.LatestRequest.FromString,
-            response_serializer=weights_pb2.LatestResponse.SerializeToString),
-    }
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
 
 
 def serve(publisher: WeightPublisher, host: str | None = None, port: int = 0,

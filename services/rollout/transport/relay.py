@@ -31,7 +31,7 @@ from gyre.proto import weights_pb2
 from gyre.proto.timeline import is_new
 from gyre.services.common.aio_server import AioServer
 from gyre.services.common.security import SecurityConfig
-from gyre.services.learner import weight_server
+from gyre.services.common.weight_stream import SERVICE_NAME, WRITE_TIMEOUT_S, WeightStreamServicer, add_servicer
 
 log = structlog.get_logger("weights")
 
@@ -150,13 +150,13 @@ class RelayCache:
         return (done.version, done.timeline) if done is not None else (-1, 0)
 
 
-class RelayServicer(weight_server.WeightServicer):
+class RelayServicer(WeightStreamServicer):
     """``WeightService.Subscribe`` and ``Latest`` over a ``RelayCache``: each child gets every chunk of the version
     new to it as soon as the relay has it, then waits for the next version. A version abandoned under a child ends
     its stream with ``UNAVAILABLE`` (it retries, or goes to its fallback)."""
 
-    def __init__(self, cache: RelayCache, write_timeout_s: float = weight_server.WRITE_TIMEOUT_S) -> None:
-        super().__init__(cache, write_timeout_s=write_timeout_s)  # type: ignore[arg-type]  # add_listener is all
+    def __init__(self, cache: RelayCache, write_timeout_s: float = WRITE_TIMEOUT_S) -> None:
+        super().__init__(cache, write_timeout_s)
         self.cache = cache
 
     async def Subscribe(self, request, context):
@@ -199,9 +199,9 @@ def serve_relay(cache: RelayCache, host: str | None = None, port: int = 0,
                 security: SecurityConfig | None = None) -> tuple[AioServer, int]:
     """Start a relay's ``WeightService`` on ``host:port`` (0: a free port); returns ``(server, bound_port)``."""
     server = AioServer(security)
-    weight_server.add_servicer(RelayServicer(cache), server)
+    add_servicer(RelayServicer(cache), server)
     try:
-        port = server.start(weight_server.SERVICE_NAME, host, port)
+        port = server.start(SERVICE_NAME, host, port)
     except BaseException:
         server.stop(0)
         raise
