@@ -251,12 +251,17 @@ def _refusal(handler: grpc.RpcMethodHandler | None, message: str) -> grpc.RpcMet
     def refuse(_request_or_iterator, context):
         context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
+    return _like(handler, refuse)
+
+
+def _like(handler: grpc.RpcMethodHandler | None, behaviour) -> grpc.RpcMethodHandler:
+    """A handler running ``behaviour`` with ``handler``'s streaming kind and (de)serializers (unary without one)."""
     if handler is None:
-        return grpc.unary_unary_rpc_method_handler(refuse)
+        return grpc.unary_unary_rpc_method_handler(behaviour)
     make = {(False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
             (True, False): grpc.stream_unary_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}
     return make[(handler.request_streaming, handler.response_streaming)](
-        refuse, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
+        behaviour, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
 
 
 class AioTokenAuthInterceptor(grpc.aio.ServerInterceptor):
@@ -283,12 +288,7 @@ def _aio_refusal(handler: grpc.RpcMethodHandler | None, message: str) -> grpc.Rp
     async def refuse(_request_or_iterator, context):
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
-    if handler is None:
-        return grpc.unary_unary_rpc_method_handler(refuse)
-    make = {(False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
-            (True, False): grpc.stream_unary_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}
-    return make[(handler.request_streaming, handler.response_streaming)](
-        refuse, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
+    return _like(handler, refuse)
 
 
 class _CallDetails(grpc.ClientCallDetails):

@@ -14,6 +14,7 @@ import structlog
 
 from gyre.proto import weights_pb2, weights_pb2_grpc
 from gyre.services.common.aio_server import AioServer, AsyncNotifier
+from gyre.services.common.security import SecurityConfig
 
 log = structlog.get_logger("weights")
 SERVICE_NAME = "gyre.weights.v1.WeightService"
@@ -76,3 +77,16 @@ def add_servicer(servicer: WeightStreamServicer, server: AioServer) -> None:
             response_serializer=weights_pb2.LatestResponse.SerializeToString),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+
+
+def serve_stream(servicer: WeightStreamServicer, host: str, port: int = 0,
+                 security: SecurityConfig | None = None) -> tuple[AioServer, int]:
+    """Serve ``servicer`` on a new ``AioServer`` at ``host:port`` (0: a free port), TLS and token per ``security``;
+    returns ``(server, bound_port)``; a server that fails to start is stopped before the error propagates."""
+    server = AioServer(security)
+    add_servicer(servicer, server)
+    try:
+        return server, server.start(SERVICE_NAME, host, port)
+    except BaseException:
+        server.stop(0)
+        raise

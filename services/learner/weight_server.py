@@ -25,7 +25,8 @@ from gyre.proto.tensor_chunks import CHECKSUM_KIND, iter_chunks
 from gyre.proto.trajectory import SCHEMA_VERSION
 from gyre.services.common import grpc_common
 from gyre.services.common.aio_server import AioServer
-from gyre.services.common.weight_stream import SERVICE_NAME, WRITE_TIMEOUT_S, WeightStreamServicer, add_servicer
+from gyre.services.common.weight_stream import (SERVICE_NAME, WRITE_TIMEOUT_S, WeightStreamServicer, add_servicer,
+                                                serve_stream)
 from gyre.services.common.security import SecurityConfig
 
 log = structlog.get_logger("weights")
@@ -156,12 +157,6 @@ def serve(publisher: WeightPublisher, host: str | None = None, port: int = 0,
     """Start a weight server on ``host:port`` (0 = free port; host defaults to ``security.bind_host``,
     else 127.0.0.1), with TLS and token auth per ``security``; returns ``(server, bound_port)``."""
     host = grpc_common.bind_host(host, security)
-    server = AioServer(security)
-    add_servicer(WeightServicer(publisher), server)
-    try:
-        port = server.start(SERVICE_NAME, host, port)
-    except BaseException:
-        server.stop(0)
-        raise
+    server, port = serve_stream(WeightServicer(publisher), host, port, security)
     log.info("weights_serving", address=f"{host}:{port}")
     return server, port

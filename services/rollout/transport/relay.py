@@ -31,7 +31,8 @@ from gyre.proto import weights_pb2
 from gyre.proto.timeline import is_new
 from gyre.services.common.aio_server import AioServer
 from gyre.services.common.security import SecurityConfig
-from gyre.services.common.weight_stream import SERVICE_NAME, WRITE_TIMEOUT_S, WeightStreamServicer, add_servicer
+from gyre.services.common.grpc_common import bind_host
+from gyre.services.common.weight_stream import WRITE_TIMEOUT_S, WeightStreamServicer, serve_stream
 
 log = structlog.get_logger("weights")
 
@@ -197,12 +198,6 @@ class RelayServicer(WeightStreamServicer):
 
 def serve_relay(cache: RelayCache, host: str | None = None, port: int = 0,
                 security: SecurityConfig | None = None) -> tuple[AioServer, int]:
-    """Start a relay's ``WeightService`` on ``host:port`` (0: a free port); returns ``(server, bound_port)``."""
-    server = AioServer(security)
-    add_servicer(RelayServicer(cache), server)
-    try:
-        port = server.start(SERVICE_NAME, host, port)
-    except BaseException:
-        server.stop(0)
-        raise
-    return server, port
+    """Start a relay's ``WeightService`` on ``host:port`` (0: a free port; host defaults to ``security.bind_host``,
+    else 127.0.0.1); returns ``(server, bound_port)``."""
+    return serve_stream(RelayServicer(cache), bind_host(host, security), port, security)
