@@ -7,8 +7,8 @@ from gyre.services.control.recipe.schema import Recipe, RecipeError
 
 def check_machine(recipe: Recipe, cuda_devices: int | None = None) -> None:
     """Refuse, before anything starts, a recipe this install or machine cannot run: vLLM rollouts with no
-    engine installed (a base install), GPUs asked for
-    (``placement``) or the NCCL weight transport with the cpu target installed, or, for a private local Ray
+    engine installed (a base install), the NCCL weight transport (not wired into runs yet: it would stall), GPUs
+    asked for (``placement``) with the cpu target installed, or, for a private local Ray
     (``ray.address: local``), more GPUs than this machine has. On a cluster the GPUs are the nodes', not
     this driver's, and are left to Ray's placement.
 
@@ -27,10 +27,15 @@ def check_machine(recipe: Recipe, cuda_devices: int | None = None) -> None:
         raise RecipeError(f"recipe {recipe.name} runs vLLM rollouts, but no inference engine is installed (a base "
                           "install): add a target, `pip install --no-deps -r requirements/cpu.lock` or "
                           "requirements/cuda.lock (or `make setup`)")
-    if not need and not nccl:
+    if nccl:
+        raise RecipeError(f"recipe {recipe.name}: rollout.engine.weight_transport type 'nccl' is not wired into "
+                          "`gyre run` yet: nothing on the learner opens the NCCL group, so the rollouts would wait "
+                          "for weights for ever. Use type 'grpc' (with relay_fanout: 8 for a large fleet); "
+                          "`python -m bench.nccl` measures the NCCL path on its own")
+    if not need:
         return
     what = ", ".join(f"{role} {n:g}" for role, n in need.items()) or "none"
-    asks = f"recipe {recipe.name} asks for GPUs (placement: {what}; weight transport {recipe.rollout.engine.weight_transport.type})"
+    asks = f"recipe {recipe.name} asks for GPUs (placement: {what})"
     if target != "cuda":
         raise RecipeError(f"{asks}, but this environment has the {target or 'base (no engine)'} target: install "
                           "the cuda target (`make setup GYRE_TARGET=cuda` or `pip install --no-deps -r "

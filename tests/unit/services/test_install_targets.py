@@ -98,6 +98,16 @@ def test_gpu_recipe_asking_more_gpus_than_this_machine_has_is_refused(monkeypatc
     check_machine(cluster, cuda_devices=0)  # a cluster's GPUs are its nodes', left to Ray's placement
 
 
+def test_the_nccl_weight_transport_is_refused_until_runs_open_its_group(monkeypatch):
+    """It used to pass this check and then stall: the rollouts waited for a broadcast nobody started."""
+    monkeypatch.setattr(install_check, "installed_target", lambda: "cuda")
+    recipe = load_recipe(REPO / "deploy/recipes/qwen2.5-1.5b-gsm8k-1node.yaml", {
+        "rollout.engine.weight_transport": {"type": "nccl", "master_address": "10.0.0.1", "master_port": 29600,
+                                            "world_size": 5, "rank_offset": 1}}, dry_run=True)
+    with pytest.raises(RecipeError, match="weight_transport type 'nccl' is not wired into `gyre run` yet.*type 'grpc'"):
+        check_machine(recipe, cuda_devices=8)
+
+
 def test_cli_refuses_a_gpu_recipe_here_with_one_line():
     out = subprocess.run([sys.executable, "-m", "gyre.services.cli", "run",
                           "deploy/recipes/qwen2.5-1.5b-gsm8k-1node.yaml"], cwd=REPO, capture_output=True,
