@@ -119,6 +119,26 @@ def _free() -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
+def _publish_in_background(engine) -> tuple[dict[str, bytes], float]:
+    """Publish the engine's weights as a learner step does (``capture_weights`` on the device, then
+    ``BackgroundPublisher``); returns the served bytes per tensor and the seconds the capture blocked."""
+    from gyre.learner.background_publish import BackgroundPublisher
+    from gyre.learner.publisher import WeightPublisher
+    from gyre.learner.versions import StreamedPublishing
+
+    publisher = WeightPublisher()
+    background = BackgroundPublisher(publisher, StreamedPublishing())
+    _sync()
+    t0 = time.perf_counter()
+    captured = engine.capture_weights()
+    background.submit(1, 0, captured)
+    blocking = time.perf_counter() - t0
+    assert all(t.device.type == engine.device.type for _, t in captured)
+    background.flush(120)
+    background.close()
+    return {t.name: bytes(t.data) for t in publisher.wait_newer(-1, 0)[1]}, blocking
+
+
 @pytest.mark.parametrize(("zero_stage", "checkpointing"), CONFIGS)
 def test_learner_trains_on_cuda(model_dir, zero_stage, checkpointing):
     import deepspeed
@@ -149,6 +169,7 @@ def test_learner_trains_on_cuda(model_dir, zero_stage, checkpointing):
             wall.append(time.perf_counter() - t0)
         after = dict(engine.named_weights())
         peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() and not ON_CPU else None
+        published, publish_blocking_s = _publish_in_background(engine)
     finally:
         engine.engine.destroy()  # ZeRO-3's hooks and buffers; the next config starts from a clean GPU
         del engine
@@ -168,6 +189,7 @@ def test_learner_trains_on_cuda(model_dir, zero_stage, checkpointing):
         "optimizer_step_s": round(statistics.median(metrics[i]["optimizer_step_s"] for i in timed), 4),
         "comm_s": round(statistics.median(metrics[i]["comm_s"] for i in timed), 4),
         "peak_cuda_mem_gib": None if peak is None else round(peak / 2**30, 3),
+        "publish_blocking_s": round(publish_blocking_s, 4),
         "cuda_mem_before_gib": None if mem_before is None else round(mem_before / 2**30, 3),
         "loss": [round(m["loss"], 5) for m in metrics], "grad_norm": [round(m["grad_norm"], 4) for m in metrics],
         "device": "cpu" if ON_CPU else torch.cuda.get_device_name(0),
@@ -184,5 +206,7 @@ def test_learner_trains_on_cuda(model_dir, zero_stage, checkpointing):
         assert math.isfinite(m["loss"]), result
         assert math.isfinite(m["grad_norm"]) and m["grad_norm"] > 0, result
         assert m["advantage_abs_mean"] > 0, result
+    # what the background publish served (device capture, pinned host copy on a side stream) is the trained weights
+    assert published == {n: t.reshape(-1).view(torch.uint8).numpy().tobytes() for n, t in after.items()}
     changed = [n for n in initial if not torch.equal(initial[n], after[n])]
     assert len(changed) > len(initial) // 2, f"only {len(changed)}/{len(initial)} tensors changed: {changed}"
