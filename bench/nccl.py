@@ -66,7 +66,7 @@ def version_tensors(shapes, version: int, device: str = DEVICE) -> list[tuple[st
 
 def checksum_parity() -> dict:
     """``device_checksum`` CUDA vs CPU over dtypes and awkward sizes; throughput on a 1 GiB tensor."""
-    from gyre.proto.tensor_chunks import _STEP_WORDS, device_checksum
+    from gyre.proto.manifest import _STEP_WORDS, device_checksum
 
     gen = torch.Generator().manual_seed(7)
     cases = [(torch.float32, (3, 5)), (torch.bfloat16, (7,)), (torch.float16, (3,)), (torch.bfloat16, (4097, 33)),

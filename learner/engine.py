@@ -38,7 +38,7 @@ from gyre.learner.algo.losses import (kl_penalty, loss_normaliser, policy_loss, 
                             value_loss)
 from gyre.learner.step_metrics import batch_metrics, kish_ess_fraction, merge_metrics
 from gyre.learner.step_start import StepTargets, mini_batch_rows, proximal_logprobs, step_targets
-from gyre.learner.weight_capture import VALUE_HEAD, capture_weights, published_parameters
+from gyre.learner.weight_capture import VALUE_HEAD, capture_weights, host_weights
 
 """Attribute name of the critic's value head on the HF model (and prefix of its parameter names)."""
 log = structlog.get_logger("learner")
@@ -357,12 +357,7 @@ class LearnerEngine:
         input embedding (vLLM ties it), and so is the critic's ``value_head`` (not part of the policy).
         ``dtype=None`` keeps the training dtype.
         """
-        out = []
-        for name, param in published_parameters(self):
-            with self._gathered([param]):
-                tensor = param.detach().to("cpu", dtype=dtype or param.dtype, copy=True).contiguous()
-            out.append((name, tensor))
-        return out
+        return host_weights(self, dtype)
 
     def capture_weights(self, dtype: torch.dtype | None = torch.bfloat16) -> list[tuple[str, torch.Tensor]]:
         """What ``named_weights`` carries as private copies on the parameters' device, the part of publishing a

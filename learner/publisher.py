@@ -9,7 +9,8 @@ from typing import Callable
 
 import torch
 
-from gyre.proto.tensor_chunks import EncodedTensor, TensorMeta, encode_tensors
+from gyre.proto.tensor_chunks import EncodedTensor, encode_tensors
+from gyre.proto.manifest import TensorMeta
 from gyre.proto.timeline import SHARED, is_new
 
 

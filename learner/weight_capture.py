@@ -48,6 +48,16 @@ def buckets(params: list[tuple[str, torch.nn.Parameter]], bucket_bytes: int,
     return out
 
 
+def host_weights(engine, dtype: torch.dtype | None = torch.bfloat16) -> list[tuple[str, torch.Tensor]]:
+    """The published parameters as CPU contiguous copies in ``dtype`` (``None``: the training dtype), gathered one
+    parameter at a time under ZeRO-3 (every rank must call it): ``LearnerEngine.named_weights``."""
+    out = []
+    for name, param in published_parameters(engine):
+        with engine._gathered([param]):
+            out.append((name, param.detach().to("cpu", dtype=dtype or param.dtype, copy=True).contiguous()))
+    return out
+
+
 def capture_weights(engine, dtype: torch.dtype | None = torch.bfloat16,
                     bucket_bytes: int = BUCKET_BYTES) -> list[tuple[str, torch.Tensor]]:
     """Private copies of the published parameters, on the parameters' device, in ``dtype`` (``None``: the

@@ -11,7 +11,8 @@ from typing import Protocol
 
 import torch
 
-from gyre.proto.tensor_chunks import DTYPES, ChunkError, TensorMeta, device_checksums, verify_tensor
+from gyre.proto.tensor_chunks import DTYPES, ChunkError
+from gyre.proto.manifest import TensorMeta, device_checksums, verify_tensor
 
 
 class TransportUnavailableError(RuntimeError):

@@ -56,7 +56,8 @@ from vllm.platforms import current_platform
 from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.async_llm import AsyncLLM
 
-from gyre.proto.tensor_chunks import DTYPES, VersionManifest
+from gyre.proto.tensor_chunks import DTYPES
+from gyre.proto.manifest import VersionManifest
 from gyre.proto.trajectory import FINISH_REASONS
 from gyre.rollout.config import EngineConfig, SamplingConfig
 from gyre.rollout.types import Sample

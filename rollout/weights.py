@@ -111,7 +111,8 @@ def load_broadcast_verified(engine, info) -> int:
     from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
     from gyre.proto.broadcast import receive_verified
-    from gyre.proto.tensor_chunks import CHECKSUM_KIND, DTYPES, ChunkError, TensorMeta
+    from gyre.proto.tensor_chunks import DTYPES, ChunkError
+    from gyre.proto.manifest import CHECKSUM_KIND, TensorMeta
 
     unknown = sorted(set(info.dtype_names) - set(DTYPES))
     if unknown:  # the byte count of each broadcast is unknowable: nothing can be received, not even drained

@@ -9,7 +9,7 @@ import torch
 
 from gyre.learner.publisher import WeightPublisher
 from gyre.proto.broadcast import Broadcast, require_cuda
-from gyre.proto.tensor_chunks import TensorMeta, tensor_metas
+from gyre.proto.manifest import TensorMeta, tensor_metas
 from gyre.proto.timeline import SHARED
 from gyre.proto.weight_transport import NcclTransportConfig
 

@@ -21,7 +21,8 @@ from gyre.faults import fault_point
 from gyre.learner.delta_versions import DeltaVersion, relative_version
 from gyre.learner.publisher import WeightPublisher
 from gyre.proto import weights_pb2
-from gyre.proto.tensor_chunks import CHECKSUM_KIND, iter_chunks
+from gyre.proto.tensor_chunks import iter_chunks
+from gyre.proto.manifest import CHECKSUM_KIND
 from gyre.proto.trajectory import SCHEMA_VERSION
 from gyre.services.common import grpc_common
 from gyre.services.common.aio_server import AioServer

@@ -8,7 +8,7 @@ from typing import Callable, Union
 import torch
 
 from gyre.proto.broadcast import TransportUnavailableError
-from gyre.proto.tensor_chunks import VersionManifest
+from gyre.proto.manifest import VersionManifest
 
 __all__ = ["OnVersion", "Payload", "TransportUnavailableError", "WeightTransport"]
 

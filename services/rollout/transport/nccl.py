@@ -25,7 +25,8 @@ import structlog
 from gyre.proto import weights_pb2, weights_pb2_grpc
 from gyre.proto.broadcast import require_cuda
 from gyre.utils.retry import reconnect_forever
-from gyre.proto.tensor_chunks import CHECKSUM_KIND, ChunkError, TensorMeta, VersionManifest
+from gyre.proto.tensor_chunks import ChunkError
+from gyre.proto.manifest import CHECKSUM_KIND, TensorMeta, VersionManifest
 from gyre.proto.timeline import SHARED, is_new
 from gyre.proto.weight_transport import NcclTransportConfig
 from gyre.services.common import grpc_common

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from gyre.proto.tensor_chunks import _STEP_WORDS, device_checksum, device_checksums
+from gyre.proto.manifest import _STEP_WORDS, device_checksum, device_checksums
 
 
 def reference(t: torch.Tensor) -> int:

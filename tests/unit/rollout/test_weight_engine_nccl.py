@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 from vllm.v1.engine.async_llm import AsyncLLM
 
-from gyre.proto.tensor_chunks import VersionManifest, tensor_metas
+from gyre.proto.manifest import VersionManifest, tensor_metas
 from gyre.rollout.config import EngineConfig
 from gyre.proto.weight_transport import NcclTransportConfig
 from gyre.rollout.engine import EngineFailedError, RolloutEngine, WeightMismatchError

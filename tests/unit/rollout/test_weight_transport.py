@@ -17,7 +17,8 @@ from safetensors.torch import save_file
 from gyre.learner.publisher import WeightPublisher
 from gyre.proto import weights_pb2
 from gyre.proto.broadcast import receive_verified, torch_distributed_broadcast
-from gyre.proto.tensor_chunks import ChunkError, TensorMeta, device_checksum, tensor_metas
+from gyre.proto.tensor_chunks import ChunkError
+from gyre.proto.manifest import TensorMeta, device_checksum, tensor_metas
 from gyre.rollout.config import EngineConfig
 from gyre.proto.weight_transport import GrpcTransportConfig, NcclTransportConfig
 from gyre.services.common.aio_server import AioServer
