@@ -1,20 +1,22 @@
-"""NCCL weight transport on a CUDA machine: ``python -m bench.nccl [--quick]`` (needs a GPU; last line JSON).
+"""The broadcast weight transport on a CUDA machine: ``python -m bench.nccl [--quick]`` (needs a GPU; last line JSON).
 
-Runs gyre's NCCL path end to end except vLLM's worker glue: the learner process holds a ``WeightPublisher``
-behind a real weight server (``WeightService.Announce`` over gRPC) and sends each policy version with
-``NcclWeightSender`` over a ``torch.distributed`` NCCL group; each rollout receiver is its own process whose
-``NcclTransport`` follows the announces and takes every version with ``receive_verified`` into CUDA buffers
-(the body of ``rollout.weights.load_broadcast_verified``, minus the model load).
+Runs gyre's ``weight_transport: nccl`` path end to end except vLLM's model load: the learner process holds a
+``WeightPublisher`` behind a real weight server and a ``WeightGroup`` (``services.learner.weight_group``) fed by the
+``BackgroundPublisher`` as in a run; each rollout receiver is its own process whose ``NcclTransport`` follows the
+announces, joins the group the learner forms, receives every version's buckets into GPU staging and verifies every
+checksum (what the rollout service does before handing the version to vLLM).
 
 Reported:
 - ``checksum_parity``: ``device_checksum`` on CUDA equals the CPU value (bf16/fp16/fp32, odd byte counts,
   tensors of several 2**24-word steps) — learner and rollouts may sit on different devices.
 - ``checksum_gb_s``: ``device_checksum`` throughput on this GPU (GB/s, one 1 GiB bf16 tensor).
-- ``nccl_ratio``: GB/s of a version delivered to every receiver by gyre (checksums on the learner's GPU,
-  manifest over gRPC, broadcast, every checksum verified on every receiver) ÷ a raw NCCL broadcast of the
-  same tensors in the same group; rounds alternate, median of per-round ratios.
-- ``corrupt_refused``: a version whose broadcast flips one bit is refused by every receiver (old version
-  kept, not retried) and the next version lands; ``bit_exact``: a delivered version equals the learner's.
+- ``nccl_ratio``: GB/s of a version delivered to every receiver by gyre (checksums on the learner's GPU, manifest
+  over gRPC, bucketed broadcast, unpacked to host memory and verified on every receiver) ÷ one raw broadcast of the
+  same bytes (one flat buffer, GPU to GPU, nothing checked) in a group of the same processes; rounds alternate,
+  median of per-round ratios.
+- ``corrupt_refused``: a version whose first bucket has one bit flipped is refused by every receiver, fetched over
+  gRPC instead (bit-exact), and the next version travels in the group again; ``bit_exact``: a delivered version
+  equals the learner's.
 
 One GPU: NCCL refuses two ranks on one device ("Duplicate GPU detected"), so each process gets its own
 ``NCCL_HOSTID``; NCCL then treats them as separate hosts and moves bytes through its socket transport over
@@ -101,64 +103,64 @@ def _store(port: int, world: int):
                          wait_for_workers=False)
 
 
-def _group(store, rank: int, world: int):
-    """Join the bench's process group (gloo in ``CPU_DRY_RUN``, else NCCL) over ``store``; returns ``store``."""
-    import torch.distributed as dist
-
-    timeout = datetime.timedelta(seconds=300)
-    if CPU_DRY_RUN:
-        dist.init_process_group("gloo", store=dist.PrefixStore("pg", store), rank=rank, world_size=world,
-                                timeout=timeout)
-        return store
-    torch.cuda.set_device(0)
-    dist.init_process_group("nccl", store=dist.PrefixStore("pg", store), rank=rank, world_size=world,
-                            timeout=timeout, device_id=torch.device("cuda", 0))
-    return store
-
-
-def receiver_main(rank: int, world: int, store_port: int, weights_address: str, model: str) -> None:
-    """Rollout receiver process: ``NcclTransport`` + ``receive_verified`` into CUDA; raw rounds on request."""
+def receiver_main(rank: int, world: int, store_port: int, weights_address: str, model: str, bucket_mb: float) -> None:
+    """Rollout receiver process: ``NcclTransport`` (group or gRPC); raw rounds in a group of its own on request."""
     _nccl_env(f"rollout-{rank}")
-    import torch.distributed as dist
-
-    from gyre.proto.broadcast import receive_verified, torch_distributed_broadcast
     from gyre.proto.weight_transport import NcclTransportConfig
     from gyre.services.rollout.transport.nccl import NcclTransport
 
-    store = _group(_store(store_port, world), rank, world)
+    store = _store(store_port, world)
+    raw_group = _raw_group(store, rank, world)
     shapes = model_shapes(MODELS[model])
-    bcast = torch_distributed_broadcast()
+    exact_versions = {0, EXACT_AFTER_CORRUPT}
 
-    def on_version(version, manifest, timeline):
-        start = time.perf_counter()
-        tensors = receive_verified(bcast, manifest.tensors, DEVICE)
-        _sync()
+    def on_version(version, tensors, timeline):
         exact = ""
-        if version == 0:  # bit-exact against the learner's deterministic weights
+        if version in exact_versions:  # bit-exact against the learner's deterministic weights
             ref = version_tensors(shapes, version)
-            exact = str(all(torch.equal(a, b) for (_, a), (_, b) in zip(ref, tensors)))
-        store.set(f"delivered/{rank}/{version}", json.dumps({"s": time.perf_counter() - start, "exact": exact}))
+            exact = str(all(torch.equal(a.to(DEVICE), b) for (_, a), (_, b) in zip(tensors, ref)))
+        store.set(f"delivered/{rank}/{version}", json.dumps({
+            "exact": exact, "group": transport.group_versions, "grpc": transport.grpc_versions}))
 
-    cfg = NcclTransportConfig(master_address="127.0.0.1", master_port=store_port, world_size=world,
-                              rank_offset=1, backoff_s=0.2)
-    transport = NcclTransport(cfg, weights_address, on_version, name=f"r{rank}", require_gpu=not CPU_DRY_RUN).start()
-    bufs = [torch.empty(s, dtype=torch.bfloat16, device=DEVICE) for _, s in shapes]
+    cfg = NcclTransportConfig(backend=BACKEND, bucket_mb=bucket_mb, backoff_s=0.2)
+    transport = NcclTransport(cfg, weights_address, on_version, name=f"rollout-{rank}").start()
+    numel = sum(_numel(s) for _, s in shapes)
+    flat = torch.empty(numel, dtype=torch.bfloat16, device=DEVICE)
     # A TCPStore client serialises its calls: this thread's blocking get needs its own client, or the
     # transport thread's ``set`` in on_version would wait behind it.
-    waiter = dist.TCPStore("127.0.0.1", store_port, world, False, timeout=datetime.timedelta(seconds=300))
+    waiter = _store(store_port, world)
     round_ = 0
     while True:
         cmd = waiter.get(f"raw/{round_}").decode()  # blocks until the learner asks
-        waiter.set(f"errors/{rank}/{round_}", str(transport.errors))
         if cmd == "stop":
             break
-        for b in bufs:
-            dist.broadcast(b, src=0)
+        _broadcast(raw_group, flat)
         _sync()
         waiter.set(f"raw_done/{rank}/{round_}", "1")
         round_ += 1
     transport.stop()
-    dist.destroy_process_group()
+
+
+BACKEND = "gloo" if CPU_DRY_RUN else "nccl"
+EXACT_AFTER_CORRUPT = 10_000
+"""The corrupted version's number (its bytes are checked bit-exact after the gRPC fallback)."""
+
+
+def _raw_group(store, rank: int, world: int):
+    """The baseline's own group of the same processes (``open_group``, the backend the transport uses)."""
+    import torch.distributed as dist
+
+    from gyre.proto.broadcast import open_group
+
+    if not CPU_DRY_RUN:
+        torch.cuda.set_device(0)
+    return open_group(BACKEND, dist.PrefixStore("raw", store), rank, world, datetime.timedelta(seconds=300))
+
+
+def _broadcast(group, tensor) -> None:
+    from gyre.proto.broadcast import group_broadcast
+
+    group_broadcast(group)(tensor, 0).wait()
 
 
 def _wait_keys(store, keys: list[str]) -> list[str]:
@@ -166,105 +168,105 @@ def _wait_keys(store, keys: list[str]) -> list[str]:
     return [store.get(k).decode() for k in keys]
 
 
-def learner_main(receivers: int, rounds: int, model: str) -> dict:
-    """Learner process: publisher + weight server + NCCL sender; spawns ``receivers`` receiver processes."""
+def learner_main(receivers: int, rounds: int, model: str, bucket_mb: float) -> dict:
+    """Learner process: publisher + weight server + ``WeightGroup`` behind a ``BackgroundPublisher``; spawns
+    ``receivers`` receiver processes."""
     _nccl_env("learner")
-    import torch.distributed as dist
+    from types import SimpleNamespace
 
+    import gyre.services.learner.weight_group as weight_group
+    from gyre.learner.background_publish import BackgroundPublisher
     from gyre.learner.publisher import WeightPublisher
+    from gyre.proto.weight_transport import NcclTransportConfig
     from gyre.services.learner import weight_server
-    from gyre.proto.broadcast import torch_distributed_broadcast
-    from gyre.services.learner.weight_broadcast import NcclWeightSender
 
-    pub = WeightPublisher()
-    server, port = weight_server.serve(pub)
+    pub, members = WeightPublisher(), weight_group.GroupMembers()
+    server, port = weight_server.serve(pub, members=members)
+    cfg = NcclTransportConfig(backend=BACKEND, bucket_mb=bucket_mb)
+    group = weight_group.WeightGroup(cfg, pub, members)
+    background = BackgroundPublisher(pub, SimpleNamespace(published=lambda v, n: None), group=group)
     world = receivers + 1
     store = _store(0, world)
     procs = [subprocess.Popen([sys.executable, "-m", "bench.nccl", "--receiver", str(r), str(world), str(store.port),
-                               f"127.0.0.1:{port}", model], cwd=REPO) for r in range(1, world)]
-    _group(store, 0, world)
+                               f"127.0.0.1:{port}", model, str(bucket_mb)], cwd=REPO) for r in range(1, world)]
+    raw_group = _raw_group(store, 0, world)
+    deadline = time.monotonic() + 300
+    while len(members.snapshot()) < receivers:  # every receiver follows the announces: one group takes them all
+        if time.monotonic() > deadline:
+            raise SystemExit(f"only {len(members.snapshot())} of {receivers} receivers followed the learner")
+        time.sleep(0.05)
     shapes = model_shapes(MODELS[model])
     nbytes = sum(2 * _numel(s) for _, s in shapes)
-    clean = torch_distributed_broadcast()
-    sender = NcclWeightSender(pub, clean)
     ranks = range(1, world)
 
-    def gyre_round(version: int, broadcast=None) -> tuple[float, list[dict]]:
+    def gyre_round(version: int) -> tuple[float, list[dict]]:
         named = version_tensors(shapes, version)
         _sync()
         start = time.perf_counter()
-        (NcclWeightSender(pub, broadcast) if broadcast else sender).send(version, named)
-        if broadcast:
-            _sync()
-            return time.perf_counter() - start, []
+        background.submit(version, 0, named)
         got = _wait_keys(store, [f"delivered/{r}/{version}" for r in ranks])
-        return time.perf_counter() - start, [json.loads(g) for g in got]
+        elapsed = time.perf_counter() - start
+        background.flush()
+        return elapsed, [json.loads(g) for g in got]
 
     raw_round = 0
+    flat = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=DEVICE)
 
     def raw() -> float:
         nonlocal raw_round
-        named = version_tensors(shapes, 10_000 + raw_round)
+        flat.normal_()
         _sync()
         start = time.perf_counter()
         store.set(f"raw/{raw_round}", "go")
-        for _, t in named:
-            dist.broadcast(t, src=0)
+        _broadcast(raw_group, flat)
         _wait_keys(store, [f"raw_done/{r}/{raw_round}" for r in ranks])
         raw_round += 1
         return time.perf_counter() - start
 
-    first_s, first = gyre_round(0)  # warm-up: NCCL connections, allocator; also the bit-exact check
+    first_s, first = gyre_round(0)  # warm-up: group formation, NCCL connections, allocator; the bit-exact check
     raw()
-    gyre_s, raw_s, ratios, recv_s = [], [], [], []
+    gyre_s, raw_s, ratios = [], [], []
     for i in range(rounds):
-        order = ("gyre", "raw") if i % 2 == 0 else ("raw", "gyre")
         got_s = {}
-        for kind in order:
-            if kind == "gyre":
-                got_s["gyre"], reports = gyre_round(1 + i)
-                recv_s += [r["s"] for r in reports]
-            else:
-                got_s["raw"] = raw()
+        for kind in (("gyre", "raw") if i % 2 == 0 else ("raw", "gyre")):
+            got_s[kind] = gyre_round(1 + i)[0] if kind == "gyre" else raw()
         gyre_s.append(got_s["gyre"])
         raw_s.append(got_s["raw"])
         ratios.append(got_s["raw"] / got_s["gyre"])
 
-    def corrupting(t: torch.Tensor, src: int) -> None:  # the wire flips one bit of the last norm
-        if t.dim() == 1 and t.numel() == shapes[-1][1][0] and not getattr(corrupting, "done", False):
-            t = t.clone()
-            t.view(torch.int16)[0] ^= 1
-            corrupting.done = True
-        clean(t, src)
+    real = weight_group.group_broadcast
 
-    def refusals() -> list[int]:  # receivers report their transport's refusal count at each raw round
-        n = raw_round
-        raw()
-        return [int(e) for e in _wait_keys(store, [f"errors/{r}/{n}" for r in ranks])]
+    def corrupting(pg):  # the wire flips one bit of the version's first bucket
+        start, flipped = real(pg), []
 
-    bad = rounds + 1
-    errors_before = refusals()
-    gyre_round(bad, broadcast=corrupting)
-    time.sleep(1.0)  # > backoff: a transport that retried the refused version would now block in a broadcast
-    _, after = gyre_round(bad + 1)
-    errors_after = refusals()
-    delivered_bad = [store.check([f"delivered/{r}/{bad}"]) for r in ranks]
+        def send(t, src):
+            if not flipped:
+                flipped.append(True)
+                t = t.clone()
+                t.view(torch.uint8)[0] ^= 1
+            return start(t, src)
+        return send
+    weight_group.group_broadcast = corrupting
+    _, bad = gyre_round(EXACT_AFTER_CORRUPT)
+    weight_group.group_broadcast = real
+    _, after = gyre_round(EXACT_AFTER_CORRUPT + 1)
     store.set(f"raw/{raw_round}", "stop")
     for p in procs:
         p.wait(timeout=120)
+    background.close()
     pub.close()
     server.stop(0)
-    dist.destroy_process_group()
     gb = nbytes / 1e9
+    refused = all(b["exact"] == "True" and b["grpc"] == 1 for b in bad)
+    back_in_group = all(a["group"] == rounds + 2 and a["grpc"] == 1 for a in after)
     return {"model": model, "version_gb": round(gb, 3), "version_bytes": nbytes, "receivers": receivers,
-            "rounds": rounds, "nccl_ratio": round(statistics.median(ratios), 3),
+            "rounds": rounds, "bucket_mb": bucket_mb, "nccl_ratio": round(statistics.median(ratios), 3),
             "nccl_ratio_range": [round(min(ratios), 3), round(max(ratios), 3)],
-            "gyre_gb_s": round(gb / statistics.median(gyre_s), 2), "raw_nccl_gb_s": round(gb / statistics.median(raw_s), 2),
-            "receiver_receive_verify_s": round(statistics.median(recv_s), 3), "first_version_s": round(first_s, 3),
-            "bit_exact": first[0]["exact"] == "True" and all(f["exact"] == "True" for f in first),
-            "corrupt_refused": (errors_after == [e + 1 for e in errors_before] and not any(delivered_bad)
-                                and len(after) == receivers),
-            "receiver_errors": errors_after, "exit_codes": [p.returncode for p in procs]}
+            "gyre_gb_s": round(gb / statistics.median(gyre_s), 2), "raw_gb_s": round(gb / statistics.median(raw_s), 2),
+            "first_version_s": round(first_s, 3), "groups_formed": group.reforms,
+            "bit_exact": all(f["exact"] == "True" for f in first),
+            "corrupt_refused": refused and back_in_group, "receiver_group_versions": [a["group"] for a in after],
+            "exit_codes": [p.returncode for p in procs]}
 
 
 def _sync() -> None:
@@ -284,11 +286,12 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="SmolLM2-135M shapes, 1 receiver, 5 rounds")
     parser.add_argument("--model", choices=sorted(MODELS), default=None)
     parser.add_argument("--receivers", type=int, default=None)
-    parser.add_argument("--receiver", nargs=5, help=argparse.SUPPRESS)
+    parser.add_argument("--bucket-mb", type=float, default=None, help="broadcast bucket size, MiB (default 256)")
+    parser.add_argument("--receiver", nargs=6, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.receiver:
-        r, world, port, address, model = args.receiver
-        receiver_main(int(r), int(world), int(port), address, model)
+        r, world, port, address, model, bucket_mb = args.receiver
+        receiver_main(int(r), int(world), int(port), address, model, float(bucket_mb))
         return
     if CPU_DRY_RUN:
         result = {"device": "cpu (gloo dry run)"}
@@ -298,7 +301,8 @@ def main() -> None:
         result = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
                   "nccl": ".".join(map(str, torch.cuda.nccl.version())), **checksum_parity()}
     model = args.model or ("smollm2" if args.quick else "qwen1.5b")
-    result.update(learner_main(args.receivers or (1 if args.quick else 2), 5 if args.quick else 9, model))
+    bucket_mb = args.bucket_mb or (0.01 if model == "tiny" else 256.0)  # tiny: ~0.3 MB, several buckets still
+    result.update(learner_main(args.receivers or (1 if args.quick else 2), 5 if args.quick else 9, model, bucket_mb))
     print(json.dumps(result))
 
 

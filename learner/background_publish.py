@@ -6,12 +6,18 @@ them to the determinism mode (``learner.versions``: the lockstep version store),
 ``proto.tensor_chunks.encode_tensors``) and makes them the weight server's newest version. Bounded: at most one
 version is being published and one waits; a newer capture replaces the waiting one (rollouts only ever fetch the
 newest version; the replaced one is counted in ``superseded``).
+
+With the broadcast transport (``weight_transport: nccl``) a ``group`` (``services.learner.weight_group``) also
+announces and broadcasts each version from the captured copies on their device, on a thread of its own, while the
+host copy and the gRPC publish run (rollouts outside the group, and the members of a group that failed, fetch the
+version over gRPC).
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import structlog
@@ -39,10 +45,14 @@ class BackgroundPublisher:
     Args:
         publisher: the weight server's newest-version store.
         versions: the determinism mode (``published(version, named)`` runs before each publish).
+        group: the broadcast transport's ``WeightGroup`` (``send(version, timeline, captured, ready)``), or ``None``.
     """
 
-    def __init__(self, publisher: WeightPublisher, versions: LearnerVersions) -> None:
+    def __init__(self, publisher: WeightPublisher, versions: LearnerVersions, group=None) -> None:
         self.publisher, self.versions = publisher, versions
+        self.group = group
+        """Settable until the first ``submit``."""
+        self._group_thread: ThreadPoolExecutor | None = None
         self.superseded = 0
         """Captured versions replaced by a newer one before they were published."""
         self.last_background_s = 0.0
@@ -105,6 +115,8 @@ class BackgroundPublisher:
             self._closed = True
             self._cond.notify_all()
         self._thread.join(timeout=timeout_s)
+        if self._group_thread is not None:
+            self._group_thread.shutdown(wait=False)
 
     def _run(self) -> None:
         while True:
@@ -125,9 +137,18 @@ class BackgroundPublisher:
 
     def _publish(self, job: _Job) -> None:
         t0 = time.perf_counter()
-        host = self._to_host(job)
-        self.versions.published(job.version, host)
-        self.publisher.publish_encoded(job.version, encode_tensors(host), timeline=job.timeline)
+        sending = None
+        if self.group is not None:  # the broadcast runs from the device copies while the host copy is made
+            if self._group_thread is None:
+                self._group_thread = ThreadPoolExecutor(1, thread_name_prefix="weights-group")
+            sending = self._group_thread.submit(self.group.send, job.version, job.timeline, job.captured, job.ready)
+        try:
+            host = self._to_host(job)
+            self.versions.published(job.version, host)
+            self.publisher.publish_encoded(job.version, encode_tensors(host), timeline=job.timeline)
+        finally:
+            if sending is not None:
+                sending.result()
         self.last_background_s = time.perf_counter() - t0
 
     def _to_host(self, job: _Job) -> list[tuple[str, torch.Tensor]]:

@@ -196,9 +196,19 @@ class LearnerLoop:
             "train_s": t_trained - t_sampled, "publish_s": publish_s, "checkpoint_s": save_s, **background,
             "weights/publish_background_s": self.background.last_background_s,
             "weights/versions_superseded": self.background.superseded,
+            **self._group_metrics(),
             **committed, "dead_timeline_rows": dead, "pending_leases": len(self.pending_lease_ids),
             **times, "step_s": times["time/learner/step_s"], "time": time.time(),
         }
+
+    def _group_metrics(self) -> dict:
+        """The broadcast group's counters (``weight_transport: nccl``, ``services.learner.weight_group``), else none:
+        versions it delivered and that failed (they went over gRPC), groups formed, members now."""
+        group = self.background.group
+        if group is None:
+            return {}
+        return {"weights/group_versions": group.sent, "weights/group_failed": group.failed,
+                "weights/group_reforms": group.reforms, "weights/group_members": len(group.group_members)}
 
     def save_interval_at(self, step: int) -> int:
         """The checkpoint interval at optimizer step ``step``: ``config.save_interval_at(step)``, shortened

@@ -18,10 +18,12 @@ class WeightPublisher:
     """Newest-version store behind ``WeightService``: versions only increase (within one learner process).
 
     Each version carries its ``timeline`` (``proto.timeline``: the learner incarnation; ``SHARED`` by
-    default); a subscriber holding another timeline gets the newest version whatever its number. Thread-safe. ``publish`` encodes the tensors to bytes + CRC-32C once; every subscriber stream
-    reads the same ``EncodedTensor`` list. ``announce`` instead records only a version's manifest
-    (names, shapes, checksums) for transports whose bytes travel over NCCL
-    (``services.learner.weight_broadcast``); one publisher holds one kind of version at a time.
+    default); a subscriber holding another timeline gets the newest version whatever its number. Thread-safe.
+    ``publish`` encodes the tensors to bytes + CRC-32C once; every subscriber stream reads the same
+    ``EncodedTensor`` list. ``announce`` records a version's manifest (names, shapes, checksums) and the broadcast
+    group its bytes travel in (``services.learner.weight_group``), served by ``Announce``; the two are kept apart,
+    so one version may be both announced (its members take it from the broadcast) and published (everyone else
+    fetches it over ``Subscribe``).
     """
 
     def __init__(self, delta_bases: int = 2) -> None:
@@ -34,7 +36,8 @@ class WeightPublisher:
         self._version = -1
         self._timeline = SHARED
         self._tensors: list[EncodedTensor] = []
-        self._manifest: list[TensorMeta] | None = None
+        self._announced: tuple[int, int, tuple[list[TensorMeta], object]] | None = None
+        """``(version, timeline, (manifest, group))`` of the newest ``announce``."""
         self._closed = False
         self._listeners: list[Callable[[], None]] = []
         self.published_at = 0.0
@@ -51,8 +54,11 @@ class WeightPublisher:
         return self._timeline
 
     def latest(self) -> tuple[int, int]:
-        """``(version, timeline)`` of the newest publish, read together (``(-1, SHARED)`` before the first)."""
+        """``(version, timeline)`` of the newest publish or announce, read together (``(-1, SHARED)`` before the
+        first)."""
         with self._cond:
+            if self._announced is not None and self._announced[0] > self._version:
+                return self._announced[0], self._announced[1]
             return self._version, self._timeline
 
     def publish(self, version: int, named: list[tuple[str, torch.Tensor]], timeline: int = SHARED) -> None:
@@ -66,7 +72,7 @@ class WeightPublisher:
         Raises ``ValueError`` if ``version`` is not newer than the current one."""
         with self._cond:
             self._check_newer(version)
-            self._version, self._timeline, self._tensors, self._manifest = version, timeline, list(encoded), None
+            self._version, self._timeline, self._tensors = version, timeline, list(encoded)
             self._history[(version, timeline)] = self._tensors
             while len(self._history) > self.delta_bases + 1:
                 self._history.popitem(last=False)
@@ -79,13 +85,14 @@ class WeightPublisher:
         with self._cond:
             return self._history.get((version, timeline))
 
-    def announce(self, version: int, manifest: list[TensorMeta], timeline: int = SHARED) -> None:
-        """Make ``version`` the newest, bytes sent elsewhere (a broadcast that follows); ``Announce``
-        streams ``manifest`` to subscribers. Raises ``ValueError`` if it is not newer than the current one."""
+    def announce(self, version: int, manifest: list[TensorMeta], timeline: int = SHARED, group=None) -> None:
+        """Make ``version`` the newest announced one: ``Announce`` streams ``manifest`` and ``group`` (the broadcast
+        its bytes follow in: a ``weights_pb2.BroadcastGroup``, or ``None``) to its followers. Independent of
+        ``publish``. Raises ``ValueError`` if it is not newer than the newest announced version."""
         with self._cond:
-            self._check_newer(version)
-            self._version, self._timeline, self._tensors, self._manifest = version, timeline, [], list(manifest)
-            self.published_at = time.time()
+            if self._announced is not None and version <= self._announced[0]:
+                raise ValueError(f"version {version} is not newer than announced version {self._announced[0]}")
+            self._announced = (version, timeline, (list(manifest), group))
             self._cond.notify_all()
         self._notify()
 
@@ -101,7 +108,7 @@ class WeightPublisher:
         for callback in listeners:
             callback()
 
-    def offer(self, have_version: int, have_timeline: int, manifest: bool = False) -> tuple[int, int, list] | None:
+    def offer(self, have_version: int, have_timeline: int, manifest: bool = False) -> tuple[int, int, object] | None:
         """``wait_offer`` without waiting: the newest version new to ``(have_version, have_timeline)`` or ``None``."""
         return self._wait(have_version, have_timeline, 0.0, manifest)
 
@@ -124,26 +131,30 @@ class WeightPublisher:
 
     def wait_newer_manifest(self, have_version: int, timeout_s: float,
                             have_timeline: int = SHARED) -> tuple[int, list[TensorMeta]] | None:
-        """Like ``wait_newer`` for announced (manifest-only) versions; ``None`` on timeout or close."""
+        """Like ``wait_newer`` for announced versions: ``(version, manifest)``; ``None`` on timeout or close."""
         got = self._wait(have_version, have_timeline, timeout_s, manifest=True)
-        return (got[0], got[2]) if got is not None else None
+        return (got[0], got[2][0]) if got is not None else None
 
     def wait_offer(self, have_version: int, have_timeline: int, timeout_s: float,
                    manifest: bool = False) -> tuple[int, int, list] | None:
-        """``(version, timeline, tensors or manifest)`` of the newest version new to a subscriber holding
-        ``(have_version, have_timeline)``, read atomically; ``None`` after ``timeout_s`` seconds or on close."""
+        """``(version, timeline, tensors)`` (``manifest``: ``(version, timeline, (manifest, group))`` of the newest
+        announce) new to a subscriber holding ``(have_version, have_timeline)``, read atomically; ``None`` after
+        ``timeout_s`` seconds or on close."""
         return self._wait(have_version, have_timeline, timeout_s, manifest)
 
     def _wait(self, have_version: int, have_timeline: int, timeout_s: float, manifest: bool):
         with self._cond:
+            def newest():
+                if manifest:
+                    return self._announced
+                return (self._version, self._timeline, self._tensors) if self._version >= 0 else None
+
             def ready() -> bool:
-                return (self._version >= 0 and is_new(self._version, self._timeline, have_version, have_timeline)
-                        and (self._manifest is not None) == manifest)
+                got = newest()
+                return got is not None and is_new(got[0], got[1], have_version, have_timeline)
 
             self._cond.wait_for(lambda: self._closed or ready(), timeout=timeout_s)
-            if ready():
-                return self._version, self._timeline, (self._manifest if manifest else self._tensors)
-            return None
+            return newest() if ready() else None
 
     def close(self) -> None:
         """Wake every waiting subscriber (server shutdown)."""

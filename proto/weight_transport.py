@@ -1,9 +1,9 @@
 """How policy versions travel from the learner to a rollout service: the transport configs both ends read.
 
 ``EngineConfig.weight_transport`` chooses one (``type: grpc | nccl``). The learner's ends are
-``services/learner/weight_server.py`` (gRPC) and ``services/learner/weight_broadcast.py`` (NCCL); the rollout's
-are ``services/rollout/transport/`` and, inside vLLM's workers, ``rollout/weights.py``. The NCCL data path's own
-contract (the ``Broadcast`` collective and ``receive_verified``) is ``proto/broadcast.py``.
+``services/learner/weight_server.py`` (gRPC) and ``services/learner/weight_group.py`` (the broadcast group); the
+rollout's are ``services/rollout/transport/`` and, inside vLLM's workers, ``rollout/weights.py``. The broadcast's own
+contract is ``proto/broadcast.py`` and ``proto/buckets.py``.
 """
 
 from __future__ import annotations
@@ -34,27 +34,42 @@ class GrpcTransportConfig(BaseModel):
 
 
 class NcclTransportConfig(BaseModel):
-    """Manifests (version, names, shapes, checksums) over gRPC ``WeightService.Announce``, bytes over an
-    NCCL broadcast from the learner (rank 0) into the vLLM workers through vLLM's weight-transfer API.
-    Needs CUDA on the learner and every rollout; the group has a fixed size."""
+    """Manifests over gRPC ``WeightService.Announce``, bytes in a broadcast group the learner forms itself: the
+    learner (rank 0) and one leader per rollout service (``services.learner.weight_group``,
+    ``services.rollout.transport.nccl``). NCCL between GPUs, gloo between CPU processes (``backend``).
+
+    The learner re-forms the group at a version boundary when a rollout joins, leaves or restarts; a rollout outside
+    the group (joined after it formed, or past ``max_members``) and every member of a group whose broadcast failed
+    fetch that version over gRPC (``WeightService.Subscribe``), with the reason logged."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     type: Literal["nccl"] = "nccl"
     """Selects this transport."""
-    master_address: str
-    """Host of the learner's rendezvous store (TCPStore) for the NCCL group."""
-    master_port: int = Field(ge=1, le=65535)
-    """Port of that store."""
-    world_size: int = Field(ge=2)
-    """Ranks in the group: 1 (learner) + the vLLM workers of every rollout service."""
-    rank_offset: int = Field(ge=1)
-    """This rollout's first worker rank in the group (the learner is rank 0)."""
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    """``torch.distributed`` backend of the group: ``nccl`` (GPU tensors), ``gloo`` (CPU tensors: CPU runs and
+    tests), ``auto``: ``nccl`` when the learner has a CUDA device, else ``gloo``."""
+    bucket_mb: float = Field(default=256.0, gt=0)
+    """Size of one broadcast in MiB (verl's ``update_weights_bucket_megabytes``): a version's tensors travel
+    concatenated in buckets of this size, two staging buffers on each end (one in flight, one being filled or
+    emptied), so the transfer holds ``2 × bucket_mb`` of extra device memory whatever the model's size."""
+    max_members: int = Field(default=64, ge=1)
+    """Rollout leaders the group takes (ranks besides the learner); a larger fleet is refused by ``gyre run``, and
+    a rollout past it at run time (``gyre scale``) gets its versions over gRPC (logged ``weights_group_full``)."""
+    join_timeout_s: float = Field(default=30.0, gt=0)
+    """Seconds every member has to join a newly formed group; past it that version goes over gRPC and the members
+    that never joined are left out until they reconnect."""
+    broadcast_timeout_s: float = Field(default=300.0, gt=0)
+    """Seconds one bucket's broadcast may take before the group is abandoned (that version goes over gRPC)."""
+    chunk_timeout_s: float = Field(default=30.0, gt=0)
+    """gRPC fallback: seconds a started version may go without a chunk (as ``GrpcTransportConfig``)."""
     backoff_s: float = Field(default=0.5, gt=0)
     """First reconnect delay of the control stream in seconds (doubles up to 10 s)."""
-    broadcast_timeout_s: float = Field(default=300.0, gt=0)
-    """Seconds one version's broadcast may take; past it the engine fails loudly (``EngineFailedError``)
-    instead of hanging in NCCL, and the rollout must be restarted (its weights are undefined)."""
+
+    @property
+    def bucket_bytes(self) -> int:
+        """``bucket_mb`` in bytes (at least 1)."""
+        return max(1, int(self.bucket_mb * (1 << 20)))
 
 
 WeightTransportConfig = Annotated[Union[GrpcTransportConfig, NcclTransportConfig], Field(discriminator="type")]

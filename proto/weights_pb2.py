@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18gyre/proto/weights.proto\x12\x0fgyre.weights.v1\"\x96\x01\n\x10SubscribeRequest\x12\x14\n\x0chave_version\x18\x01 \x01(\x03\x12\x12\n\nsubscriber\x18\x02 \x01(\t\x12\x15\n\rhave_timeline\x18\x03 \x01(\x03\x12\x19\n\x0c\x62\x61se_version\x18\x04 \x01(\x03H\x00\x88\x01\x01\x12\x15\n\rbase_timeline\x18\x05 \x01(\x03\x42\x0f\n\r_base_version\"\x96\x03\n\x0bWeightChunk\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\r\n\x05shape\x18\x04 \x03(\x03\x12\x0e\n\x06offset\x18\x05 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x06 \x01(\x0c\x12\x0e\n\x06nbytes\x18\x07 \x01(\x04\x12\x16\n\x0elast_of_tensor\x18\x08 \x01(\x08\x12\x10\n\x08\x63hecksum\x18\t \x01(\r\x12\x17\n\x0flast_of_version\x18\n \x01(\x08\x12\x13\n\x0bnum_tensors\x18\x0b \x01(\r\x12\x16\n\x0eschema_version\x18\x0c \x01(\r\x12\x15\n\rchecksum_kind\x18\r \x01(\t\x12\x10\n\x08timeline\x18\x0e \x01(\x03\x12\x1b\n\x0e\x63hunk_checksum\x18\x0f \x01(\x04H\x00\x88\x01\x01\x12\x10\n\x08\x65ncoding\x18\x10 \x01(\t\x12\x19\n\x0c\x62\x61se_version\x18\x11 \x01(\x03H\x01\x88\x01\x01\x12\x15\n\rbase_timeline\x18\x12 \x01(\x03\x42\x11\n\x0f_chunk_checksumB\x0f\n\r_base_version\"Z\n\nTensorMeta\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06nbytes\x18\x04 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x05 \x01(\x04\"\x91\x01\n\x0fVersionManifest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12,\n\x07tensors\x18\x02 \x03(\x0b\x32\x1b.gyre.weights.v1.TensorMeta\x12\x15\n\rchecksum_kind\x18\x03 \x01(\t\x12\x16\n\x0eschema_version\x18\x04 \x01(\r\x12\x10\n\x08timeline\x18\x05 \x01(\x03\"\x0f\n\rLatestRequest\"3\n\x0eLatestResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x10\n\x08timeline\x18\x02 \x01(\x03\x32\xfd\x01\n\rWeightService\x12N\n\tSubscribe\x12!.gyre.weights.v1.SubscribeRequest\x1a\x1c.gyre.weights.v1.WeightChunk0\x01\x12Q\n\x08\x41nnounce\x12!.gyre.weights.v1.SubscribeRequest\x1a .gyre.weights.v1.VersionManifest0\x01\x12I\n\x06Latest\x12\x1e.gyre.weights.v1.LatestRequest\x1a\x1f.gyre.weights.v1.LatestResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18gyre/proto/weights.proto\x12\x0fgyre.weights.v1\"\xab\x01\n\x10SubscribeRequest\x12\x14\n\x0chave_version\x18\x01 \x01(\x03\x12\x12\n\nsubscriber\x18\x02 \x01(\t\x12\x15\n\rhave_timeline\x18\x03 \x01(\x03\x12\x19\n\x0c\x62\x61se_version\x18\x04 \x01(\x03H\x00\x88\x01\x01\x12\x15\n\rbase_timeline\x18\x05 \x01(\x03\x12\x13\n\x0bincarnation\x18\x06 \x01(\tB\x0f\n\r_base_version\"\x96\x03\n\x0bWeightChunk\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\r\n\x05shape\x18\x04 \x03(\x03\x12\x0e\n\x06offset\x18\x05 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x06 \x01(\x0c\x12\x0e\n\x06nbytes\x18\x07 \x01(\x04\x12\x16\n\x0elast_of_tensor\x18\x08 \x01(\x08\x12\x10\n\x08\x63hecksum\x18\t \x01(\r\x12\x17\n\x0flast_of_version\x18\n \x01(\x08\x12\x13\n\x0bnum_tensors\x18\x0b \x01(\r\x12\x16\n\x0eschema_version\x18\x0c \x01(\r\x12\x15\n\rchecksum_kind\x18\r \x01(\t\x12\x10\n\x08timeline\x18\x0e \x01(\x03\x12\x1b\n\x0e\x63hunk_checksum\x18\x0f \x01(\x04H\x00\x88\x01\x01\x12\x10\n\x08\x65ncoding\x18\x10 \x01(\t\x12\x19\n\x0c\x62\x61se_version\x18\x11 \x01(\x03H\x01\x88\x01\x01\x12\x15\n\rbase_timeline\x18\x12 \x01(\x03\x42\x11\n\x0f_chunk_checksumB\x0f\n\r_base_version\"Z\n\nTensorMeta\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06nbytes\x18\x04 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x05 \x01(\x04\"\xa3\x01\n\x0e\x42roadcastGroup\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x0f\n\x07members\x18\x02 \x03(\t\x12\x12\n\nstore_port\x18\x03 \x01(\r\x12\x0f\n\x07\x62\x61\x63kend\x18\x04 \x01(\t\x12\x14\n\x0c\x62ucket_bytes\x18\x05 \x01(\x04\x12\x16\n\x0ejoin_timeout_s\x18\x06 \x01(\x01\x12\x1b\n\x13\x62roadcast_timeout_s\x18\x07 \x01(\x01\"\xc1\x01\n\x0fVersionManifest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12,\n\x07tensors\x18\x02 \x03(\x0b\x32\x1b.gyre.weights.v1.TensorMeta\x12\x15\n\rchecksum_kind\x18\x03 \x01(\t\x12\x16\n\x0eschema_version\x18\x04 \x01(\r\x12\x10\n\x08timeline\x18\x05 \x01(\x03\x12.\n\x05group\x18\x06 \x01(\x0b\x32\x1f.gyre.weights.v1.BroadcastGroup\"\x0f\n\rLatestRequest\"3\n\x0eLatestResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x10\n\x08timeline\x18\x02 \x01(\x03\x32\xfd\x01\n\rWeightService\x12N\n\tSubscribe\x12!.gyre.weights.v1.SubscribeRequest\x1a\x1c.gyre.weights.v1.WeightChunk0\x01\x12Q\n\x08\x41nnounce\x12!.gyre.weights.v1.SubscribeRequest\x1a .gyre.weights.v1.VersionManifest0\x01\x12I\n\x06Latest\x12\x1e.gyre.weights.v1.LatestRequest\x1a\x1f.gyre.weights.v1.LatestResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,17 +32,19 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'gyre.proto.weights_pb2', _g
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SUBSCRIBEREQUEST']._serialized_start=46
-  _globals['_SUBSCRIBEREQUEST']._serialized_end=196
-  _globals['_WEIGHTCHUNK']._serialized_start=199
-  _globals['_WEIGHTCHUNK']._serialized_end=605
-  _globals['_TENSORMETA']._serialized_start=607
-  _globals['_TENSORMETA']._serialized_end=697
-  _globals['_VERSIONMANIFEST']._serialized_start=700
-  _globals['_VERSIONMANIFEST']._serialized_end=845
-  _globals['_LATESTREQUEST']._serialized_start=847
-  _globals['_LATESTREQUEST']._serialized_end=862
-  _globals['_LATESTRESPONSE']._serialized_start=864
-  _globals['_LATESTRESPONSE']._serialized_end=915
-  _globals['_WEIGHTSERVICE']._serialized_start=918
-  _globals['_WEIGHTSERVICE']._serialized_end=1171
+  _globals['_SUBSCRIBEREQUEST']._serialized_end=217
+  _globals['_WEIGHTCHUNK']._serialized_start=220
+  _globals['_WEIGHTCHUNK']._serialized_end=626
+  _globals['_TENSORMETA']._serialized_start=628
+  _globals['_TENSORMETA']._serialized_end=718
+  _globals['_BROADCASTGROUP']._serialized_start=721
+  _globals['_BROADCASTGROUP']._serialized_end=884
+  _globals['_VERSIONMANIFEST']._serialized_start=887
+  _globals['_VERSIONMANIFEST']._serialized_end=1080
+  _globals['_LATESTREQUEST']._serialized_start=1082
+  _globals['_LATESTREQUEST']._serialized_end=1097
+  _globals['_LATESTRESPONSE']._serialized_start=1099
+  _globals['_LATESTRESPONSE']._serialized_end=1150
+  _globals['_WEIGHTSERVICE']._serialized_start=1153
+  _globals['_WEIGHTSERVICE']._serialized_end=1406
 # @@protoc_insertion_point(module_scope)

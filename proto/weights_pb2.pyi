@@ -7,18 +7,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SubscribeRequest(_message.Message):
-    __slots__ = ("have_version", "subscriber", "have_timeline", "base_version", "base_timeline")
+    __slots__ = ("have_version", "subscriber", "have_timeline", "base_version", "base_timeline", "incarnation")
     HAVE_VERSION_FIELD_NUMBER: _ClassVar[int]
     SUBSCRIBER_FIELD_NUMBER: _ClassVar[int]
     HAVE_TIMELINE_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
     BASE_TIMELINE_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     have_version: int
     subscriber: str
     have_timeline: int
     base_version: int
     base_timeline: int
-    def __init__(self, have_version: _Optional[int] = ..., subscriber: _Optional[str] = ..., have_timeline: _Optional[int] = ..., base_version: _Optional[int] = ..., base_timeline: _Optional[int] = ...) -> None: ...
+    incarnation: str
+    def __init__(self, have_version: _Optional[int] = ..., subscriber: _Optional[str] = ..., have_timeline: _Optional[int] = ..., base_version: _Optional[int] = ..., base_timeline: _Optional[int] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class WeightChunk(_message.Message):
     __slots__ = ("version", "name", "dtype", "shape", "offset", "data", "nbytes", "last_of_tensor", "checksum", "last_of_version", "num_tensors", "schema_version", "checksum_kind", "timeline", "chunk_checksum", "encoding", "base_version", "base_timeline")
@@ -74,19 +76,39 @@ class TensorMeta(_message.Message):
     checksum: int
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ..., checksum: _Optional[int] = ...) -> None: ...
 
+class BroadcastGroup(_message.Message):
+    __slots__ = ("group_id", "members", "store_port", "backend", "bucket_bytes", "join_timeout_s", "broadcast_timeout_s")
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    STORE_PORT_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    JOIN_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    BROADCAST_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    group_id: str
+    members: _containers.RepeatedScalarFieldContainer[str]
+    store_port: int
+    backend: str
+    bucket_bytes: int
+    join_timeout_s: float
+    broadcast_timeout_s: float
+    def __init__(self, group_id: _Optional[str] = ..., members: _Optional[_Iterable[str]] = ..., store_port: _Optional[int] = ..., backend: _Optional[str] = ..., bucket_bytes: _Optional[int] = ..., join_timeout_s: _Optional[float] = ..., broadcast_timeout_s: _Optional[float] = ...) -> None: ...
+
 class VersionManifest(_message.Message):
-    __slots__ = ("version", "tensors", "checksum_kind", "schema_version", "timeline")
+    __slots__ = ("version", "tensors", "checksum_kind", "schema_version", "timeline", "group")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_KIND_FIELD_NUMBER: _ClassVar[int]
     SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
     TIMELINE_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
     version: int
     tensors: _containers.RepeatedCompositeFieldContainer[TensorMeta]
     checksum_kind: str
     schema_version: int
     timeline: int
-    def __init__(self, version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., checksum_kind: _Optional[str] = ..., schema_version: _Optional[int] = ..., timeline: _Optional[int] = ...) -> None: ...
+    group: BroadcastGroup
+    def __init__(self, version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., checksum_kind: _Optional[str] = ..., schema_version: _Optional[int] = ..., timeline: _Optional[int] = ..., group: _Optional[_Union[BroadcastGroup, _Mapping]] = ...) -> None: ...
 
 class LatestRequest(_message.Message):
     __slots__ = ()

@@ -67,10 +67,11 @@ class WeightServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Announce(self, request, context):
-        """Server stream of manifests for versions whose bytes go over a collective (NCCL broadcast from the
-        learner, rank 0, to every rollout worker): the newest announced version greater than have_version,
-        then each later one. After receiving a manifest a subscriber must join the broadcast of exactly
-        those tensors, in order. Idempotent like Subscribe; after a restart pass the current version.
+        """Server stream of manifests for versions whose bytes go over a collective (a broadcast from the learner,
+        rank 0, to one leader per rollout): the newest announced version greater than have_version, then each
+        later one. A subscriber listed in the manifest's group must join it and receive the bytes (buckets, in
+        manifest order); one not listed fetches the version over Subscribe. An open stream makes the subscriber's
+        incarnation a member of the next group the learner forms. Idempotent like Subscribe.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -26,11 +26,9 @@ running step and any async-scheduling batch queue are done and their tokens emit
 only changes inside that pause, so each token carries the version of the weights that sampled it.
 The integration test checks this token by token against greedy decoding with each policy.
 
-With ``weight_transport.type == "nccl"`` an update may instead be a ``VersionManifest`` (names,
-shapes, checksums; the bytes follow as an NCCL broadcast from the learner): step 2 becomes vLLM's
-weight-transfer API (``start_weight_update`` → ``update_weights`` → ``finish_weight_update``) with
-the ``gyre_nccl`` backend registered below, whose workers receive every tensor, verify every checksum
-and only then load them (a corrupt transfer leaves the weights untouched and is refused).
+With ``weight_transport: nccl`` the rollout service receives each version from the learner's broadcast group
+(``services.rollout.transport.nccl``) and hands it here as tensors, like gRPC: its tensor-parallel workers are fed
+from this process.
 
 On CPU, vLLM's attention kernels need ``head_dim`` to be a multiple of 32 (16 fails at start with
 "Unsupported CPU attention configuration").
@@ -48,7 +46,6 @@ from pathlib import Path
 
 import torch
 from vllm import SamplingParams
-from vllm.distributed.weight_transfer.base import WeightTransferInitRequest, WeightTransferUpdateRequest
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.inputs.engine import tokens_input
 from vllm.outputs import CompletionOutput
@@ -56,16 +53,10 @@ from vllm.platforms import current_platform
 from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.async_llm import AsyncLLM
 
-from gyre.proto.tensor_chunks import DTYPES
-from gyre.proto.manifest import VersionManifest
 from gyre.proto.trajectory import FINISH_REASONS
 from gyre.rollout.config import EngineConfig, SamplingConfig
 from gyre.rollout.types import Sample
-from gyre.proto.weight_transport import NcclTransportConfig
-from gyre.rollout.weights import (NCCL_BACKEND, GyreWorkerExtension, expected_shapes, register_nccl_backend,
-                                  write_safetensors)
-
-register_nccl_backend()  # runs in vLLM's worker process too: it imports this module for the extension class
+from gyre.rollout.weights import GyreWorkerExtension, expected_shapes, write_safetensors
 
 __all__ = ["EngineFailedError", "RolloutEngine", "Sample", "StaleVersionError", "WeightMismatchError"]
 
@@ -96,7 +87,6 @@ class RolloutEngine:
         self._expected, self._optional = expected_shapes(Path(config.model))
         self._update_lock = asyncio.Lock()
         self._failure: BaseException | None = None
-        self._nccl_ready: asyncio.Task | None = None
 
     @classmethod
     async def start(cls, config: EngineConfig, initial_version: int = 0) -> RolloutEngine:
@@ -105,20 +95,12 @@ class RolloutEngine:
         vLLM spawns an engine-core and a worker process: scripts need an ``if __name__ == "__main__"``
         guard.
 
-        With ``weight_transport.type == "nccl"`` the workers join the learner's NCCL group in the
-        background (that rendezvous completes once every rank is up).
-
         Raises:
             ValueError: ``initial_version`` < -1 (-1: the model folder's weights carry no policy version
                 yet; lockstep loads version 0 from its version store before generating).
-            RuntimeError: ``weight_transport.type`` is ``"nccl"`` and this machine has no CUDA device.
         """
         if initial_version < -1:
             raise ValueError(f"initial_version ({initial_version}) must be >= -1")
-        nccl = config.weight_transport.type == "nccl"
-        if nccl and not torch.cuda.is_available():
-            raise RuntimeError("weight_transport type 'nccl' needs a CUDA GPU, but torch.cuda.is_available() "
-                               "is False on this machine; use weight_transport type 'grpc'")
         if os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
             logger.warning("VLLM_CPU_KVCACHE_SPACE=%s overrides kv_cache_gib=%s",
                            os.environ["VLLM_CPU_KVCACHE_SPACE"], config.kv_cache_gib)
@@ -131,15 +113,10 @@ class RolloutEngine:
             max_num_seqs=config.max_num_seqs, **config.device_settings(cuda),
             seed=config.seed, logprobs_mode="processed_logprobs", disable_log_stats=True,
             worker_extension_cls=f"{__name__}.{GyreWorkerExtension.__qualname__}",
-            weight_transfer_config={"backend": NCCL_BACKEND} if nccl else None,
         )
         llm = AsyncLLM.from_engine_args(args)
         await llm.update_weight_version(str(initial_version))
-        engine = cls(config, llm, initial_version)
-        if nccl:
-            engine._nccl_ready = asyncio.create_task(
-                llm.init_weight_transfer_engine(nccl_init_request(config.weight_transport)))
-        return engine
+        return cls(config, llm, initial_version)
 
     @property
     def version(self) -> int:
@@ -189,13 +166,12 @@ class RolloutEngine:
         return [g[0] for g in groups]
 
     async def update_weights(self, version: int,
-                             named_tensors: Sequence[tuple[str, torch.Tensor]] | VersionManifest,
+                             named_tensors: Sequence[tuple[str, torch.Tensor]],
                              rewind: bool = False) -> float:
         """Apply policy ``version`` in flight (requests are kept, not aborted); return seconds taken.
 
         ``named_tensors`` are HF-named tensors covering every weight of the model (a tied
-        ``lm_head.weight`` may be left out), on CPU, any float dtype (cast to ``config.dtype``); or,
-        with the NCCL transport, the ``VersionManifest`` of tensors the learner is broadcasting.
+        ``lm_head.weight`` may be left out), on CPU, any float dtype (cast to ``config.dtype``).
 
         ``rewind=True`` also accepts a version not newer than the current one: lockstep versions name exact
         weights, so a re-issued prompt may need an older one (``rollout.lockstep_gate``); and a learner that
@@ -205,32 +181,22 @@ class RolloutEngine:
         Raises:
             StaleVersionError: ``version`` <= the current version and not ``rewind``; nothing changes.
             WeightMismatchError: unknown, missing or duplicate name, wrong shape or non-float dtype
-                (raised before pausing), or a broadcast tensor that fails its checksum (refused
-                before loading); the old weights keep serving. With a ``VersionManifest`` every refusal
-                still receives the broadcast and drops it, so the learner and other ranks never wait on
-                this one.
+                (raised before pausing); the old weights keep serving.
             EngineFailedError: loading failed after the pause; in-flight requests are aborted and the
                 engine refuses further work (its weights are undefined).
         """
         start = time.perf_counter()
         async with self._update_lock:
             self._check_alive()
-            manifest = isinstance(named_tensors, VersionManifest)
             if version <= self._version and not rewind:
-                stale = StaleVersionError(
+                raise StaleVersionError(
                     f"weight version ({version}) must be newer than the current one ({self._version})")
-                if manifest and self._nccl_ready is not None:  # its broadcast is coming: take the bytes
-                    await self._drain(named_tensors)
-                raise stale
-            if manifest:
-                paused_s = await self._receive_broadcast(version, named_tensors)
-            else:
-                tensors = self._validated(named_tensors)
-                path = await asyncio.to_thread(write_safetensors, tensors)
-                try:
-                    paused_s = await self._swap_weights(version, self._load_file(path))
-                finally:
-                    path.unlink(missing_ok=True)
+            tensors = self._validated(named_tensors)
+            path = await asyncio.to_thread(write_safetensors, tensors)
+            try:
+                paused_s = await self._swap_weights(version, self._load_file(path))
+            finally:
+                path.unlink(missing_ok=True)
             self._version = version
         total_s = time.perf_counter() - start
         logger.info("policy version %d applied in %.3f s (paused %.3f s)", version, total_s, paused_s)
@@ -244,8 +210,7 @@ class RolloutEngine:
         if self._failure is not None:
             raise EngineFailedError(f"engine failed during a weight update: {self._failure!r}")
 
-    def _validated(self, named_tensors: Sequence[tuple[str, torch.Tensor]],
-                   materialize: bool = True) -> dict[str, torch.Tensor]:
+    def _validated(self, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """Check names/shapes/dtypes against the checkpoint; return name -> CPU tensor to save."""
         tensors: dict[str, torch.Tensor] = {}
         storages: set[int] = set()
@@ -261,9 +226,6 @@ class RolloutEngine:
                 raise WeightMismatchError(f"tensor {name!r} appears more than once")
             if name in self._optional:
                 continue
-            if not materialize:
-                tensors[name] = tensor
-                continue
             tensor = tensor.detach().to("cpu").contiguous()
             if tensor.untyped_storage().data_ptr() in storages:
                 tensor = tensor.clone()  # safetensors refuses tensors that share memory
@@ -276,49 +238,6 @@ class RolloutEngine:
 
     async def _load_file(self, path: Path) -> None:
         await self._llm.collective_rpc("gyre_load_weights_file", args=(str(path),))
-
-    async def _receive_broadcast(self, version: int, manifest: VersionManifest) -> float:
-        """Validate the manifest, then pause and let the workers receive, verify and load the broadcast.
-
-        A manifest refused here (unknown tensor, wrong shape) is still received and dropped without pausing
-        (``drain``): the learner and every other rank wait in the collective until each rank took its bytes.
-        """
-        timeout_s = self._config.weight_transport.broadcast_timeout_s
-        try:
-            self._validated([(m.name, torch.empty(m.shape, dtype=DTYPES.get(m.dtype, torch.uint8), device="meta"))
-                             for m in manifest.tensors], materialize=False)
-        except WeightMismatchError:
-            await self._drain(manifest)
-            raise
-        await self._nccl_ready_or_raise()
-        return await self._swap_weights(version, asyncio.wait_for(self._load_broadcast(manifest), timeout_s))
-
-    async def _drain(self, manifest: VersionManifest) -> None:
-        """Receive a refused version's broadcast and drop it (no pause, nothing loaded)."""
-        await self._nccl_ready_or_raise()
-
-        async def drain() -> None:
-            await self._llm.start_weight_update()
-            await self._llm.update_weights(nccl_update_request(manifest, drain=True))
-            await self._llm.finish_weight_update()
-        await asyncio.wait_for(drain(), self._config.weight_transport.broadcast_timeout_s)
-
-    async def _nccl_ready_or_raise(self) -> None:
-        """Wait for the workers' NCCL group; ``RuntimeError`` when this engine has no NCCL transport."""
-        if self._nccl_ready is None:
-            raise RuntimeError("a VersionManifest needs weight_transport type 'nccl'")
-        await self._nccl_ready
-
-    async def _load_broadcast(self, manifest: VersionManifest) -> None:
-        await self._llm.start_weight_update()
-        try:
-            await self._llm.update_weights(nccl_update_request(manifest))
-        except Exception as exc:
-            if "ChunkError" not in repr(exc):
-                raise
-            # The worker verified before loading, so the weights are intact; vLLM already closed the update.
-            raise WeightMismatchError(f"broadcast refused, old weights kept: {exc}") from exc
-        await self._llm.finish_weight_update()
 
     async def _swap_weights(self, version: int, load) -> float:
         """Pause (keeping requests), await ``load``, reset caches, stamp ``version``, resume."""
@@ -355,18 +274,3 @@ class RolloutEngine:
         return Sample(token_ids=token_ids, logprobs=logprobs, finish_reason=out.finish_reason,
                       version_span_starts=starts, version_span_versions=versions, text=out.text)
 
-
-def nccl_init_request(config: NcclTransportConfig) -> WeightTransferInitRequest:
-    """vLLM's worker-side NCCL group init (TCPStore rendezvous; one tensor per broadcast, unpacked)."""
-    return WeightTransferInitRequest(init_info={
-        "master_address": config.master_address, "master_port": config.master_port,
-        "rank_offset": config.rank_offset, "world_size": config.world_size, "packed": False})
-
-
-def nccl_update_request(manifest: VersionManifest, drain: bool = False) -> WeightTransferUpdateRequest:
-    """The ``gyre_nccl`` update info: what to receive (in broadcast order) and each tensor's checksum;
-    ``drain=True`` receives the bytes and drops them (a refused version), loading nothing."""
-    return WeightTransferUpdateRequest(update_info={
-        "names": [m.name for m in manifest.tensors], "dtype_names": [m.dtype for m in manifest.tensors],
-        "shapes": [list(m.shape) for m in manifest.tensors], "checksums": [m.checksum for m in manifest.tensors],
-        "checksum_kind": manifest.checksum_kind, "drain": drain})

@@ -44,6 +44,8 @@ class LearnerActor:
             The learner's run journal goes next to it: ``{checkpoint_dir}/../learner_journal.jsonl``.
         security: ``SecurityConfig`` fields for the weight server and the replay client.
         run_id, metrics_port: as for ``services.replay.actor.ReplayActor``.
+        weight_transport: the rollouts' ``weight_transport`` (``proto.weight_transport``); with ``type: nccl`` the
+            learner also forms the broadcast group (``services.learner.weight_group``).
         ranks: rank 0 of a multi-rank learner (``rank_env``'s fields): the other ranks are
             ``LearnerRankActor``s mirroring this one's collective calls (``learner.ranks``); a failed
             collective ends this process (fail-stop: the supervisor restarts the whole group). ``None``: a
@@ -52,7 +54,8 @@ class LearnerActor:
 
     def __init__(self, config: dict, replay_address: str, host: str | None = None,
                  checkpoint_dir: str | None = None, security: dict | None = None, run_id: str = "run",
-                 metrics_port: int | None = 0, ranks: dict | None = None) -> None:
+                 metrics_port: int | None = 0, ranks: dict | None = None,
+                 weight_transport: dict | None = None) -> None:
         from gyre.learner.engine import LearnerEngine
         from gyre.learner.loop import LearnerLoop, LearnerLoopConfig
         from gyre.learner.versions import prepare_learner_process
@@ -61,7 +64,9 @@ class LearnerActor:
         from gyre.services.common.cpus import pin_from_env
         from gyre.services.common.logs import configure_logging
         from gyre.services.common.observability import LearnerMetrics, serve
+        from gyre.proto.weight_transport import NcclTransportConfig
         from gyre.services.learner import weight_server
+        from gyre.services.learner.weight_group import GroupMembers, WeightGroup
         from transformers import AutoTokenizer
 
         configure_logging(run_id, "learner")
@@ -75,12 +80,16 @@ class LearnerActor:
         if ranks is not None and ranks["world_size"] > 1:  # rank 0 announces each collective call to the others
             self.engine = LeaderEngine(self.engine, on_failure=fail_stop)
         self.publisher = WeightPublisher()
-        self.server, self.port = weight_server.serve(self.publisher, host=host, security=sec)
+        members = GroupMembers() if (weight_transport or {}).get("type") == "nccl" else None
+        self.server, self.port = weight_server.serve(self.publisher, host=host, security=sec, members=members)
         self.host = advertised_host(host)
         pad = AutoTokenizer.from_pretrained(self.config.engine.model).pad_token_id
         self.replay = ReroutableReplay(replay_address, sec)
         journal = Path(checkpoint_dir).parent / "learner_journal.jsonl" if checkpoint_dir is not None else None
         self.loop = LearnerLoop(self.config, self.engine, self.replay, self.publisher, pad, checkpoint_dir, journal)
+        if members is not None:  # weight_transport: nccl — versions also go out in a broadcast group
+            self.loop.background.group = WeightGroup(NcclTransportConfig(**weight_transport), self.publisher, members,
+                                                     host=host)
         self.resumed_from = self.loop.resume()  # config.resume (auto: newest verified checkpoint, if any)
         self.loop.publish_current()
         self.metrics = LearnerMetrics(run_id, "learner", async_save=self.config.async_save)

@@ -20,6 +20,7 @@ import structlog
 from gyre.faults import fault_point
 from gyre.learner.delta_versions import DeltaVersion, relative_version
 from gyre.learner.publisher import WeightPublisher
+from gyre.services.learner.weight_group import GroupMembers
 from gyre.proto import weights_pb2
 from gyre.proto.tensor_chunks import iter_chunks
 from gyre.proto.manifest import CHECKSUM_KIND
@@ -47,9 +48,12 @@ class WeightServicer(WeightStreamServicer):
     """
 
     def __init__(self, publisher: WeightPublisher, chunk_bytes: int = CHUNK_BYTES,
-                 write_timeout_s: float = WRITE_TIMEOUT_S) -> None:
+                 write_timeout_s: float = WRITE_TIMEOUT_S, members: GroupMembers | None = None) -> None:
         super().__init__(publisher, write_timeout_s)
         self.publisher = publisher
+        self.members = members
+        """Where an ``Announce`` stream with an incarnation is registered while it is open (the broadcast
+        transport's membership, ``services.learner.weight_group``); ``None``: nobody is."""
         self.chunk_bytes = chunk_bytes
         self._deltas: dict[tuple, asyncio.Future] = {}
         """``(base, version, timeline)`` → the version relative to ``base`` (``learner.delta_versions``), computed
@@ -117,12 +121,19 @@ class WeightServicer(WeightStreamServicer):
 
     async def Announce(self, request, context):
         log.info("announce_subscriber_joined", subscriber=request.subscriber, have_version=request.have_version,
-                 have_timeline=request.have_timeline)
-        async for version, timeline, metas in self._offers(request, manifest=True):
-            await self._write(context, weights_pb2.VersionManifest(
-                version=version, checksum_kind=CHECKSUM_KIND, schema_version=SCHEMA_VERSION, timeline=timeline,
-                tensors=[weights_pb2.TensorMeta(name=m.name, dtype=m.dtype, shape=m.shape, nbytes=m.nbytes,
-                                                checksum=m.checksum) for m in metas]))
+                 have_timeline=request.have_timeline, incarnation=request.incarnation)
+        member = self.members is not None and bool(request.incarnation)
+        if member:
+            self.members.add(request.incarnation, request.subscriber)
+        try:
+            async for version, timeline, (metas, group) in self._offers(request, manifest=True):
+                await self._write(context, weights_pb2.VersionManifest(
+                    version=version, checksum_kind=CHECKSUM_KIND, schema_version=SCHEMA_VERSION, timeline=timeline,
+                    tensors=[weights_pb2.TensorMeta(name=m.name, dtype=m.dtype, shape=m.shape, nbytes=m.nbytes,
+                                                    checksum=m.checksum) for m in metas], group=group))
+        finally:
+            if member:
+                self.members.remove(request.incarnation)
 
     async def Latest(self, request, context):
         version, timeline = self.publisher.latest()
@@ -154,10 +165,11 @@ def serialize_chunk(c) -> bytes:
 
 
 def serve(publisher: WeightPublisher, host: str | None = None, port: int = 0,
-          security: SecurityConfig | None = None) -> tuple[AioServer, int]:
+          security: SecurityConfig | None = None, members: GroupMembers | None = None) -> tuple[AioServer, int]:
     """Start a weight server on ``host:port`` (0 = free port; host defaults to ``security.bind_host``,
-    else 127.0.0.1), with TLS and token auth per ``security``; returns ``(server, bound_port)``."""
+    else 127.0.0.1), with TLS and token auth per ``security``; returns ``(server, bound_port)``. ``members``:
+    where open ``Announce`` streams register (the broadcast transport, ``services.learner.weight_group``)."""
     host = grpc_common.bind_host(host, security)
-    server, port = serve_stream(WeightServicer(publisher), host, port, security)
+    server, port = serve_stream(WeightServicer(publisher, members=members), host, port, security)
     log.info("weights_serving", address=f"{host}:{port}")
     return server, port

@@ -5,8 +5,10 @@ and ``reward: {function: ...}``, issue #22).
 
 While the controller trains, a chaos thread SIGKILLs the process of replay, then of the learner (each
 after training moved on since the previous restart), then scales the rollout fleet 1 → 3 and SIGKILLs
-rollout-0's process while the new rollouts start, and scales back to 1 once all 3 generate (weights through relays:
-``relay_fanout: 1``, rollout-0 relays to rollout-1, which relays to rollout-2). The run must still
+rollout-0's process while the new rollouts start, and scales back to 1 once all 3 generate. Twice: weights through
+relays (``relay_fanout: 1``, rollout-0 relays to rollout-1, which relays to rollout-2), and in the learner's broadcast
+group (``weight_transport: nccl``, gloo on CPU), which must re-form as the learner restarts and the fleet grows,
+loses rollout-0 and shrinks. The run must still
 finish every step, with gradients (the final policy is not the initial model); each killed service is restarted
 exactly once; the status the CLI reads shows the restarts; and the invariant checker (``gyre check``) finds no
 lost group, no group trained twice, every prompt completed once, and ``STEPS × groups_per_step`` groups trained;
@@ -140,13 +142,25 @@ class Chaos(threading.Thread):
             "learner_version"]
 
 
-def test_killed_services_restart_and_the_fleet_scales(tiny_llama, tmp_path, monkeypatch):
+TRANSPORTS = {
+    "relays": {"type": "grpc", "relay_fanout": 1},  # a chain: 0 relays to 1, 1 to 2 (rollout-0 is killed)
+    "broadcast": {"type": "nccl", "backend": "gloo", "bucket_mb": 1.0, "join_timeout_s": 20.0,
+                  "broadcast_timeout_s": 60.0},
+}
+
+
+def _log_events(out, pattern: str, event: str) -> list[dict]:
+    return [json.loads(line) for log in (out / "logs").glob(pattern) for line in log.read_text().splitlines()
+            if f'"{event}"' in line]
+
+
+@pytest.mark.parametrize("transport", sorted(TRANSPORTS))
+def test_killed_services_restart_and_the_fleet_scales(tiny_llama, tmp_path, monkeypatch, transport):
     recipe = load_recipe("deploy/recipes/tiny-test.yaml", {
         "model": str(tiny_llama), "run_dir": str(tmp_path), "ray.num_cpus": 2, "name": "chaos",
         "learner.num_steps": STEPS, "learner.save_interval": 1, "replay.lease_ttl_s": 60,
         "replay.prompt_lease_ttl_s": 20, "eval_before": False, "eval_after": False, **write_task(tmp_path / "data"),
-        "rollout.engine.weight_transport.type": "grpc", "rollout.engine.weight_transport.relay_fanout": 1,  # a chain: 0 relays to 1, 1 to 2 (rollout-0 is killed)
-        **sim_engine(TINY_GROUP_S)})
+        "rollout.engine.weight_transport": TRANSPORTS[transport], **sim_engine(TINY_GROUP_S)})
     assert recipe.task.reward.function.endswith("reward.py:digits")
     chaos = Chaos(recipe.name, recipe.ray.namespace)
     summary = run_with_chaos(recipe, chaos, monkeypatch)
@@ -160,9 +174,17 @@ def test_killed_services_restart_and_the_fleet_scales(tiny_llama, tmp_path, monk
     assert summary["final_version"] == STEPS
     assert summary["restarts"] == {"replay": 1, "learner": 1, "rollout-0": 1}
     out = tmp_path / "chaos"
-    joined = [json.loads(line) for log in (out / "logs").glob("rollout-*.log") for line in log.read_text().splitlines()
-              if '"relay_child_joined"' in line]  # weights went 0 -> 1 -> 2 through the rollouts' relays
-    assert {(j["service"], j["subscriber"]) for j in joined} >= {("rollout-0", "rollout-1"), ("rollout-1", "rollout-2")}
+    if transport == "relays":  # weights went 0 -> 1 -> 2 through the rollouts' relays
+        joined = _log_events(out, "rollout-*.log", "relay_child_joined")
+        assert {(j["service"], j["subscriber"]) for j in joined} >= {("rollout-0", "rollout-1"),
+                                                                    ("rollout-1", "rollout-2")}
+    else:  # both learner incarnations formed groups; one held all 3 rollouts; every rollout took versions from one
+        formed = _log_events(out, "learner*.log", "weights_group_formed")
+        assert len({f["group"].split("-")[0] for f in formed}) == 2, formed
+        assert max(len(f["members"]) for f in formed) == 3 and min(len(f["members"]) for f in formed) == 1
+        joined = _log_events(out, "rollout-*.log", "weights_group_joined")
+        assert {j["subscriber"] for j in joined} == {"rollout-0", "rollout-1", "rollout-2"}
+        assert _log_events(out, "learner*.log", "weights_group_sent")
     steps = [r["step"] for r in assert_trained(out, tiny_llama)]
     assert steps[-1] == STEPS
     # The only rows that may be missing: steps the killed learner trained and checkpointed after the

@@ -175,7 +175,8 @@ class ServiceFactory:
         cfg["fingerprint"] = cfg["fingerprint"] or self.fingerprint
         if restarted and any(self.checkpoint_dir.glob("global_step_*")):
             cfg["resume"] = "auto"  # a restarted learner rejoins from its own newest verified checkpoint
-        kwargs = {"checkpoint_dir": str(self.checkpoint_dir), "security": self.security, "run_id": self.recipe.name}
+        kwargs = {"checkpoint_dir": str(self.checkpoint_dir), "security": self.security, "run_id": self.recipe.name,
+                  "weight_transport": self.recipe.rollout.engine.weight_transport.model_dump()}
         world = self.recipe.placement.learner.world_size
         if world == 1:
             handle = self._create(LearnerActor, "learner", "learner", cfg, replay_address, **kwargs)

@@ -7,8 +7,8 @@ from gyre.services.control.recipe.schema import Recipe, RecipeError
 
 def check_machine(recipe: Recipe, cuda_devices: int | None = None) -> None:
     """Refuse, before anything starts, a recipe this install or machine cannot run: vLLM rollouts with no
-    engine installed (a base install), the NCCL weight transport (not wired into runs yet: it would stall), GPUs
-    asked for (``placement``) with the cpu target installed, or, for a private local Ray
+    engine installed (a base install), a fleet larger than the broadcast group takes (``weight_transport: nccl``),
+    ``backend: nccl`` on a private local Ray without a GPU, GPUs asked for (``placement``) with the cpu target installed, or, for a private local Ray
     (``ray.address: local``), more GPUs than this machine has. On a cluster the GPUs are the nodes', not
     this driver's, and are left to Ray's placement.
 
@@ -28,10 +28,7 @@ def check_machine(recipe: Recipe, cuda_devices: int | None = None) -> None:
                           "install): add a target, `pip install --no-deps -r requirements/cpu.lock` or "
                           "requirements/cuda.lock (or `make setup`)")
     if nccl:
-        raise RecipeError(f"recipe {recipe.name}: rollout.engine.weight_transport type 'nccl' is not wired into "
-                          "`gyre run` yet: nothing on the learner opens the NCCL group, so the rollouts would wait "
-                          "for weights for ever. Use type 'grpc' (with relay_fanout: 8 for a large fleet); "
-                          "`python -m bench.nccl` measures the NCCL path on its own")
+        check_broadcast_group(recipe, cuda_devices)
     if not need:
         return
     what = ", ".join(f"{role} {n:g}" for role, n in need.items()) or "none"
@@ -50,3 +47,26 @@ def check_machine(recipe: Recipe, cuda_devices: int | None = None) -> None:
             raise RecipeError(f"{asks}: {total:g} in all, but this machine has {cuda_devices} CUDA device(s): "
                               "lower placement.*.num_gpus / rollout.num_workers / placement.learner.world_size, "
                               "or run on a cluster (ray.address: auto)")
+
+
+def check_broadcast_group(recipe: Recipe, cuda_devices: int | None = None) -> None:
+    """Refuse a ``weight_transport: nccl`` recipe whose fleet is larger than the group takes (``max_members``), or
+    that asks for ``backend: nccl`` on a private local Ray (``ray.address: local``) with no CUDA device here.
+
+    Raises:
+        RecipeError: naming both numbers (or the backend) and the fix.
+    """
+    transport = recipe.rollout.engine.weight_transport
+    fleet = recipe.rollout.num_workers
+    if fleet > transport.max_members:
+        raise RecipeError(f"recipe {recipe.name}: rollout.num_workers ({fleet}) is more than the broadcast group takes "
+                          f"(rollout.engine.weight_transport.max_members: {transport.max_members}): raise max_members "
+                          "to at least the fleet, or use weight_transport type 'grpc' with relay_fanout: 8")
+    if transport.backend == "nccl" and recipe.ray.address == "local":
+        if cuda_devices is None:
+            import torch
+
+            cuda_devices = torch.cuda.device_count()
+        if cuda_devices == 0:
+            raise RecipeError(f"recipe {recipe.name}: rollout.engine.weight_transport.backend 'nccl' needs CUDA GPUs, "
+                              "but this machine has none: use backend 'auto' (gloo here) or 'gloo'")

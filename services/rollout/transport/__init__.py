@@ -17,8 +17,8 @@ def make_transport(config: GrpcTransportConfig | NcclTransportConfig, address: s
     ``(have_version, have_timeline)`` is what the engine serves (``proto.timeline``). gRPC only: ``relays`` are the
     relay addresses to fetch from before the learner (nearest first), ``relay`` this rollout's ``RelayCache``.
 
-    Raises:
-        TransportUnavailableError: ``type: nccl`` on a machine without CUDA.
+    ``type: nccl`` starts on any machine: whether its group can use NCCL is known per group (the learner names the
+    backend), and a rollout that cannot take part fetches over gRPC.
     """
     if config.type == "nccl":
         from gyre.services.rollout.transport.nccl import NcclTransport

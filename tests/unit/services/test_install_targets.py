@@ -98,14 +98,25 @@ def test_gpu_recipe_asking_more_gpus_than_this_machine_has_is_refused(monkeypatc
     check_machine(cluster, cuda_devices=0)  # a cluster's GPUs are its nodes', left to Ray's placement
 
 
-def test_the_nccl_weight_transport_is_refused_until_runs_open_its_group(monkeypatch):
-    """It used to pass this check and then stall: the rollouts waited for a broadcast nobody started."""
+def test_a_fleet_larger_than_the_broadcast_group_is_refused_with_both_numbers(monkeypatch):
     monkeypatch.setattr(install_check, "installed_target", lambda: "cuda")
     recipe = load_recipe(REPO / "deploy/recipes/qwen2.5-1.5b-gsm8k-1node.yaml", {
-        "rollout.engine.weight_transport": {"type": "nccl", "master_address": "10.0.0.1", "master_port": 29600,
-                                            "world_size": 5, "rank_offset": 1}}, dry_run=True)
-    with pytest.raises(RecipeError, match="weight_transport type 'nccl' is not wired into `gyre run` yet.*type 'grpc'"):
+        "rollout.engine.weight_transport": {"type": "nccl", "max_members": 3}}, dry_run=True)
+    with pytest.raises(RecipeError, match=r"rollout.num_workers \(4\) is more than the broadcast group takes "
+                                          r"\(rollout.engine.weight_transport.max_members: 3\)"):
         check_machine(recipe, cuda_devices=8)
+    check_machine(recipe.model_copy(update={"rollout": recipe.rollout.model_copy(update={"num_workers": 3})}),
+                  cuda_devices=8)
+
+
+def test_the_nccl_backend_without_a_gpu_is_refused_and_auto_is_not(monkeypatch):
+    monkeypatch.setattr(install_check, "installed_target", lambda: "cpu")
+    tiny = {"rollout.engine.weight_transport": {"type": "nccl", "backend": "nccl"}}
+    recipe = load_recipe(REPO / "deploy/recipes/tiny-test.yaml", tiny, dry_run=True)
+    with pytest.raises(RecipeError, match="backend 'nccl' needs CUDA GPUs, but this machine has none"):
+        check_machine(recipe, cuda_devices=0)
+    tiny["rollout.engine.weight_transport"]["backend"] = "auto"
+    check_machine(load_recipe(REPO / "deploy/recipes/tiny-test.yaml", tiny, dry_run=True), cuda_devices=0)
 
 
 def test_cli_refuses_a_gpu_recipe_here_with_one_line():
