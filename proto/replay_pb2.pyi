@@ -97,16 +97,18 @@ class RejoinResponse(_message.Message):
     def __init__(self, released: _Optional[int] = ...) -> None: ...
 
 class LeasePromptsRequest(_message.Message):
-    __slots__ = ("consumer", "count", "ttl_s", "below_prompt_index")
+    __slots__ = ("consumer", "count", "ttl_s", "below_prompt_index", "max_ready_groups")
     CONSUMER_FIELD_NUMBER: _ClassVar[int]
     COUNT_FIELD_NUMBER: _ClassVar[int]
     TTL_S_FIELD_NUMBER: _ClassVar[int]
     BELOW_PROMPT_INDEX_FIELD_NUMBER: _ClassVar[int]
+    MAX_READY_GROUPS_FIELD_NUMBER: _ClassVar[int]
     consumer: str
     count: int
     ttl_s: float
     below_prompt_index: int
-    def __init__(self, consumer: _Optional[str] = ..., count: _Optional[int] = ..., ttl_s: _Optional[float] = ..., below_prompt_index: _Optional[int] = ...) -> None: ...
+    max_ready_groups: int
+    def __init__(self, consumer: _Optional[str] = ..., count: _Optional[int] = ..., ttl_s: _Optional[float] = ..., below_prompt_index: _Optional[int] = ..., max_ready_groups: _Optional[int] = ...) -> None: ...
 
 class PromptLease(_message.Message):
     __slots__ = ("prompt_index", "attempt")
@@ -117,10 +119,12 @@ class PromptLease(_message.Message):
     def __init__(self, prompt_index: _Optional[int] = ..., attempt: _Optional[int] = ...) -> None: ...
 
 class LeasePromptsResponse(_message.Message):
-    __slots__ = ("prompts",)
+    __slots__ = ("prompts", "budget")
     PROMPTS_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_FIELD_NUMBER: _ClassVar[int]
     prompts: _containers.RepeatedCompositeFieldContainer[PromptLease]
-    def __init__(self, prompts: _Optional[_Iterable[_Union[PromptLease, _Mapping]]] = ...) -> None: ...
+    budget: int
+    def __init__(self, prompts: _Optional[_Iterable[_Union[PromptLease, _Mapping]]] = ..., budget: _Optional[int] = ...) -> None: ...
 
 class UpdatePrioritiesRequest(_message.Message):
     __slots__ = ("group_ids", "priorities")
@@ -153,7 +157,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("schema_version", "size_trajectories", "size_groups", "inserted_total", "duplicates_total", "dropped_stale_total", "sampled_groups_total", "leased_groups", "acked_groups_total", "prompts_completed", "learner_version", "inserted_by_newest_version", "inserted_multi_version", "stored_trajectories", "stored_groups", "stored_bytes", "excluded_groups", "active_leases", "prompts_leased", "inserts_per_s", "samples_per_s", "excluded_stale_total", "evicted_groups_total", "consumed_groups_total", "released_groups_total", "expired_groups_total", "staleness_at_sample", "rl_inserted", "rl_sampled", "rl_diff", "rl_min_diff", "rl_max_diff", "wal_bytes", "wal_fsyncs", "wal_segments", "wal_next_lsn", "snapshots_written", "last_snapshot_age_s", "restore_seconds", "restore_records_replayed", "restore_errors", "last_snapshot_seconds", "dead_timeline_total", "dead_timeline_deleted_total")
+    __slots__ = ("schema_version", "size_trajectories", "size_groups", "inserted_total", "duplicates_total", "dropped_stale_total", "sampled_groups_total", "leased_groups", "acked_groups_total", "prompts_completed", "learner_version", "inserted_by_newest_version", "inserted_multi_version", "stored_trajectories", "stored_groups", "stored_bytes", "excluded_groups", "active_leases", "prompts_leased", "inserts_per_s", "samples_per_s", "excluded_stale_total", "evicted_groups_total", "consumed_groups_total", "released_groups_total", "expired_groups_total", "staleness_at_sample", "rl_inserted", "rl_sampled", "rl_diff", "rl_min_diff", "rl_max_diff", "wal_bytes", "wal_fsyncs", "wal_segments", "wal_next_lsn", "snapshots_written", "last_snapshot_age_s", "restore_seconds", "restore_records_replayed", "restore_errors", "last_snapshot_seconds", "dead_timeline_total", "dead_timeline_deleted_total", "dropped_stale_fraction", "work_budget_left")
     class InsertedByNewestVersionEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -212,6 +216,8 @@ class InfoResponse(_message.Message):
     LAST_SNAPSHOT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     DEAD_TIMELINE_TOTAL_FIELD_NUMBER: _ClassVar[int]
     DEAD_TIMELINE_DELETED_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_STALE_FRACTION_FIELD_NUMBER: _ClassVar[int]
+    WORK_BUDGET_LEFT_FIELD_NUMBER: _ClassVar[int]
     schema_version: int
     size_trajectories: int
     size_groups: int
@@ -256,4 +262,6 @@ class InfoResponse(_message.Message):
     last_snapshot_seconds: float
     dead_timeline_total: int
     dead_timeline_deleted_total: int
-    def __init__(self, schema_version: _Optional[int] = ..., size_trajectories: _Optional[int] = ..., size_groups: _Optional[int] = ..., inserted_total: _Optional[int] = ..., duplicates_total: _Optional[int] = ..., dropped_stale_total: _Optional[int] = ..., sampled_groups_total: _Optional[int] = ..., leased_groups: _Optional[int] = ..., acked_groups_total: _Optional[int] = ..., prompts_completed: _Optional[int] = ..., learner_version: _Optional[int] = ..., inserted_by_newest_version: _Optional[_Mapping[int, int]] = ..., inserted_multi_version: _Optional[int] = ..., stored_trajectories: _Optional[int] = ..., stored_groups: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., excluded_groups: _Optional[int] = ..., active_leases: _Optional[int] = ..., prompts_leased: _Optional[int] = ..., inserts_per_s: _Optional[float] = ..., samples_per_s: _Optional[float] = ..., excluded_stale_total: _Optional[int] = ..., evicted_groups_total: _Optional[int] = ..., consumed_groups_total: _Optional[int] = ..., released_groups_total: _Optional[int] = ..., expired_groups_total: _Optional[int] = ..., staleness_at_sample: _Optional[_Mapping[int, int]] = ..., rl_inserted: _Optional[int] = ..., rl_sampled: _Optional[int] = ..., rl_diff: _Optional[float] = ..., rl_min_diff: _Optional[float] = ..., rl_max_diff: _Optional[float] = ..., wal_bytes: _Optional[int] = ..., wal_fsyncs: _Optional[int] = ..., wal_segments: _Optional[int] = ..., wal_next_lsn: _Optional[int] = ..., snapshots_written: _Optional[int] = ..., last_snapshot_age_s: _Optional[float] = ..., restore_seconds: _Optional[float] = ..., restore_records_replayed: _Optional[int] = ..., restore_errors: _Optional[int] = ..., last_snapshot_seconds: _Optional[float] = ..., dead_timeline_total: _Optional[int] = ..., dead_timeline_deleted_total: _Optional[int] = ...) -> None: ...
+    dropped_stale_fraction: float
+    work_budget_left: int
+    def __init__(self, schema_version: _Optional[int] = ..., size_trajectories: _Optional[int] = ..., size_groups: _Optional[int] = ..., inserted_total: _Optional[int] = ..., duplicates_total: _Optional[int] = ..., dropped_stale_total: _Optional[int] = ..., sampled_groups_total: _Optional[int] = ..., leased_groups: _Optional[int] = ..., acked_groups_total: _Optional[int] = ..., prompts_completed: _Optional[int] = ..., learner_version: _Optional[int] = ..., inserted_by_newest_version: _Optional[_Mapping[int, int]] = ..., inserted_multi_version: _Optional[int] = ..., stored_trajectories: _Optional[int] = ..., stored_groups: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., excluded_groups: _Optional[int] = ..., active_leases: _Optional[int] = ..., prompts_leased: _Optional[int] = ..., inserts_per_s: _Optional[float] = ..., samples_per_s: _Optional[float] = ..., excluded_stale_total: _Optional[int] = ..., evicted_groups_total: _Optional[int] = ..., consumed_groups_total: _Optional[int] = ..., released_groups_total: _Optional[int] = ..., expired_groups_total: _Optional[int] = ..., staleness_at_sample: _Optional[_Mapping[int, int]] = ..., rl_inserted: _Optional[int] = ..., rl_sampled: _Optional[int] = ..., rl_diff: _Optional[float] = ..., rl_min_diff: _Optional[float] = ..., rl_max_diff: _Optional[float] = ..., wal_bytes: _Optional[int] = ..., wal_fsyncs: _Optional[int] = ..., wal_segments: _Optional[int] = ..., wal_next_lsn: _Optional[int] = ..., snapshots_written: _Optional[int] = ..., last_snapshot_age_s: _Optional[float] = ..., restore_seconds: _Optional[float] = ..., restore_records_replayed: _Optional[int] = ..., restore_errors: _Optional[int] = ..., last_snapshot_seconds: _Optional[float] = ..., dead_timeline_total: _Optional[int] = ..., dead_timeline_deleted_total: _Optional[int] = ..., dropped_stale_fraction: _Optional[float] = ..., work_budget_left: _Optional[int] = ...) -> None: ...

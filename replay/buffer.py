@@ -341,9 +341,9 @@ class TrajectoryBuffer:
 
     # ---- prompts --------------------------------------------------------------------------------
     def lease_prompts(self, consumer: str, count: int, ttl_s: float | None = None,
-                      below: int | None = None) -> list[tuple[int, int]]:
+                      below: int | None = None, max_ready: int | None = None) -> list[tuple[int, int]]:
         """``PromptLeases.lease`` (``replay.prompt_leases``): the rollout's ``ReplaySink`` call, in process."""
-        return self.prompts.lease(consumer, count, ttl_s, below)
+        return self.prompts.lease(consumer, count, ttl_s, below, max_ready)
 
     # ---- persistence / info ---------------------------------------------------------------------
     def capture(self) -> SnapshotData:
@@ -368,6 +368,8 @@ class TrajectoryBuffer:
         with self._lock:
             out = self.state.info()
             out.update(inserts_per_s=self._inserts.per_s(), samples_per_s=self._samples.per_s())
+            cap = self.config.work_budget
+            out["work_budget_left"] = -1 if cap is None else cap - out["size_groups"] - out["prompts_leased"]
         if self.durability is not None:
             out.update(self.durability.info())
         return out

@@ -6,6 +6,8 @@ WAL, snapshot and rate-limiter parts are nested sections with their own defaults
 
 from __future__ import annotations
 
+import math
+
 from pathlib import Path
 from typing import Literal
 
@@ -148,6 +150,14 @@ class ReplayConfig(BaseModel):
     """Largest policy lag allowed: a group whose oldest token came from version ``v`` is only handed
     to a learner at version ``L`` if ``L - v <= max_staleness``."""
 
+    groups_per_step: int | None = Field(None, ge=1)
+    """The learner's groups per step (``gyre run`` sets it from ``learner.groups_per_step``): the unit of the fleet's
+    work budget. ``None``: no budget (prompts are leased while any rollout asks)."""
+
+    work_budget_margin_steps: float = Field(1.0, ge=0)
+    """Steps of groups the work budget holds beyond what the staleness bound lets the learner use, so it never
+    waits for data (``work_budget``)."""
+
     staleness_mode: Literal["drop", "exclude"] = "drop"
     """What happens to a group that became too stale: ``drop`` deletes it; ``exclude`` keeps it stored
     (counted, snapshotted, evicted first) but never hands it out again."""
@@ -210,6 +220,16 @@ class ReplayConfig(BaseModel):
     in, first out, whatever its policy version: replay's staleness gate (``max_staleness``) is not applied. The run
     ends when ``learner.num_steps`` steps are done or the recording is used up, whichever comes first. Needs the
     defaults of ``selector``, ``max_times_sampled`` and ``rate_limiter``, which would change what is consumed."""
+
+    @property
+    def work_budget(self) -> int | None:
+        """Most groups the fleet may have ready in replay or leased for generation at once:
+        ``ceil((max_staleness + 1 + work_budget_margin_steps) × groups_per_step)`` — the learner can use at most
+        ``max_staleness + 1`` steps of groups generated now before they are too stale (AReaL's staleness-bounded
+        rollout budget), plus the margin. ``None`` without ``groups_per_step``."""
+        if self.groups_per_step is None:
+            return None
+        return math.ceil((self.max_staleness + 1 + self.work_budget_margin_steps) * self.groups_per_step)
 
     @model_validator(mode="after")
     def _recorded_order(self) -> "ReplayConfig":

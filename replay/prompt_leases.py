@@ -13,6 +13,7 @@ from typing import Callable
 
 from gyre.replay.records import Record
 from gyre.replay.state import ReplayState
+from gyre.replay.types import POOLED
 
 
 class PromptLeases:
@@ -31,11 +32,13 @@ class PromptLeases:
         self._state, self._lock, self._commit, self._wait_durable = state, lock, commit, wait_durable
         self._clock, self._default_ttl_s = clock, default_ttl_s
 
-    def lease(self, consumer: str, count: int, ttl_s: float | None = None,
-              below: int | None = None) -> list[tuple[int, int]]:
+    def lease(self, consumer: str, count: int, ttl_s: float | None = None, below: int | None = None,
+              max_ready: int | None = None) -> list[tuple[int, int]]:
         """Lease up to ``count`` prompt indices to ``consumer`` for ``ttl_s`` seconds: ``[(prompt_index, attempt)]``,
         expired (re-issued) ones first; with ``below`` only indices under it (lockstep: prompts whose policy version
-        is published). Returns once the lease is durable. Raises ``ValueError`` for a negative ``count``."""
+        is published). Fewer, or none, when the fleet's work budget (``budget``) is spent, or when ``max_ready``
+        groups or more are ready (the rollout's own backpressure). Returns once the lease is durable. Raises
+        ``ValueError`` for a negative ``count``."""
         if count < 0:
             raise ValueError(f"count ({count}) must be >= 0")
         ttl = ttl_s or self._default_ttl_s
@@ -44,9 +47,26 @@ class PromptLeases:
             due = self._state.ledger.due(now)
             if due:
                 lsn, _ = self._commit(Record("prompt_expire", {"items": due}))
-            items = self._state.ledger.plan(count, below)
+            if max_ready is not None and self._state.store.count[POOLED] >= max_ready:
+                count = 0
+            budget = self._budget()
+            if budget is not None:
+                count = min(count, max(0, budget))
+            items = self._state.ledger.plan(count, below) if count else []
             if items:
                 lsn, _ = self._commit(Record("prompt_lease", {"consumer": consumer, "items": items,
                                                               "expires_at": now + ttl}))
         self._wait_durable(lsn)
         return items
+
+    def budget(self) -> int | None:
+        """Groups the fleet may still lease (``ReplayConfig.work_budget`` − groups ready − prompts leased, may be
+        negative), or ``None`` without a budget."""
+        with self._lock:
+            return self._budget()
+
+    def _budget(self) -> int | None:
+        cap = self._state.config.work_budget
+        if cap is None:
+            return None
+        return cap - self._state.store.count[POOLED] - self._state.ledger.num_leased

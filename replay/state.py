@@ -298,6 +298,7 @@ class ReplayState:
             "prompts_completed": self.ledger.num_completed, "prompts_leased": self.ledger.num_leased,
             "learner_version": self.learner_version,
             **{k: v for k, v in vars(c).items() if not isinstance(v, dict)},
+            "dropped_stale_fraction": c.dropped_stale_total / c.inserted_total if c.inserted_total else 0.0,
             "inserted_by_newest_version": dict(c.inserted_by_newest_version),
             "staleness_at_sample": dict(c.staleness_at_sample),
             **self.limiter.info(),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from collections.abc import Coroutine
 from typing import Any, Protocol
@@ -32,12 +33,15 @@ from gyre.rollout.tasks import TaskSource
 from gyre.rollout.versions import VersionSource, version_source
 
 log = structlog.get_logger("rollout")
+LEASE_RETRY_S = 0.5
+"""Seconds before a rollout that got fewer leases than it asked for asks again (sooner when a group finishes)."""
 INSERT_BACKOFF_CAP_S = 30.0
 """Longest wait (seconds) before re-sending a batch replay did not acknowledge (``retry_backoff_s`` is the first)."""
 
 
 class ReplaySink(Protocol):
-    def lease_prompts(self, consumer: str, count: int, ttl_s: float = 0.0) -> list[tuple[int, int]]: ...
+    def lease_prompts(self, consumer: str, count: int, ttl_s: float = 0.0, below: int = 0,
+                      max_ready: int = 0) -> list[tuple[int, int]]: ...
     def insert(self, table: pa.Table): ...
     def info(self): ...
 
@@ -78,6 +82,9 @@ class RolloutWorker:
         self._flush_wakeup = asyncio.Event()
         self._puts: set[asyncio.Future] = set()
         self._gate = (-1, 0)  # (policy version, groups started with it) for max_groups_per_version
+        self._lease_again_at = 0.0
+        """Event-loop time before which a rollout with groups in flight does not ask replay for more (it got fewer
+        than it asked for: the work budget is spent); a finished group clears it."""
         self._new_version = asyncio.Event()
         self.episodes = episode_runner(config, tokenizer)
         """Multi-turn episodes when the recipe sets ``rollout.environment`` (``rollout.agents.agent_group``) or
@@ -182,20 +189,26 @@ class RolloutWorker:
                 gate_open = self._gate_open()
                 if not gate_open:
                     self.stats.gate_waits += 1
-                if len(tasks) < self.config.groups_in_flight and gate_open:
+                free = self._room(len(tasks))
+                if free and gate_open and (not tasks or loop.time() >= self._lease_again_at):
                     try:
-                        leases = await self._lease_one(loop)
+                        leases = await self._lease(loop, free)
                     except ConnectionError as exc:
                         log.warning("replay_unreachable", rollout=self.rollout_id, error=str(exc)[:200])
                         leases = []
-                    if leases:
+                    for lease in leases:
                         self._count_group(self.engine.version)
-                        tasks.add(asyncio.create_task(self._one_group(*leases[0])))
-                        self.stats.groups_in_flight = len(tasks)
+                        tasks.add(asyncio.create_task(self._one_group(*lease)))
+                    self.stats.groups_in_flight = len(tasks)
+                    if len(leases) < free:  # the budget is spent (or the spool full): ask again after a while
+                        self._lease_again_at = loop.time() + LEASE_RETRY_S
+                    if leases:
                         continue
                 if tasks:
                     done, _ = await asyncio.wait(tasks, timeout=0.5, return_when=asyncio.FIRST_COMPLETED)
                     tasks.difference_update(done)
+                    if done:
+                        self._lease_again_at = 0.0
                     self.stats.groups_in_flight = len(tasks)
                     for t in done:
                         if not t.cancelled():  # cancelled by a timeline switch (``apply_weights``)
@@ -246,19 +259,28 @@ class RolloutWorker:
         log.info("reward_swapped", rollout=self.rollout_id, versions=versions)
         return versions
 
-    async def _lease_one(self, loop) -> list[tuple[int, int]]:
-        """One prompt lease, or none while the spool is full or replay already holds ``max_ready_groups``
-        ready groups. Raises ``ConnectionError`` when replay is unreachable: prompt leases come from replay,
-        so an outage stops new prompts; groups already leased still finish into the spool."""
+    def _room(self, in_flight: int) -> int:
+        """Groups this rollout may start now: free ``groups_in_flight`` slots, within the version gate."""
+        free = self.config.groups_in_flight - in_flight
+        limit = self.config.max_groups_per_version
+        if limit is not None:
+            version, started = self._gate
+            free = min(free, limit - (started if version == self.engine.version else 0))
+        return max(0, free)
+
+    async def _lease(self, loop, count: int) -> list[tuple[int, int]]:
+        """Up to ``count`` prompt leases in one ``LeasePrompts`` call: replay grants fewer or none when the fleet's
+        work budget is spent (``ReplayConfig.work_budget``) or it holds ``max_ready_groups`` ready groups; none
+        while the spool is full. Raises ``ConnectionError`` when replay is unreachable: prompt leases come from
+        replay, so an outage stops new prompts; groups already leased still finish into the spool."""
         if self.spool is not None and self.spool.full():
-            return []
-        info = await loop.run_in_executor(None, self.replay.info)
-        if info.size_groups >= self.config.max_ready_groups:
             return []
         bound = self.versions.lease_args()  # lockstep: only prompts whose exact version is already published
         if bound is None:
             return []
-        return await loop.run_in_executor(None, self.replay.lease_prompts, self.rollout_id, 1, *bound)
+        lease = functools.partial(self.replay.lease_prompts, self.rollout_id, count, *bound,
+                                  max_ready=self.config.max_ready_groups)
+        return await loop.run_in_executor(None, lease)
 
     async def _one_group(self, prompt_index: int, attempt: int) -> None:
         problem = self.task.problem(prompt_index)

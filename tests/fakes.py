@@ -85,8 +85,8 @@ class FakeReplay:
     def __init__(self, buffer, fail_inserts: int = 0) -> None:
         self.buffer, self.fail_inserts, self.insert_calls = buffer, fail_inserts, 0
 
-    def lease_prompts(self, consumer, count, ttl_s=0.0, below=0):
-        return self.buffer.lease_prompts(consumer, count, ttl_s or None, below or None)
+    def lease_prompts(self, consumer, count, ttl_s=0.0, below=0, max_ready=0):
+        return self.buffer.lease_prompts(consumer, count, ttl_s or None, below or None, max_ready or None)
 
     def insert(self, table):
         self.insert_calls += 1
@@ -144,9 +144,9 @@ class OutageReplay(FakeReplay):
         if self.down:
             raise ConnectionError("replay down (scripted outage)")
 
-    def lease_prompts(self, consumer, count, ttl_s=0.0):
+    def lease_prompts(self, consumer, count, ttl_s=0.0, below=0, max_ready=0):
         self._check()
-        return super().lease_prompts(consumer, count, ttl_s)
+        return super().lease_prompts(consumer, count, ttl_s, below, max_ready)
 
     def insert(self, table):
         self.insert_calls += 1

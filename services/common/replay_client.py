@@ -88,12 +88,14 @@ class ReplayClient:
                                                           timeline=timeline), timeout=self.timeout_s).released
 
     @_transient_as_connection_error
-    def lease_prompts(self, consumer: str, count: int, ttl_s: float = 0.0, below: int = 0) -> list[tuple[int, int]]:
-        """``[(prompt_index, attempt)]``; ``ttl_s`` 0 uses the server's default; ``below`` > 0: only indices
+    def lease_prompts(self, consumer: str, count: int, ttl_s: float = 0.0, below: int = 0,
+                      max_ready: int = 0) -> list[tuple[int, int]]:
+        """``[(prompt_index, attempt)]``, up to ``count``: fewer or none when replay's work budget is spent or
+        ``max_ready`` > 0 groups are ready; ``ttl_s`` 0 uses the server's default; ``below`` > 0: only indices
         under it (lockstep)."""
         resp = self._stub.LeasePrompts(
-            replay_pb2.LeasePromptsRequest(consumer=consumer, count=count, ttl_s=ttl_s, below_prompt_index=below),
-            timeout=self.timeout_s)
+            replay_pb2.LeasePromptsRequest(consumer=consumer, count=count, ttl_s=ttl_s, below_prompt_index=below,
+                                           max_ready_groups=max_ready), timeout=self.timeout_s)
         return [(p.prompt_index, p.attempt) for p in resp.prompts]
 
     @_transient_as_connection_error

@@ -120,10 +120,11 @@ class TrackedReplay(ReplayLink):
         """Prompt indices leased to this rollout whose group replay has not acknowledged yet."""
         self.draining = False
 
-    def lease_prompts(self, consumer: str, count: int, ttl_s: float = 0.0, below: int = 0) -> list[tuple[int, int]]:
+    def lease_prompts(self, consumer: str, count: int, ttl_s: float = 0.0, below: int = 0,
+                      max_ready: int = 0) -> list[tuple[int, int]]:
         if self.draining:
             return []
-        got = self.client.lease_prompts(consumer, count, ttl_s, below)
+        got = self.client.lease_prompts(consumer, count, ttl_s, below, max_ready)
         self.outstanding.update(p for p, _ in got)
         return got
 

@@ -23,6 +23,8 @@ _GAUGES = {
     "active_leases": "Sample leases outstanding",
     "excluded_groups": "Groups kept but excluded as too stale",
     "prompts_leased": "Prompt leases outstanding",
+    "work_budget_left": "Groups the fleet may still lease (work budget - ready - leased; -1: no budget)",
+    "dropped_stale_fraction": "Trajectories dropped as too stale / trajectories inserted",
     "learner_version": "Highest learner policy version seen",
     "inserts_per_s": "Accepted trajectories per second (10 s window)",
     "samples_per_s": "Sampled groups per second (10 s window)",

@@ -135,9 +135,11 @@ class ReplayServicer(replay_pb2_grpc.ReplayServiceServicer):
         if not request.ttl_s >= 0:
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"ttl_s ({request.ttl_s}) must be >= 0")
         leases = self.buffer.lease_prompts(request.consumer, request.count, request.ttl_s or None,
-                                          below=request.below_prompt_index or None)
+                                          below=request.below_prompt_index or None,
+                                          max_ready=request.max_ready_groups or None)
         return replay_pb2.LeasePromptsResponse(
-            prompts=[replay_pb2.PromptLease(prompt_index=i, attempt=a) for i, a in leases])
+            prompts=[replay_pb2.PromptLease(prompt_index=i, attempt=a) for i, a in leases],
+            budget=self.buffer.prompts.budget())
 
     @_aborting
     def UpdatePriorities(self, request, context):

@@ -1,9 +1,10 @@
-"""The supervisor's records of incarnations: a death it handled (``Death``) and a rollout replacement or addition that is
-still starting (``Starting``)."""
+"""The supervisor's records of incarnations: a death it handled (``Death``), a rollout replacement or addition that is
+still starting (``Starting``), and a rollout being removed in the background (``Draining``)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import ray
 
@@ -43,3 +44,22 @@ class Starting:
     """Reward swaps in force when it was created (``RewardSwaps.count``): it joins with the newer ones applied."""
     incarnation: int = 0
     """Its incarnation (``ServiceFactory.newest`` right after it was created)."""
+    since: float = field(default_factory=time.monotonic)
+    """When it was created (``time.monotonic``): one not started within the supervisor's ``start_timeout_s`` (Ray
+    could not place it, or its setup hangs) is given up."""
+
+
+@dataclass
+class Draining:
+    """A rollout removed by ``scale``, finishing in the background while the supervisor keeps ticking: ``drain`` (its
+    prompt leases finished and delivered), then ``stop`` (engine shut down), then killed."""
+
+    name: str
+    index: int
+    handle: ray.actor.ActorHandle
+    call: ray.ObjectRef
+    """The ``drain`` or ``stop`` call in flight."""
+    phase: str
+    """``drain`` or ``stop``."""
+    deadline: float
+    """``time.monotonic`` past which the phase is given up (the actor is killed either way at the end)."""

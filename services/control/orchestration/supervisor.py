@@ -22,6 +22,9 @@ Services are created by ``services.control.orchestration.factory.ServiceFactory`
 
 from __future__ import annotations
 
+import time
+from concurrent.futures import ThreadPoolExecutor
+
 import ray
 import structlog
 from ray.exceptions import GetTimeoutError, RayActorError
@@ -33,10 +36,17 @@ from gyre.services.control.commands import reward_swaps
 from gyre.services.control.orchestration import topology
 from gyre.services.control.commands.status import run_status
 from gyre.services.control.orchestration.factory import Service, ServiceFactory
-from gyre.services.control.orchestration.incarnations import Death, Starting
+from gyre.services.control.orchestration.incarnations import Death, Draining, Starting
 from gyre.services.learner import group as learner_group
 
 log = structlog.get_logger("supervisor")
+DRAIN_S = 120.0
+"""Seconds a rollout removed by ``scale`` may take to finish and deliver the groups it holds leases for."""
+STOP_S = 120.0
+"""Seconds its ``stop`` (engine shutdown) may take before it is killed anyway."""
+START_TIMEOUT_S = 1800.0
+"""Default ``Supervisor.start_timeout_s``: a vLLM engine of a large model on a fresh node (download, load, CUDA
+graphs) takes minutes, not half an hour."""
 
 
 class Supervisor:
@@ -47,15 +57,22 @@ class Supervisor:
         state: the run's ``ControllerState`` actor (desired rollout count, requests, published status).
         fail_threshold: consecutive failed checks (``check_timeout_s`` seconds each) before a live but
             unhealthy service is killed and recreated; a dead actor is recreated at the first check.
+        start_timeout_s: seconds a starting rollout may take to set up (placed by Ray, engine up, weights fetched);
+            past it, it is killed and its death recorded (``rollout_start_timeout``, by name), so a rollout Ray cannot
+            place does not stay "starting" for ever.
     """
 
-    def __init__(self, factory: ServiceFactory, state, fail_threshold: int = 3, check_timeout_s: float = 5.0) -> None:
+    def __init__(self, factory: ServiceFactory, state, fail_threshold: int = 3, check_timeout_s: float = 5.0,
+                 start_timeout_s: float = START_TIMEOUT_S) -> None:
         if fail_threshold < 1:
             raise ValueError(f"fail_threshold ({fail_threshold}) must be >= 1")
         self.factory, self.state = factory, state
         self.fail_threshold, self.check_timeout_s = fail_threshold, check_timeout_s
+        self.start_timeout_s = start_timeout_s
         self.services: dict[str, Service] = {}
         self.starting: dict[str, Starting] = {}
+        self.draining: dict[str, Draining] = {}
+        """Rollouts removed by ``scale``, draining and stopping in the background (``_advance_drains``)."""
         """Rollouts being added by ``scale`` or replacing a failed one (their vLLM engine starts while the
         supervisor keeps ticking); a restarted rollout's old entry stays in ``services`` until then."""
         self.learner_generation = 0
@@ -206,12 +223,12 @@ class Supervisor:
         for name in requests["restart"]:
             if name in self.services:
                 self._restart_or_retry(self.services[name], reason="requested")
-        for svc in list(self.services.values()):
-            if svc.name in self.starting:
-                continue  # its replacement is starting; the old incarnation was killed
-            if not self.check(svc):
+        checked = [svc for svc in self.services.values() if svc.name not in self.starting]  # starting: killed
+        for svc, keep in zip(checked, self.check_all(checked)):
+            if not keep:
                 self._restart_or_retry(svc, reason=f"{svc.failures} failed health checks")
         self.scale(requests["rollouts"])
+        self._advance_drains()
         self._adopt_started()
         self.relay_tree.update(self.running_rollouts())
         if requests["checkpoint"]:
@@ -219,14 +236,35 @@ class Supervisor:
         ray.get(self.state.publish.remote(self.status()))
 
     def check(self, svc: Service) -> bool:
-        """One health check; ``False`` once the service must be restarted (dead, or hung for
-        ``fail_threshold`` checks). Updates ``svc.info`` and ``svc.failures``."""
+        """``check_all`` of one service."""
+        return self.check_all([svc])[0]
+
+    def check_all(self, svcs: list[Service]) -> list[bool]:
+        """One health round over ``svcs``, all at once: every ``describe()`` (and each learner rank's) is in flight
+        together under one deadline of ``check_timeout_s`` seconds, and the gRPC health checks of the servers run
+        side by side, so a round takes one deadline however large the fleet (asked one after another, 256
+        rollouts took up to 256 deadlines). Returns, per service, ``False`` once it must be restarted (dead, or
+        hung for ``fail_threshold`` rounds); updates ``svc.info`` and ``svc.failures``."""
+        asked = [(svc.handle.describe.remote(), [f.describe.remote() for f in svc.followers]) for svc in svcs]
+        refs = [r for own, ranks in asked for r in (own, *ranks)]
+        ready = set(ray.wait(refs, num_returns=len(refs), timeout=self.check_timeout_s)[0]) if refs else set()
+        servers = [svc for svc in svcs if svc.address is not None]
+        with ThreadPoolExecutor(max_workers=max(1, len(servers))) as pool:
+            grpc_ok = dict(zip((s.name for s in servers), pool.map(self._grpc_healthy, servers)))
+        return [self._judge(svc, own, ranks, ready, grpc_ok.get(svc.name, True))
+                for svc, (own, ranks) in zip(svcs, asked)]
+
+    def _grpc_healthy(self, svc: Service) -> bool:
+        return check_health(svc.address, timeout_s=self.check_timeout_s, security=self.factory.recipe.security)
+
+    def _judge(self, svc: Service, own, ranks: list, ready: set, grpc_ok: bool) -> bool:
+        """One service's verdict from its answers (``check_all``)."""
         try:
-            svc.info = ray.get(svc.handle.describe.remote(), timeout=self.check_timeout_s)
-            ray.get([f.describe.remote() for f in svc.followers], timeout=self.check_timeout_s)  # learner ranks >= 1
-            security = self.factory.recipe.security if svc.address is not None else None
-            healthy = svc.address is None or check_health(svc.address, timeout_s=self.check_timeout_s,
-                                                          security=security)
+            if own not in ready or any(r not in ready for r in ranks):
+                raise GetTimeoutError()
+            svc.info = ray.get(own)
+            ray.get(ranks)  # learner ranks >= 1
+            healthy = grpc_ok
         except RayActorError:
             svc.failures = self.fail_threshold  # the process is gone: no point waiting
             return False
@@ -306,7 +344,8 @@ class Supervisor:
         if desired is None or desired == len(running) + len(self.starting):
             return
         log.info("scaling_rollouts", running=len(running), starting=len(self.starting), desired=desired)
-        used = {st.id.index for st in self.starting.values()} | {s.id.index for s in running}
+        used = ({st.id.index for st in self.starting.values()} | {s.id.index for s in running}
+                | {d.index for d in self.draining.values()})  # a draining actor still holds its name
         free = (i for i in range(desired + len(used)) if i not in used)
         for _ in range(desired - len(running) - len(self.starting)):
             sid = ServiceName.rollout(next(free))
@@ -320,12 +359,51 @@ class Supervisor:
             self.services.pop(str(st.id), None)  # a restart's killed incarnation goes with its replacement
             excess -= 1
         for svc in running[::-1][:max(excess, 0)]:
-            self.remove_rollout(svc)
+            self._begin_drain(svc)
+
+    def _begin_drain(self, svc: Service, drain_s: float = DRAIN_S) -> None:
+        """Take ``svc`` out of the fleet now and drain it in the background (``_advance_drains``): the ticks, health
+        checks and metrics go on meanwhile (a blocking drain held the supervisor up to 150 s per rollout)."""
+        del self.services[svc.name]
+        call, phase = (svc.handle.drain.remote(drain_s), "drain") if self.generating else (svc.handle.stop.remote(),
+                                                                                             "stop")
+        self.draining[svc.name] = Draining(svc.name, svc.id.index, svc.handle, call, phase,
+                                           time.monotonic() + (drain_s if phase == "drain" else STOP_S) + 30)
+        log.info("rollout_draining", service=svc.name, phase=phase)
+
+    def _advance_drains(self) -> None:
+        """Move each draining rollout one phase on when its call returned or timed out: drain → stop → killed."""
+        for name, d in list(self.draining.items()):
+            late = time.monotonic() > d.deadline
+            if not late and not ray.wait([d.call], timeout=0)[0]:
+                continue
+            try:
+                result = None if late else ray.get(d.call)
+            except (RayActorError, GetTimeoutError) as exc:
+                log.warning("rollout_stop_failed", service=name, phase=d.phase, error=str(exc)[:200])
+                result = None
+            if late:
+                log.warning("rollout_drain_late", service=name, phase=d.phase)
+            if d.phase == "drain" and not late:
+                log.info("rollout_drained", service=name, undelivered_prompt_leases=result)
+                d.call, d.phase, d.deadline = d.handle.stop.remote(), "stop", time.monotonic() + STOP_S
+                continue
+            ray.kill(d.handle, no_restart=True)
+            del self.draining[name]
+            log.info("rollout_removed", service=name)
 
     def _adopt_started(self) -> None:
         """Starting rollouts whose setup returned and that hold ``target_version`` join the fleet and generate;
         one that failed its setup or died since is killed (``_start_failed``)."""
         for name, st in list(self.starting.items()):
+            waited = time.monotonic() - st.since
+            if waited > self.start_timeout_s:
+                log.error("rollout_start_timeout", service=name, waited_s=round(waited),
+                          start_timeout_s=self.start_timeout_s, setup_returned=st.setup is None)
+                self._start_failed(st, TimeoutError(
+                    f"{name} did not start within {self.start_timeout_s:g}s (Ray could not place it, or its setup or "
+                    "first weights hang)"), reason="not started in time")
+                continue
             try:
                 if st.setup is not None:
                     if not ray.wait([st.setup], timeout=0)[0]:
@@ -351,7 +429,7 @@ class Supervisor:
             log.info("service_restarted" if st.restarts else "rollout_added", service=name, version=info.version,
                      pid=info.pid, restarts=st.restarts)
 
-    def _start_failed(self, st: Starting, exc: Exception) -> None:
+    def _start_failed(self, st: Starting, exc: Exception, reason: str = "died while starting") -> None:
         """A starting rollout failed (its setup raised, or it died): kill it. A restart's replacement leaves the old
         entry standing for this incarnation, so the next tick's check records its death and starts the next one;
         one added by ``scale`` is a death recorded here, and the next ``scale`` starts another."""
@@ -359,14 +437,14 @@ class Supervisor:
         ray.kill(self.starting.pop(str(st.id)).handle, no_restart=True)
         old = self.services.get(str(st.id))
         if old is None:
-            self.deaths.append(Death(str(st.id), st.incarnation, "died while starting"))
+            self.deaths.append(Death(str(st.id), st.incarnation, reason))
             return
         old.handle, old.incarnation, old.restarts = st.handle, st.incarnation, st.restarts
 
-    def remove_rollout(self, svc: Service, drain_s: float = 120.0) -> None:
+    def remove_rollout(self, svc: Service, drain_s: float = DRAIN_S) -> None:
         """Drain (no new prompt leases; the groups it holds leases for are finished and delivered, for up to
         ``drain_s`` seconds; any left are re-issued after ``prompt_lease_ttl_s``), shut the engine down,
-        then kill the detached actor."""
+        then kill the detached actor; blocks (``shutdown``: ``scale`` drains in the background instead)."""
         try:
             left = ray.get(svc.handle.drain.remote(drain_s), timeout=drain_s + 30) if self.generating else 0
             log.info("rollout_drained", service=svc.name, undelivered_prompt_leases=left)
@@ -384,6 +462,8 @@ class Supervisor:
         """Stop and kill every service actor (detached actors outlive the driver otherwise)."""
         for name in list(self.starting):
             ray.kill(self.starting.pop(name).handle, no_restart=True)
+        for name in list(self.draining):
+            ray.kill(self.draining.pop(name).handle, no_restart=True)
         for svc in self.rollouts():
             self.remove_rollout(svc)
         for name in ("learner", "reward_model", "replay"):

@@ -151,6 +151,22 @@ class Recipe(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
+    def _share_groups_per_step(cls, data: Any) -> Any:
+        """``replay.groups_per_step`` (the unit of the fleet's work budget, ``ReplayConfig.work_budget``) defaults
+        to ``learner.groups_per_step``."""
+        if not isinstance(data, dict):
+            return data
+        replay = data.get("replay", {})
+        learner = data.get("learner", {})
+        if not isinstance(replay, dict) or "groups_per_step" in replay or not isinstance(learner, dict):
+            return data
+        per_step = learner.get("groups_per_step", LearnerLoopConfig.model_fields["groups_per_step"].default)
+        if type(per_step) is not int:  # a bad value is reported at learner.groups_per_step alone
+            return data
+        return {**data, "replay": {**replay, "groups_per_step": per_step}}
+
+    @model_validator(mode="before")
+    @classmethod
     def _share_generation_budget(cls, data: Any) -> Any:
         """``learner.algorithm.max_response_tokens`` defaults to ``rollout.sampling.max_new_tokens``: the
         generation budget ``L_max`` of Dr.GRPO's constant normaliser and of DAPO's soft overlong punishment."""

@@ -43,8 +43,8 @@ def rollout_info(pid: int, version: int = 5, relay_address: str | None = None) -
 class Call:
     """What ``handle.method.remote(...)`` returns here: resolved by the fake ``ray.get``."""
 
-    def __init__(self, fn, args):
-        self.fn, self.args = fn, args
+    def __init__(self, fn, args, method="", owner=None):
+        self.fn, self.args, self.method, self.owner = fn, args, method, owner
 
 
 class FakeHandle:
@@ -57,7 +57,7 @@ class FakeHandle:
     def __getattr__(self, method):
         def remote(*args):
             self.calls.append((method, args))
-            return Call(lambda *a: self._run(method, *a), args)
+            return Call(lambda *a: self._run(method, *a), args, method, self)
         return SimpleNamespace(remote=remote)
 
     def _run(self, method, *args):
@@ -65,6 +65,11 @@ class FakeHandle:
             raise RayActorError()
         fn = self.behaviour.get(method)
         return fn(*args) if fn is not None else None
+
+
+def _health_round(refs) -> bool:
+    """``refs`` are a health round's ``describe`` calls (``Supervisor.check_all``), not a starting rollout's setup."""
+    return all(getattr(r, "method", "") == "describe" for r in refs)
 
 
 def _get(x, timeout=None):
@@ -133,7 +138,8 @@ class FakeFactory:
 def unstarted(monkeypatch, attach=None, reward_model=False, relay_fanout=None) -> Supervisor:
     """A supervisor over ``FakeFactory`` with Ray faked; ``attach``: service name → live handle to re-attach."""
     fake_ray = SimpleNamespace(get=_get, kill=lambda h, no_restart=True: setattr(h, "killed", True),
-                               wait=lambda refs, timeout=0: (refs, []), exceptions=sup_mod.ray.exceptions)
+                               wait=lambda refs, num_returns=1, timeout=0: (refs, []),
+                               exceptions=sup_mod.ray.exceptions)
     monkeypatch.setattr(sup_mod, "ray", fake_ray)
     monkeypatch.setattr(relay_tree, "ray", fake_ray)
     monkeypatch.setattr(sup_mod, "check_health", lambda address, timeout_s, security=None: True)
@@ -210,9 +216,11 @@ def test_scale_out_adopts_bootstrapped_rollouts_and_scale_in_drains_the_newest(s
     # set up, told the current addresses, found at the learner's version, then generating
     assert [c[0] for c in new.calls] == ["setup", "set_replay_address", "set_weights_address", "describe", "start"]
     sup.state_body.request_scale("rollout", 1)
-    sup.tick()
-    assert [s.name for s in sup.rollouts()] == ["rollout-0"] and new.killed
+    sup.tick()  # out of the fleet at once; drained, then asked to stop
+    assert [s.name for s in sup.rollouts()] == ["rollout-0"] and not new.killed
     assert [c[0] for c in new.calls][-2:] == ["drain", "stop"]
+    sup.tick()  # stopped: killed
+    assert new.killed and not sup.draining
 
 
 def test_a_rollout_behind_the_learner_waits_before_generating(sup):
@@ -281,7 +289,8 @@ def test_a_rollout_restart_does_not_hold_up_the_tick(sup, monkeypatch):
     restarting rollout twice; the replacement joins, counted as a restart, once it is up."""
     sup.generating = True
     ready = {"setup": False}
-    monkeypatch.setattr(sup_mod.ray, "wait", lambda refs, timeout=0: (refs, []) if ready["setup"] else ([], refs))
+    monkeypatch.setattr(sup_mod.ray, "wait", lambda refs, num_returns=1, timeout=0: (refs, []) if ready["setup"] or
+                        _health_round(refs) else ([], refs))
     old = sup.rollouts()[0].handle
     old.killed = True
     sup.tick()
@@ -301,7 +310,8 @@ def test_a_rollout_restart_does_not_hold_up_the_tick(sup, monkeypatch):
 
 
 def test_restarting_a_rollout_again_while_it_starts_replaces_the_pending_start(sup, monkeypatch):
-    monkeypatch.setattr(sup_mod.ray, "wait", lambda refs, timeout=0: ([], refs))  # setups never return here
+    monkeypatch.setattr(sup_mod.ray, "wait", lambda refs, num_returns=1, timeout=0: (refs, []) if _health_round(refs)
+                        else ([], refs))  # setups never return here
     sup.rollouts()[0].handle.killed = True
     sup.tick()
     first = sup.starting["rollout-0"].handle
@@ -380,3 +390,62 @@ def test_the_status_shows_the_reward_models_loaded(monkeypatch):
     assert st["reward_models"] == {"models": {"/m/rm": "rm:classifier:rm@abc"}, "counts": {"batches": 2}}
     assert "rm         rm:classifier:rm@abc loaded by reward_model" in ops.format_status(st).splitlines()
     assert st["restarts"]["reward_model"] == 0
+
+
+def test_a_round_asks_every_service_at_once_under_one_deadline(sup, monkeypatch):
+    """Asked one after another (each with its own ``check_timeout_s``), a fleet of hung rollouts held the tick for
+    one deadline per rollout, and health checks and metrics stopped meanwhile."""
+    sup.state_body.request_scale("rollout", 4)
+    sup.tick()
+    assert len(sup.rollouts()) == 4
+    waits = []
+
+    hung = sup.rollouts()[1].handle
+
+    def wait(refs, num_returns=1, timeout=0):  # rollout-1 does not answer within the deadline
+        waits.append((len(refs), num_returns, timeout))
+        return [r for r in refs if r.owner is not hung], [r for r in refs if r.owner is hung]
+    monkeypatch.setattr(sup_mod.ray, "wait", wait)
+    sup.tick()
+    assert waits == [(6, 6, sup.check_timeout_s)]  # replay, learner, 4 rollouts: one wait, one deadline
+    assert [s.failures for s in sup.rollouts()] == [0, 1, 0, 0]
+
+
+def test_a_rollout_that_never_starts_is_given_up_by_name_after_the_start_timeout(sup, monkeypatch):
+    """Ray could not place it (or its setup hangs): before, it stayed "starting" for ever and held its slot."""
+    monkeypatch.setattr(sup_mod.ray, "wait", lambda refs, num_returns=1, timeout=0: (refs, []) if _health_round(refs)
+                        else ([], refs))  # the setup never returns
+    sup.start_timeout_s = 60.0
+    sup.state_body.request_scale("rollout", 2)
+    sup.tick()
+    assert list(sup.starting) == ["rollout-1"]
+    sup.starting["rollout-1"].since -= 61.0
+    sup.tick()
+    assert "rollout-1" not in sup.services and sup.deaths[-1].service == "rollout-1"
+    assert sup.deaths[-1].reason == "not started in time"
+    sup.tick()  # the next scale tries again, with a new incarnation
+    assert list(sup.starting) == ["rollout-1"] and sup.starting["rollout-1"].incarnation == 1
+
+
+def test_scale_in_drains_in_the_background_while_the_ticks_go_on(sup, monkeypatch):
+    """A blocking drain held the supervisor (health checks, metrics, other requests) up to 150 s per rollout."""
+    sup.generating = True
+    sup.state_body.request_scale("rollout", 3)
+    sup.tick()
+    leaving = sup.services["rollout-2"].handle
+    monkeypatch.setattr(sup_mod.ray, "wait", lambda refs, num_returns=1, timeout=0: (refs, []) if _health_round(refs)
+                        else ([], refs))  # the drain takes long
+    sup.state_body.request_scale("rollout", 2)
+    sup.tick()
+    sup.tick()
+    assert list(sup.draining) == ["rollout-2"] and not leaving.killed
+    assert sorted(s.name for s in sup.rollouts()) == ["rollout-0", "rollout-1"]
+    checks = sum(c[0] == "describe" for c in sup.services["rollout-0"].handle.calls)
+    sup.tick()
+    assert sum(c[0] == "describe" for c in sup.services["rollout-0"].handle.calls) == checks + 1  # still checked
+    sup.state_body.request_scale("rollout", 3)  # grows again meanwhile: a new name, not the draining one's
+    sup.tick()
+    assert "rollout-3" in sup.starting or "rollout-3" in sup.services
+    sup.draining["rollout-2"].deadline = 0.0  # the drain outlived its deadline: killed
+    sup.tick()
+    assert leaving.killed and not sup.draining

@@ -18,7 +18,7 @@ from gyre.services.control.orchestration.factory import ServiceFactory
 from gyre.services.control.recipe.schema import load_recipe
 from gyre.services.control.commands.reward_swaps import (SWAP_JOURNAL, RewardSwapError, RewardSwaps, canonical_swap, check_swap,
                                            parse_swap_config)
-from tests.unit.services.test_ops_supervisor import FakeHandle, learner_info, unstarted
+from tests.unit.services.test_ops_supervisor import FakeHandle, _health_round, learner_info, unstarted
 
 TASK = "basic_arithmetic"
 DEFAULT = "rg-last-int-exact-v1"
@@ -130,7 +130,8 @@ def test_restarted_and_added_rollouts_start_with_the_swapped_reward(sup, monkeyp
 
 def test_a_rollout_starting_during_a_swap_joins_with_it(sup, monkeypatch):
     ready = {"setup": False}
-    monkeypatch.setattr(sup_mod.ray, "wait", lambda refs, timeout=0: (refs, []) if ready["setup"] else ([], refs))
+    monkeypatch.setattr(sup_mod.ray, "wait", lambda refs, num_returns=1, timeout=0: (refs, []) if ready["setup"] or
+                        _health_round(refs) else ([], refs))
     sup.state_body.request_scale("rollout", 3)
     sup.tick()  # rollout-2 created with the recipe's reward, still starting
     assert "rollout-2" in sup.starting and sup.fakes["rollout-2"].created_with["rewards"] is None
