@@ -44,6 +44,11 @@ class ReplayServiceStub:
                 request_serializer=gyre_dot_proto_dot_replay__pb2.SampleRequest.SerializeToString,
                 response_deserializer=gyre_dot_proto_dot_replay__pb2.SampleResponse.FromString,
                 _registered_method=True)
+        self.SampleStream = channel.unary_stream(
+                '/gyre.replay.v1.ReplayService/SampleStream',
+                request_serializer=gyre_dot_proto_dot_replay__pb2.SampleRequest.SerializeToString,
+                response_deserializer=gyre_dot_proto_dot_replay__pb2.SampleResponse.FromString,
+                _registered_method=True)
         self.Ack = channel.unary_unary(
                 '/gyre.replay.v1.ReplayService/Ack',
                 request_serializer=gyre_dot_proto_dot_replay__pb2.AckRequest.SerializeToString,
@@ -104,6 +109,17 @@ class ReplayServiceServicer:
         """Leases up to num_groups whole groups (selector, staleness gate, rate limiter). Not idempotent:
         each call makes a new lease. The response is sent once the lease is durable, so after a server
         restart the lease still exists (until its TTL) and can be acked or released.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SampleStream(self, request, context):
+        """Sample as a server stream, for batches of any size (Sample's one message is capped at 256 MB): the first message
+        carries lease_id and num_groups (arrow_ipc empty), then each message carries one slice of the batch's rows as an
+        Arrow IPC stream of at most ~64 MB; the client concatenates them in order. No message at all: no batch was ready
+        within timeout_s. Same lease, errors and idempotency (request_id) as Sample: a stream broken mid-way is asked
+        for again with the same request_id and the same lease comes back.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -180,6 +196,11 @@ def add_ReplayServiceServicer_to_server(servicer, server):
             ),
             'Sample': grpc.unary_unary_rpc_method_handler(
                     servicer.Sample,
+                    request_deserializer=gyre_dot_proto_dot_replay__pb2.SampleRequest.FromString,
+                    response_serializer=gyre_dot_proto_dot_replay__pb2.SampleResponse.SerializeToString,
+            ),
+            'SampleStream': grpc.unary_stream_rpc_method_handler(
+                    servicer.SampleStream,
                     request_deserializer=gyre_dot_proto_dot_replay__pb2.SampleRequest.FromString,
                     response_serializer=gyre_dot_proto_dot_replay__pb2.SampleResponse.SerializeToString,
             ),
@@ -271,6 +292,33 @@ class ReplayService:
             request,
             target,
             '/gyre.replay.v1.ReplayService/Sample',
+            gyre_dot_proto_dot_replay__pb2.SampleRequest.SerializeToString,
+            gyre_dot_proto_dot_replay__pb2.SampleResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SampleStream(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/gyre.replay.v1.ReplayService/SampleStream',
             gyre_dot_proto_dot_replay__pb2.SampleRequest.SerializeToString,
             gyre_dot_proto_dot_replay__pb2.SampleResponse.FromString,
             options,

@@ -8,11 +8,13 @@ the log therefore rebuilds the same ledger, and "each prompt index completes exa
 any crash.
 
 Completed indices are stored as a watermark (every index below it is complete) plus the set of
-completed indices above it, so the state stays small however long the run.
+completed indices above it, so the state stays small however long the run. Lease deadlines sit in a min-heap
+(stale entries dropped lazily), so ``due`` visits only the overdue leases, not every lease of a large fleet.
 """
 
 from __future__ import annotations
 
+import heapq
 import time
 from dataclasses import dataclass
 
@@ -46,14 +48,31 @@ class PromptLedger:
         self._clock = clock
         self._next_index = 0
         self._leases: dict[int, PromptLease] = {}
+        self._deadlines: list[tuple[float, int, int]] = []
+        """Min-heap of ``(expires_at, index, attempt)``, one per lease made; an entry whose lease has since ended or
+        been re-issued is stale and skipped (the heap is rebuilt when stale entries outnumber live ones)."""
         self._expired: list[tuple[int, int]] = []
         self._done_below = 0
         self._done_above: set[int] = set()
 
     def due(self, now: float | None = None) -> list[tuple[int, int]]:
-        """Leases past their deadline as ``[(index, next_attempt)]``; changes nothing."""
+        """Leases past their deadline as ``[(index, next_attempt)]``, earliest deadline first; changes nothing.
+        Walks the deadline heap from its root, only through entries at or before ``now``: O(k log k) for k
+        overdue entries, whatever the number of leases."""
         now = self._clock() if now is None else now
-        return [(i, lease.attempt + 1) for i, lease in self._leases.items() if lease.expires_at <= now]
+        out, heap = [], self._deadlines
+        frontier = [(heap[0], 0)] if heap else []
+        while frontier:
+            (expires_at, index, attempt), pos = heapq.heappop(frontier)
+            if expires_at > now:
+                break  # every entry left in the frontier, and below it, is later
+            lease = self._leases.get(index)
+            if lease is not None and lease.expires_at == expires_at and lease.attempt == attempt:
+                out.append((index, attempt + 1))
+            for child in (2 * pos + 1, 2 * pos + 2):
+                if child < len(heap):
+                    heapq.heappush(frontier, (heap[child], child))
+        return out
 
     def expire(self, now: float | None = None) -> list[tuple[int, int]]:
         """Move leases past their deadline to the re-issue queue; returns ``[(index, next_attempt)]``."""
@@ -94,7 +113,14 @@ class PromptLedger:
         self._expired = [(i, a) for i, a in self._expired if i not in issued]
         for index, attempt in items:
             self._leases[index] = PromptLease(consumer, attempt, expires_at)
+            heapq.heappush(self._deadlines, (expires_at, index, attempt))
             self._next_index = max(self._next_index, index + 1)
+        if len(self._deadlines) > 2 * len(self._leases) + 64:
+            self._rebuild_deadlines()
+
+    def _rebuild_deadlines(self) -> None:
+        self._deadlines = [(lease.expires_at, i, lease.attempt) for i, lease in self._leases.items()]
+        heapq.heapify(self._deadlines)
 
     def apply_expire(self, items: list[tuple[int, int]]) -> None:
         """Move ``[(index, next_attempt)]`` from leased to the re-issue queue (live and WAL replay)."""
@@ -158,6 +184,7 @@ class PromptLedger:
     def load_state_dict(self, state: dict) -> None:
         self._next_index = int(state["next_index"])
         self._leases = {int(i): PromptLease(c, int(a), float(t)) for i, c, a, t in state["leases"]}
+        self._rebuild_deadlines()
         self._expired = [(int(i), int(a)) for i, a in state["expired"]]
         self._done_below = int(state["done_below"])
         self._done_above = {int(i) for i in state["done_above"]}

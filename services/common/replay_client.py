@@ -9,7 +9,7 @@ import grpc
 import pyarrow as pa
 
 from gyre.proto import replay_pb2, replay_pb2_grpc
-from gyre.proto.trajectory import SCHEMA_VERSION, from_ipc, to_ipc
+from gyre.proto.trajectory import SCHEMA_VERSION, TRAJECTORY_SCHEMA, read_stream, to_ipc, validate_table
 from gyre.services.common import grpc_common
 from gyre.services.common.security import SecurityConfig
 
@@ -64,14 +64,18 @@ class ReplayClient:
         ``prompt_indices``: exactly those prompts' groups, in that order (lockstep). ``request_id``: the
         idempotency key of this logical sample; pass the same one when retrying after a
         ``ReplayUnavailableError`` and a lease whose answer was lost comes back instead of a second one."""
-        resp = self._stub.Sample(
+        stream = self._stub.SampleStream(
             replay_pb2.SampleRequest(schema_version=SCHEMA_VERSION, num_groups=num_groups,
                                      learner_version=learner_version, timeout_s=timeout_s, consumer=consumer,
                                      prompt_indices=prompt_indices or [], request_id=request_id),
             timeout=timeout_s + self.timeout_s)
-        if not resp.lease_id:
+        head = next(stream, None)  # the lease; then the batch's rows in slices (no cap on the batch's size)
+        if head is None or not head.lease_id:
             return None
-        return resp.lease_id, from_ipc(resp.arrow_ipc)
+        parts = [read_stream(m.arrow_ipc, "a SampleStream slice") for m in stream]
+        table = pa.concat_tables(parts) if parts else TRAJECTORY_SCHEMA.empty_table()
+        validate_table(table)
+        return head.lease_id, table
 
     @_transient_as_connection_error
     def ack(self, lease_ids: list[str]) -> int:

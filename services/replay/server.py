@@ -8,6 +8,8 @@ response to request N waits for its WAL fsync. Responses stay in request order.
 
 from __future__ import annotations
 
+import contextlib
+
 import sys
 import threading
 import time
@@ -35,18 +37,34 @@ pure Python (a snapshot building its group table, a restore, a big Info) makes e
 waiting for it wait up to this long, so insert and sample tail latency follow it."""
 
 
+@contextlib.contextmanager
+def _statuses(context):
+    """Turn ``_Abort`` and the buffer's errors raised inside into status codes."""
+    try:
+        yield
+    except _Abort as exc:
+        context.abort(exc.code, exc.message)
+    except UnknownLeaseError as exc:
+        context.abort(grpc.StatusCode.NOT_FOUND, str(exc.args[0]))
+    except WalError as exc:
+        log.error("replay_wal_failed", error=str(exc))
+        context.abort(grpc.StatusCode.UNAVAILABLE, f"replay cannot persist: {exc}")
+
+
 def _aborting(fn):
-    """Run a unary handler, turning ``_Abort`` and the buffer's errors into status codes."""
+    """Run a unary handler under ``_statuses``."""
     def handler(self, request, context):
-        try:
+        with _statuses(context):
             return fn(self, request, context)
-        except _Abort as exc:
-            context.abort(exc.code, exc.message)
-        except UnknownLeaseError as exc:
-            context.abort(grpc.StatusCode.NOT_FOUND, str(exc.args[0]))
-        except WalError as exc:
-            log.error("replay_wal_failed", error=str(exc))
-            context.abort(grpc.StatusCode.UNAVAILABLE, f"replay cannot persist: {exc}")
+    handler.__name__ = fn.__name__
+    return handler
+
+
+def _aborting_stream(fn):
+    """Run a server-streaming handler under ``_statuses`` (errors raised while it yields, too)."""
+    def handler(self, request, context):
+        with _statuses(context):
+            yield from fn(self, request, context)
     handler.__name__ = fn.__name__
     return handler
 
@@ -96,21 +114,35 @@ class ReplayServicer(replay_pb2_grpc.ReplayServiceServicer):
     # ---- unary RPCs ---------------------------------------------------------------------------------
     @_aborting
     def Sample(self, request, context):
+        got = self._sample(request)
+        if got is None:
+            return replay_pb2.SampleResponse()
+        lease_id, table = got
+        return replay_pb2.SampleResponse(lease_id=lease_id, arrow_ipc=to_ipc(table), num_groups=request.num_groups)
+
+    @_aborting_stream
+    def SampleStream(self, request, context):
+        got = self._sample(request)
+        if got is None:
+            return
+        lease_id, table = got
+        yield replay_pb2.SampleResponse(lease_id=lease_id, num_groups=request.num_groups)
+        for part in slices(table, SAMPLE_SLICE_BYTES):
+            yield replay_pb2.SampleResponse(arrow_ipc=to_ipc(part))
+
+    def _sample(self, request):
+        """``buffer.sample`` for a ``SampleRequest``, validated (``INVALID_ARGUMENT`` naming the bad field)."""
         check_schema(request.schema_version)
         if request.num_groups < 1:
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"num_groups ({request.num_groups}) must be >= 1")
         if not 0 <= request.timeout_s <= 600:
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"timeout_s ({request.timeout_s}) must be in [0, 600]")
         try:
-            got = self.buffer.sample(request.num_groups, request.learner_version, request.timeout_s, request.consumer,
-                                     prompt_indices=list(request.prompt_indices) or None,
-                                     request_id=request.request_id)
+            return self.buffer.sample(request.num_groups, request.learner_version, request.timeout_s,
+                                      request.consumer, prompt_indices=list(request.prompt_indices) or None,
+                                      request_id=request.request_id)
         except ValueError as exc:
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
-        if got is None:
-            return replay_pb2.SampleResponse()
-        lease_id, table = got
-        return replay_pb2.SampleResponse(lease_id=lease_id, arrow_ipc=to_ipc(table), num_groups=request.num_groups)
 
     @_aborting
     def Ack(self, request, context):
@@ -159,6 +191,17 @@ class ReplayServicer(replay_pb2_grpc.ReplayServiceServicer):
     def Info(self, request, context):
         info = self.buffer.info()
         return replay_pb2.InfoResponse(schema_version=SCHEMA_VERSION, **info)
+
+
+SAMPLE_SLICE_BYTES = 64 * 1024 * 1024
+"""Arrow bytes of rows per ``SampleStream`` message (one row may exceed it)."""
+
+
+def slices(table, slice_bytes: int):
+    """``table`` as consecutive row slices of about ``slice_bytes`` Arrow bytes each (at least one row each)."""
+    rows = table.num_rows
+    per = max(1, rows * slice_bytes // max(1, table.nbytes))
+    return [table.slice(start, per) for start in range(0, rows, per)]
 
 
 def serve(buffer: TrajectoryBuffer, host: str | None = None, port: int = 0,

@@ -195,3 +195,30 @@ def test_a_sample_retried_after_a_replay_restart_gets_the_restored_lease(tmp_pat
     assert again == lease and table_again.equals(table)
     assert buf.ack([lease]) == 2 and buf.info()["stored_groups"] == 0
     buf.close()
+
+
+def test_the_deadline_heap_finds_exactly_the_overdue_leases_through_leases_expiries_and_completions():
+    """``due`` walks a heap of deadlines (not every lease); whatever the history of leases, re-issues, completions and
+    restores, it returns what a scan of every lease returns, earliest deadline first."""
+    import random
+
+    rng = random.Random(7)
+    ledger, now = PromptLedger(clock=lambda: now), 0.0
+    for step in range(400):
+        now += rng.random()
+        op = rng.random()
+        if op < 0.5:
+            ledger.lease(f"r{rng.randrange(8)}", rng.randrange(1, 5), ttl_s=rng.uniform(0.5, 20.0), now=now)
+        elif op < 0.7 and ledger.num_leased:
+            ledger.complete(rng.choice(list(ledger._leases)))
+        elif op < 0.8:
+            ledger.expire(now)
+        elif op < 0.85:
+            restored = PromptLedger(clock=lambda: now)
+            restored.load_state_dict(ledger.state_dict())
+            ledger = restored
+        at = now + rng.uniform(-5.0, 15.0)
+        scan = sorted((lease.expires_at, i, lease.attempt + 1) for i, lease in ledger._leases.items()
+                      if lease.expires_at <= at)
+        assert ledger.due(at) == [(i, a) for _, i, a in scan], step
+    assert len(ledger._deadlines) <= 2 * ledger.num_leased + 64  # stale entries do not pile up
