@@ -1,5 +1,5 @@
-"""The supervisor's records of incarnations: a death it handled (``Death``), a rollout replacement or addition that is
-still starting (``Starting``), and a rollout being removed in the background (``Draining``)."""
+"""The supervisor's records of incarnations: a death it handled (``Death``) and a rollout replacement or addition that is
+still starting (``Starting``). A rollout being removed is ``drains.Draining``."""
 
 from __future__ import annotations
 
@@ -48,18 +48,3 @@ class Starting:
     """When it was created (``time.monotonic``): one not started within the supervisor's ``start_timeout_s`` (Ray
     could not place it, or its setup hangs) is given up."""
 
-
-@dataclass
-class Draining:
-    """A rollout removed by ``scale``, finishing in the background while the supervisor keeps ticking: ``drain`` (its
-    prompt leases finished and delivered), then ``stop`` (engine shut down), then killed."""
-
-    name: str
-    index: int
-    handle: ray.actor.ActorHandle
-    call: ray.ObjectRef
-    """The ``drain`` or ``stop`` call in flight."""
-    phase: str
-    """``drain`` or ``stop``."""
-    deadline: float
-    """``time.monotonic`` past which the phase is given up (the actor is killed either way at the end)."""

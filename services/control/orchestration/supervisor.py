@@ -36,14 +36,11 @@ from gyre.services.control.commands import reward_swaps
 from gyre.services.control.orchestration import topology
 from gyre.services.control.commands.status import run_status
 from gyre.services.control.orchestration.factory import Service, ServiceFactory
-from gyre.services.control.orchestration.incarnations import Death, Draining, Starting
+from gyre.services.control.orchestration.drains import DRAIN_S, Draining, advance_drains, begin_drain
+from gyre.services.control.orchestration.incarnations import Death, Starting
 from gyre.services.learner import group as learner_group
 
 log = structlog.get_logger("supervisor")
-DRAIN_S = 120.0
-"""Seconds a rollout removed by ``scale`` may take to finish and deliver the groups it holds leases for."""
-STOP_S = 120.0
-"""Seconds its ``stop`` (engine shutdown) may take before it is killed anyway."""
 START_TIMEOUT_S = 1800.0
 """Default ``Supervisor.start_timeout_s``: a vLLM engine of a large model on a fresh node (download, load, CUDA
 graphs) takes minutes, not half an hour."""
@@ -72,7 +69,7 @@ class Supervisor:
         self.services: dict[str, Service] = {}
         self.starting: dict[str, Starting] = {}
         self.draining: dict[str, Draining] = {}
-        """Rollouts removed by ``scale``, draining and stopping in the background (``_advance_drains``)."""
+        """Rollouts removed by ``scale``, draining and stopping in the background (``drains``)."""
         """Rollouts being added by ``scale`` or replacing a failed one (their vLLM engine starts while the
         supervisor keeps ticking); a restarted rollout's old entry stays in ``services`` until then."""
         self.learner_generation = 0
@@ -228,7 +225,7 @@ class Supervisor:
             if not keep:
                 self._restart_or_retry(svc, reason=f"{svc.failures} failed health checks")
         self.scale(requests["rollouts"])
-        self._advance_drains()
+        advance_drains(self.draining)
         self._adopt_started()
         self.relay_tree.update(self.running_rollouts())
         if requests["checkpoint"]:
@@ -359,38 +356,8 @@ class Supervisor:
             self.services.pop(str(st.id), None)  # a restart's killed incarnation goes with its replacement
             excess -= 1
         for svc in running[::-1][:max(excess, 0)]:
-            self._begin_drain(svc)
-
-    def _begin_drain(self, svc: Service, drain_s: float = DRAIN_S) -> None:
-        """Take ``svc`` out of the fleet now and drain it in the background (``_advance_drains``): the ticks, health
-        checks and metrics go on meanwhile (a blocking drain held the supervisor up to 150 s per rollout)."""
-        del self.services[svc.name]
-        call, phase = (svc.handle.drain.remote(drain_s), "drain") if self.generating else (svc.handle.stop.remote(),
-                                                                                             "stop")
-        self.draining[svc.name] = Draining(svc.name, svc.id.index, svc.handle, call, phase,
-                                           time.monotonic() + (drain_s if phase == "drain" else STOP_S) + 30)
-        log.info("rollout_draining", service=svc.name, phase=phase)
-
-    def _advance_drains(self) -> None:
-        """Move each draining rollout one phase on when its call returned or timed out: drain → stop → killed."""
-        for name, d in list(self.draining.items()):
-            late = time.monotonic() > d.deadline
-            if not late and not ray.wait([d.call], timeout=0)[0]:
-                continue
-            try:
-                result = None if late else ray.get(d.call)
-            except (RayActorError, GetTimeoutError) as exc:
-                log.warning("rollout_stop_failed", service=name, phase=d.phase, error=str(exc)[:200])
-                result = None
-            if late:
-                log.warning("rollout_drain_late", service=name, phase=d.phase)
-            if d.phase == "drain" and not late:
-                log.info("rollout_drained", service=name, undelivered_prompt_leases=result)
-                d.call, d.phase, d.deadline = d.handle.stop.remote(), "stop", time.monotonic() + STOP_S
-                continue
-            ray.kill(d.handle, no_restart=True)
-            del self.draining[name]
-            log.info("rollout_removed", service=name)
+            del self.services[svc.name]  # out of the fleet now; drained in the background (``drains``)
+            begin_drain(self.draining, svc, self.generating)
 
     def _adopt_started(self) -> None:
         """Starting rollouts whose setup returned and that hold ``target_version`` join the fleet and generate;

@@ -12,7 +12,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from gyre.services.common.service_info import LearnerInfo, LearnerRankInfo, ReplayInfo, RewardModelInfo, RolloutInfo
 from gyre.services.common.names import ROLES, ServiceName
 from gyre.services.control.orchestration import supervisor as sup_mod
-from gyre.services.control.orchestration import relay_tree, topology
+from gyre.services.control.orchestration import drains, relay_tree, topology
 from gyre.proto.weight_transport import GrpcTransportConfig
 from gyre.services.control.commands import ops
 from gyre.services.control.commands.ops import FleetRequests
@@ -142,6 +142,7 @@ def unstarted(monkeypatch, attach=None, reward_model=False, relay_fanout=None) -
                                exceptions=sup_mod.ray.exceptions)
     monkeypatch.setattr(sup_mod, "ray", fake_ray)
     monkeypatch.setattr(relay_tree, "ray", fake_ray)
+    monkeypatch.setattr(drains, "ray", fake_ray)
     monkeypatch.setattr(sup_mod, "check_health", lambda address, timeout_s, security=None: True)
     state = FleetRequests("r", "gyre", 1)
     s = Supervisor(FakeFactory(relay_fanout), FakeHandle("state", take_requests=state.take_requests, publish=state.publish,
