@@ -26,6 +26,11 @@ class GrpcTransportConfig(BaseModel):
     """First reconnect delay in seconds; doubles per failure up to ``max_backoff_s``."""
     max_backoff_s: float = Field(default=10.0, gt=0)
     """Longest reconnect delay in seconds."""
+    delta_bases: int = Field(default=2, ge=0)
+    """Versions the learner keeps encoded besides the newest, as bases of sparse deltas (``proto.sparse_delta``): a
+    subscriber holding one of them gets the next version as the elements that changed (NeMo-RL's sparse refit,
+    verl's ``delta_sharded``). Each costs one model's bytes of host memory on the learner. ``0``: every version
+    travels whole (the A/B switch)."""
     relay_fanout: int | None = Field(default=None, ge=1)
     """Relay fan-out (``services.rollout.transport.relay``): every rollout re-serves the chunks it receives, and the
     supervisor points rollout ``i`` > 0 at rollout ``(i - 1) // relay_fanout``'s relay (falling back up the tree,

@@ -79,7 +79,7 @@ class LearnerActor:
         self.engine = LearnerEngine(self.config.engine, self.config.algorithm)
         if ranks is not None and ranks["world_size"] > 1:  # rank 0 announces each collective call to the others
             self.engine = LeaderEngine(self.engine, on_failure=fail_stop)
-        self.publisher = WeightPublisher()
+        self.publisher = WeightPublisher(delta_bases=delta_bases(weight_transport))
         members = GroupMembers() if (weight_transport or {}).get("type") == "nccl" else None
         self.server, self.port = weight_server.serve(self.publisher, host=host, security=sec, members=members)
         self.host = advertised_host(host)
@@ -276,6 +276,16 @@ def set_rank_env(ranks: dict | None) -> None:
     if ranks is not None:
         os.environ.update(RANK=str(ranks["rank"]), WORLD_SIZE=str(ranks["world_size"]), LOCAL_RANK="0",
                           MASTER_ADDR=str(ranks["master_addr"]), MASTER_PORT=str(ranks["master_port"]))
+
+
+def delta_bases(weight_transport: dict | None) -> int:
+    """The learner's ``WeightPublisher(delta_bases)`` for the rollouts' ``weight_transport``: its ``delta_bases`` for
+    gRPC (default 2), 2 for the broadcast group (its gRPC fallbacks use deltas too)."""
+    from gyre.proto.weight_transport import GrpcTransportConfig
+
+    if (weight_transport or {}).get("type", "grpc") == "grpc":
+        return GrpcTransportConfig(**(weight_transport or {})).delta_bases
+    return GrpcTransportConfig().delta_bases
 
 
 def rank_env(rank: int, world_size: int, master_addr: str, master_port: int) -> dict:

@@ -93,3 +93,32 @@ def test_a_delta_against_the_wrong_base_is_refused_counted_and_the_version_fetch
     finally:
         sub.stop()
         server.stop(0).wait()
+
+
+def test_delta_bases_0_sends_every_version_whole():
+    """The A/B switch (``weight_transport.delta_bases: 0``): the same subscriber, holding the previous version, gets
+    the next one whole."""
+    from gyre.services.learner.actor import delta_bases
+
+    assert delta_bases({"type": "grpc", "delta_bases": 0}) == 0 and delta_bases(None) == 2
+    assert delta_bases({"type": "nccl"}) == 2
+    versions = _versions(2)
+    model_bytes = sum(t.numel() * t.element_size() for _, t in versions[0])
+    pub = WeightPublisher(delta_bases=delta_bases({"type": "grpc", "delta_bases": 0}))
+    server = AioServer()
+    servicer = CountingServicer(pub)
+    weight_server.add_servicer(servicer, server)
+    learner = f"127.0.0.1:{server.start(weight_server.SERVICE_NAME)}"
+    pub.publish(0, versions[0])
+    got = []
+    sub = WeightSubscriber(learner, lambda v, t, tl: got.append((v, t)), name="s", backoff_s=0.05).start()
+    try:
+        _wait(lambda: [v for v, _ in got] == [0])
+        sent = servicer.sent_bytes
+        pub.publish(1, versions[1])
+        _wait(lambda: [v for v, _ in got] == [0, 1])
+        assert servicer.sent_bytes - sent >= model_bytes and _same(got[-1][1], versions[1])
+        assert servicer.last_delta is None and sub.errors == 0
+    finally:
+        sub.stop()
+        server.stop(0).wait()
