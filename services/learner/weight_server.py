@@ -125,6 +125,8 @@ class WeightServicer(WeightStreamServicer):
         member = self.members is not None and bool(request.incarnation)
         if member:
             self.members.add(request.incarnation, request.subscriber)
+            # the RPC's end, however it ends (also a cancellation the handler does not see while it waits)
+            context.add_done_callback(lambda _: self.members.remove(request.incarnation))
         try:
             async for version, timeline, (metas, group) in self._offers(request, manifest=True):
                 await self._write(context, weights_pb2.VersionManifest(

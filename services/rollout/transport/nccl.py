@@ -130,6 +130,7 @@ class NcclTransport(StreamThread, WeightTransport):
                 rejoin = self._take(msg.group if msg.HasField("group") else None, manifest, ch)
                 self._call = announces
                 if rejoin:
+                    announces.cancel()  # this incarnation leaves the learner's membership now
                     raise _Rejoin()
 
     def _take(self, group: weights_pb2.BroadcastGroup | None, manifest: VersionManifest, channel) -> bool:

@@ -293,7 +293,12 @@ def test_a_rollout_that_cannot_use_the_backend_follows_as_a_non_member_and_spoil
         learner.background.flush()
         assert rollout.transport.can_join is False and _exact(rollout.got[1], 1)
         assert any("TransportUnavailableError" in e["reason"] for e in _events(logs, "weights_over_grpc"))
-        _wait(lambda: learner.members.snapshot() == {})  # its stream is open, but not as a member
+        try:
+            _wait(lambda: learner.members.snapshot() == {})  # its stream is open, but not as a member
+        except AssertionError:
+            raise AssertionError(f"members {learner.members.snapshot()} inc={rollout.transport.incarnation!r} "
+                                 f"can_join={rollout.transport.can_join} got={list(rollout.got)} "
+                                 f"grpc={rollout.transport.grpc_versions} events={[e['event'] for e in logs][-30:]}")
         learner.group.backend = "gloo"
         learner.publish(2)
         _wait(lambda: 2 in rollout.got)
