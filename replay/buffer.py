@@ -368,8 +368,6 @@ class TrajectoryBuffer:
         with self._lock:
             out = self.state.info()
             out.update(inserts_per_s=self._inserts.per_s(), samples_per_s=self._samples.per_s())
-            cap = self.config.work_budget
-            out["work_budget_left"] = -1 if cap is None else cap - out["size_groups"] - out["prompts_leased"]
         if self.durability is not None:
             out.update(self.durability.info())
         return out

@@ -49,7 +49,7 @@ class PromptLeases:
                 lsn, _ = self._commit(Record("prompt_expire", {"items": due}))
             if max_ready is not None and self._state.store.count[POOLED] >= max_ready:
                 count = 0
-            budget = self._budget()
+            budget = self._state.work_budget_left()
             if budget is not None:
                 count = min(count, max(0, budget))
             items = self._state.ledger.plan(count, below) if count else []
@@ -63,10 +63,4 @@ class PromptLeases:
         """Groups the fleet may still lease (``ReplayConfig.work_budget`` − groups ready − prompts leased, may be
         negative), or ``None`` without a budget."""
         with self._lock:
-            return self._budget()
-
-    def _budget(self) -> int | None:
-        cap = self._state.config.work_budget
-        if cap is None:
-            return None
-        return cap - self._state.store.count[POOLED] - self._state.ledger.num_leased
+            return self._state.work_budget_left()

@@ -287,6 +287,12 @@ class ReplayState:
         else:
             self.store.set_state(key, POOLED)
 
+    def work_budget_left(self) -> int | None:
+        """Groups the fleet may still lease: ``config.work_budget`` − groups ready − prompts leased (may be
+        negative), or ``None`` without a budget."""
+        cap = self.config.work_budget
+        return None if cap is None else cap - self.store.count[POOLED] - self.ledger.num_leased
+
     def info(self) -> dict:
         """Sizes and lifetime counters as plain values."""
         store, c = self.store, self.counters
@@ -299,6 +305,7 @@ class ReplayState:
             "learner_version": self.learner_version,
             **{k: v for k, v in vars(c).items() if not isinstance(v, dict)},
             "dropped_stale_fraction": c.dropped_stale_total / c.inserted_total if c.inserted_total else 0.0,
+            "work_budget_left": -1 if self.work_budget_left() is None else self.work_budget_left(),
             "inserted_by_newest_version": dict(c.inserted_by_newest_version),
             "staleness_at_sample": dict(c.staleness_at_sample),
             **self.limiter.info(),

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import math
 import time
 from collections.abc import Coroutine
 from typing import Any, Protocol
@@ -242,9 +243,15 @@ class RolloutWorker:
         """Whether ``max_groups_per_version`` lets another group start with the engine's current version."""
         if not self._steady.is_set():  # a timeline switch is cancelling groups: none starts on the dead weights
             return False
+        return self._gate_room() > 0
+
+    def _gate_room(self) -> float:
+        """Groups ``max_groups_per_version`` still lets start with the engine's current version (inf: no gate)."""
         limit = self.config.max_groups_per_version
+        if limit is None:
+            return math.inf
         version, started = self._gate
-        return limit is None or version != self.engine.version or started < limit
+        return limit - (started if version == self.engine.version else 0)
 
     def _count_group(self, version: int) -> None:
         """Count a group started with policy ``version`` against the version gate."""
@@ -261,12 +268,7 @@ class RolloutWorker:
 
     def _room(self, in_flight: int) -> int:
         """Groups this rollout may start now: free ``groups_in_flight`` slots, within the version gate."""
-        free = self.config.groups_in_flight - in_flight
-        limit = self.config.max_groups_per_version
-        if limit is not None:
-            version, started = self._gate
-            free = min(free, limit - (started if version == self.engine.version else 0))
-        return max(0, free)
+        return max(0, int(min(self.config.groups_in_flight - in_flight, self._gate_room())))
 
     async def _lease(self, loop, count: int) -> list[tuple[int, int]]:
         """Up to ``count`` prompt leases in one ``LeasePrompts`` call: replay grants fewer or none when the fleet's

@@ -23,19 +23,18 @@ Services are created by ``services.control.orchestration.factory.ServiceFactory`
 from __future__ import annotations
 
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import ray
 import structlog
 from ray.exceptions import GetTimeoutError, RayActorError
 
-from gyre.services.common.grpc_common import check_health
 from gyre.services.control.orchestration.relay_tree import RelayTree
 from gyre.services.common.names import ServiceName
 from gyre.services.control.commands import reward_swaps
 from gyre.services.control.orchestration import topology
 from gyre.services.control.commands.status import run_status
 from gyre.services.control.orchestration.factory import Service, ServiceFactory
+from gyre.services.control.orchestration.health import health_round
 from gyre.services.control.orchestration.drains import DRAIN_S, Draining, advance_drains, begin_drain
 from gyre.services.control.orchestration.incarnations import Death, Starting
 from gyre.services.learner import group as learner_group
@@ -232,45 +231,9 @@ class Supervisor:
             log.info("checkpoint_requested", result=ray.get(self.learner.handle.request_checkpoint.remote()))
         ray.get(self.state.publish.remote(self.status()))
 
-    def check(self, svc: Service) -> bool:
-        """``check_all`` of one service."""
-        return self.check_all([svc])[0]
-
     def check_all(self, svcs: list[Service]) -> list[bool]:
-        """One health round over ``svcs``, all at once: every ``describe()`` (and each learner rank's) is in flight
-        together under one deadline of ``check_timeout_s`` seconds, and the gRPC health checks of the servers run
-        side by side, so a round takes one deadline however large the fleet (asked one after another, 256
-        rollouts took up to 256 deadlines). Returns, per service, ``False`` once it must be restarted (dead, or
-        hung for ``fail_threshold`` rounds); updates ``svc.info`` and ``svc.failures``."""
-        asked = [(svc.handle.describe.remote(), [f.describe.remote() for f in svc.followers]) for svc in svcs]
-        refs = [r for own, ranks in asked for r in (own, *ranks)]
-        ready = set(ray.wait(refs, num_returns=len(refs), timeout=self.check_timeout_s)[0]) if refs else set()
-        servers = [svc for svc in svcs if svc.address is not None]
-        with ThreadPoolExecutor(max_workers=max(1, len(servers))) as pool:
-            grpc_ok = dict(zip((s.name for s in servers), pool.map(self._grpc_healthy, servers)))
-        return [self._judge(svc, own, ranks, ready, grpc_ok.get(svc.name, True))
-                for svc, (own, ranks) in zip(svcs, asked)]
-
-    def _grpc_healthy(self, svc: Service) -> bool:
-        return check_health(svc.address, timeout_s=self.check_timeout_s, security=self.factory.recipe.security)
-
-    def _judge(self, svc: Service, own, ranks: list, ready: set, grpc_ok: bool) -> bool:
-        """One service's verdict from its answers (``check_all``)."""
-        try:
-            if own not in ready or any(r not in ready for r in ranks):
-                raise GetTimeoutError()
-            svc.info = ray.get(own)
-            ray.get(ranks)  # learner ranks >= 1
-            healthy = grpc_ok
-        except RayActorError:
-            svc.failures = self.fail_threshold  # the process is gone: no point waiting
-            return False
-        except GetTimeoutError:
-            healthy = False
-        svc.failures = 0 if healthy else svc.failures + 1
-        if not healthy:
-            log.warning("health_check_failed", service=svc.name, failures=svc.failures)
-        return svc.failures < self.fail_threshold
+        """``health.health_round`` over ``svcs``: per service, ``False`` once it must be restarted."""
+        return health_round(svcs, self.check_timeout_s, self.fail_threshold, self.factory.recipe.security)
 
     def _restart_or_retry(self, svc: Service, reason: str) -> None:
         """``restart``; if the new incarnation dies while starting, the old entry stays (dead), so the next

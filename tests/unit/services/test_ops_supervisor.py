@@ -12,7 +12,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from gyre.services.common.service_info import LearnerInfo, LearnerRankInfo, ReplayInfo, RewardModelInfo, RolloutInfo
 from gyre.services.common.names import ROLES, ServiceName
 from gyre.services.control.orchestration import supervisor as sup_mod
-from gyre.services.control.orchestration import drains, relay_tree, topology
+from gyre.services.control.orchestration import drains, health, relay_tree, topology
 from gyre.proto.weight_transport import GrpcTransportConfig
 from gyre.services.control.commands import ops
 from gyre.services.control.commands.ops import FleetRequests
@@ -142,8 +142,9 @@ def unstarted(monkeypatch, attach=None, reward_model=False, relay_fanout=None) -
                                exceptions=sup_mod.ray.exceptions)
     monkeypatch.setattr(sup_mod, "ray", fake_ray)
     monkeypatch.setattr(relay_tree, "ray", fake_ray)
+    monkeypatch.setattr(health, "ray", fake_ray)
     monkeypatch.setattr(drains, "ray", fake_ray)
-    monkeypatch.setattr(sup_mod, "check_health", lambda address, timeout_s, security=None: True)
+    monkeypatch.setattr(health, "check_health", lambda address, timeout_s, security=None: True)
     state = FleetRequests("r", "gyre", 1)
     s = Supervisor(FakeFactory(relay_fanout), FakeHandle("state", take_requests=state.take_requests, publish=state.publish,
                                                  finish_reward_swap=state.finish_reward_swap))
@@ -200,7 +201,7 @@ def test_hung_service_is_restarted_after_fail_threshold_checks(sup):
 
 
 def test_failed_grpc_health_counts_as_a_failed_check(sup, monkeypatch):
-    monkeypatch.setattr(sup_mod, "check_health", lambda address, timeout_s, security=None: address != "replay:1")
+    monkeypatch.setattr(health, "check_health", lambda address, timeout_s, security=None: address != "replay:1")
     sup.tick()
     sup.tick()
     assert sup.replay.failures == 2 and sup.replay.restarts == 0
@@ -392,61 +393,3 @@ def test_the_status_shows_the_reward_models_loaded(monkeypatch):
     assert "rm         rm:classifier:rm@abc loaded by reward_model" in ops.format_status(st).splitlines()
     assert st["restarts"]["reward_model"] == 0
 
-
-def test_a_round_asks_every_service_at_once_under_one_deadline(sup, monkeypatch):
-    """Asked one after another (each with its own ``check_timeout_s``), a fleet of hung rollouts held the tick for
-    one deadline per rollout, and health checks and metrics stopped meanwhile."""
-    sup.state_body.request_scale("rollout", 4)
-    sup.tick()
-    assert len(sup.rollouts()) == 4
-    waits = []
-
-    hung = sup.rollouts()[1].handle
-
-    def wait(refs, num_returns=1, timeout=0):  # rollout-1 does not answer within the deadline
-        waits.append((len(refs), num_returns, timeout))
-        return [r for r in refs if r.owner is not hung], [r for r in refs if r.owner is hung]
-    monkeypatch.setattr(sup_mod.ray, "wait", wait)
-    sup.tick()
-    assert waits == [(6, 6, sup.check_timeout_s)]  # replay, learner, 4 rollouts: one wait, one deadline
-    assert [s.failures for s in sup.rollouts()] == [0, 1, 0, 0]
-
-
-def test_a_rollout_that_never_starts_is_given_up_by_name_after_the_start_timeout(sup, monkeypatch):
-    """Ray could not place it (or its setup hangs): before, it stayed "starting" for ever and held its slot."""
-    monkeypatch.setattr(sup_mod.ray, "wait", lambda refs, num_returns=1, timeout=0: (refs, []) if _health_round(refs)
-                        else ([], refs))  # the setup never returns
-    sup.start_timeout_s = 60.0
-    sup.state_body.request_scale("rollout", 2)
-    sup.tick()
-    assert list(sup.starting) == ["rollout-1"]
-    sup.starting["rollout-1"].since -= 61.0
-    sup.tick()
-    assert "rollout-1" not in sup.services and sup.deaths[-1].service == "rollout-1"
-    assert sup.deaths[-1].reason == "not started in time"
-    sup.tick()  # the next scale tries again, with a new incarnation
-    assert list(sup.starting) == ["rollout-1"] and sup.starting["rollout-1"].incarnation == 1
-
-
-def test_scale_in_drains_in_the_background_while_the_ticks_go_on(sup, monkeypatch):
-    """A blocking drain held the supervisor (health checks, metrics, other requests) up to 150 s per rollout."""
-    sup.generating = True
-    sup.state_body.request_scale("rollout", 3)
-    sup.tick()
-    leaving = sup.services["rollout-2"].handle
-    monkeypatch.setattr(sup_mod.ray, "wait", lambda refs, num_returns=1, timeout=0: (refs, []) if _health_round(refs)
-                        else ([], refs))  # the drain takes long
-    sup.state_body.request_scale("rollout", 2)
-    sup.tick()
-    sup.tick()
-    assert list(sup.draining) == ["rollout-2"] and not leaving.killed
-    assert sorted(s.name for s in sup.rollouts()) == ["rollout-0", "rollout-1"]
-    checks = sum(c[0] == "describe" for c in sup.services["rollout-0"].handle.calls)
-    sup.tick()
-    assert sum(c[0] == "describe" for c in sup.services["rollout-0"].handle.calls) == checks + 1  # still checked
-    sup.state_body.request_scale("rollout", 3)  # grows again meanwhile: a new name, not the draining one's
-    sup.tick()
-    assert "rollout-3" in sup.starting or "rollout-3" in sup.services
-    sup.draining["rollout-2"].deadline = 0.0  # the drain outlived its deadline: killed
-    sup.tick()
-    assert leaving.killed and not sup.draining
