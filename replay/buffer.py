@@ -21,7 +21,7 @@ from collections import Counter
 
 import pyarrow as pa
 
-from gyre.proto.trajectory import to_ipc
+from gyre.proto.trajectory import SchemaError, to_ipc
 from gyre.replay.config import ReplayConfig
 from gyre.replay.durable import Durability
 from gyre.replay.groups import split_batch, split_groups
@@ -122,6 +122,7 @@ class TrajectoryBuffer:
             if self._wal is not None and payload is None:
                 payload = to_ipc(table)
             plan = split_groups(table, None if payload is None else len(payload))
+            self._check_owned(plan)
             encoded = [self._encode_insert(payload)] if self._wal is not None else []
         deadline = time.monotonic() + (self.config.insert_timeout_s if timeout_s is None else timeout_s)
         with self._lock:
@@ -150,12 +151,21 @@ class TrajectoryBuffer:
             return None
         with self._urgent(), self._prepare_lock:
             plan = split_batch([t for t, _ in items], [len(p) for _, p in items])
-            if plan is None:
-                return None
+            if plan is None or not all(map(self.state.ledger.owns, plan.prompt_index)):
+                return None  # one by one: ``insert_nowait`` names the misrouted prompt
             encoded = [self._encode_insert(p) for _, p in items] if self._wal is not None else []
         with self._lock:
             results, lsn = self._store(encoded, plan)
         return [(r, lsn) for r in results]
+
+    def _check_owned(self, plan) -> None:
+        """Raises ``SchemaError`` naming the first prompt of ``plan`` this shard does not own (a client that routes
+        inserts by another shard count); nothing is stored."""
+        ledger = self.state.ledger
+        wrong = next((p for p in plan.prompt_index if not ledger.owns(p)), None)
+        if wrong is not None:
+            raise SchemaError(f"prompt_index {wrong} belongs to replay shard {wrong % ledger.shards} of {ledger.shards}, "
+                              f"not to this shard ({ledger.shard}); route each group to shard prompt_index mod shards")
 
     def _encode_insert(self, payload) -> list:
         """The WAL record of one insert (``records.encode_parts`` pieces)."""

@@ -194,6 +194,16 @@ class ReplayConfig(BaseModel):
     num_prompts: int | None = Field(None, ge=1)
     """Size of the prompt stream; ``None`` means unbounded."""
 
+    shards: int = Field(1, ge=1)
+    """Replay processes the run's replay is split into. Prompt ``i`` belongs to shard ``i mod shards``: its leases,
+    its group and its completion live there, in that shard's own WAL, snapshots and ledger (``{dir}/shard-{k}``
+    when ``shards > 1``). Rollouts lease from and insert into the shards; the learner samples whole groups across
+    them (``services.common.replay_shards``). ``capacity_groups`` and the rate limiter hold per shard; the work
+    budget is split between them. 1: one replay, exactly as without sharding."""
+
+    shard: int = Field(0, ge=0)
+    """Which shard this replay process is, ``0 <= shard < shards`` (``gyre run`` sets it per process)."""
+
     rate_limiter: RateLimiterConfig = RateLimiterConfig()
     """Samples-per-insert limiter and minimum size; the default only needs one stored group."""
 
@@ -226,10 +236,21 @@ class ReplayConfig(BaseModel):
         """Most groups the fleet may have ready in replay or leased for generation at once:
         ``ceil((max_staleness + 1 + work_budget_margin_steps) × groups_per_step)`` — the learner can use at most
         ``max_staleness + 1`` steps of groups generated now before they are too stale (AReaL's staleness-bounded
-        rollout budget), plus the margin. ``None`` without ``groups_per_step``."""
+        rollout budget), plus the margin; with ``shards > 1`` each shard holds its share (rounded up). ``None``
+        without ``groups_per_step``."""
         if self.groups_per_step is None:
             return None
-        return math.ceil((self.max_staleness + 1 + self.work_budget_margin_steps) * self.groups_per_step)
+        fleet = math.ceil((self.max_staleness + 1 + self.work_budget_margin_steps) * self.groups_per_step)
+        return math.ceil(fleet / self.shards)
+
+    @model_validator(mode="after")
+    def _shard_in_range(self) -> "ReplayConfig":
+        if self.shard >= self.shards:
+            raise ValueError(f"replay.shard ({self.shard}) must be below replay.shards ({self.shards})")
+        if self.shards > 1 and self.source is not None:
+            raise ValueError(f"replay.shards ({self.shards}) must be 1 with replay.source: a recording is replayed "
+                             "by one replay, in its recorded order")
+        return self
 
     @model_validator(mode="after")
     def _recorded_order(self) -> "ReplayConfig":

@@ -7,7 +7,9 @@ change, logs it, then applies it with ``apply_expire`` (overdue leases to the re
 the log therefore rebuilds the same ledger, and "each prompt index completes exactly once" survives
 any crash.
 
-Completed indices are stored as a watermark (every index below it is complete) plus the set of
+A sharded replay's ledger (``shard`` of ``shards``) owns the indices ``shard, shard + shards, …`` only.
+
+Completed indices are stored as a watermark (every owned index below it is complete) plus the set of
 completed indices above it, so the state stays small however long the run. Lease deadlines sit in a min-heap
 (stale entries dropped lazily), so ``due`` visits only the overdue leases, not every lease of a large fleet.
 """
@@ -41,19 +43,31 @@ class PromptLedger:
     Args:
         num_prompts: size of the prompt stream, or ``None`` for unbounded.
         clock: seconds; wall clock by default because lease deadlines are persisted.
+        shard, shards: this ledger owns the prompt indices ``i`` with ``i mod shards == shard`` (replay sharding,
+            ``ReplayConfig.shards``); the default owns every index.
+
+    Raises:
+        ValueError: ``shards < 1`` or ``shard`` not in ``[0, shards)``.
     """
 
-    def __init__(self, num_prompts: int | None = None, clock=time.time) -> None:
+    def __init__(self, num_prompts: int | None = None, clock=time.time, shard: int = 0, shards: int = 1) -> None:
+        if shards < 1 or not 0 <= shard < shards:
+            raise ValueError(f"shard {shard} of {shards}: expected shards >= 1 and 0 <= shard < shards")
         self._num_prompts = num_prompts
         self._clock = clock
-        self._next_index = 0
+        self.shard, self.shards = shard, shards
+        self._next_index = shard
         self._leases: dict[int, PromptLease] = {}
         self._deadlines: list[tuple[float, int, int]] = []
         """Min-heap of ``(expires_at, index, attempt)``, one per lease made; an entry whose lease has since ended or
         been re-issued is stale and skipped (the heap is rebuilt when stale entries outnumber live ones)."""
         self._expired: list[tuple[int, int]] = []
-        self._done_below = 0
+        self._done_below = shard
         self._done_above: set[int] = set()
+
+    def owns(self, prompt_index: int) -> bool:
+        """Whether ``prompt_index`` belongs to this ledger's shard."""
+        return prompt_index % self.shards == self.shard
 
     def due(self, now: float | None = None) -> list[tuple[int, int]]:
         """Leases past their deadline as ``[(index, next_attempt)]``, earliest deadline first; changes nothing.
@@ -88,7 +102,7 @@ class PromptLedger:
         limit = self._num_prompts if below is None else min(below, self._num_prompts or below)
         while len(out) < count and (limit is None or next_index < limit):
             out.append((next_index, 0))
-            next_index += 1
+            next_index += self.shards
         return out
 
     def lease(self, consumer: str, count: int, ttl_s: float, now: float | None = None) -> list[tuple[int, int]]:
@@ -114,7 +128,7 @@ class PromptLedger:
         for index, attempt in items:
             self._leases[index] = PromptLease(consumer, attempt, expires_at)
             heapq.heappush(self._deadlines, (expires_at, index, attempt))
-            self._next_index = max(self._next_index, index + 1)
+            self._next_index = max(self._next_index, index + self.shards)
         if len(self._deadlines) > 2 * len(self._leases) + 64:
             self._rebuild_deadlines()
 
@@ -135,7 +149,7 @@ class PromptLedger:
         self._done_above.add(prompt_index)
         while self._done_below in self._done_above:
             self._done_above.remove(self._done_below)
-            self._done_below += 1
+            self._done_below += self.shards
         self._leases.pop(prompt_index, None)
         self._expired = [(i, a) for i, a in self._expired if i != prompt_index]
         return True
@@ -151,7 +165,7 @@ class PromptLedger:
             out.append(fresh)
         while self._done_below in done:
             done.remove(self._done_below)
-            self._done_below += 1
+            self._done_below += self.shards
         if self._leases:
             for i in newly:
                 self._leases.pop(i, None)
@@ -165,7 +179,7 @@ class PromptLedger:
 
     @property
     def num_completed(self) -> int:
-        return self._done_below + len(self._done_above)
+        return (self._done_below - self.shard) // self.shards + len(self._done_above)
 
     @property
     def num_leased(self) -> int:

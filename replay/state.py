@@ -39,7 +39,7 @@ class ReplayState:
     def __init__(self, config: ReplayConfig, clock, rng: random.Random) -> None:
         self.config, self._rng = config, rng
         self.store = GroupStore(config, rng)
-        self.ledger = PromptLedger(config.num_prompts, clock)
+        self.ledger = PromptLedger(config.num_prompts, clock, config.shard, config.shards)
         self.limiter = RateLimiter(config.rate_limiter)
         self.leases: dict[str, Lease] = {}
         self.acked_leases: dict[str, None] = {}

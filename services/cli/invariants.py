@@ -259,7 +259,7 @@ def check_records(records: RunRecords) -> InvariantReport:
               "trained_unacknowledged_groups": len(set(trained) - set(acks.accepted)),
               "replay_dropped_stale_rows": records.counters.dropped_stale_total,
               "replay_evicted_groups": records.counters.evicted_groups_total,
-              "torn_journal_tails": len(records.torn_tails)}
+              "torn_journal_tails": len(records.torn_tails), "replay_shards": records.replay_config.shards}
     counts["duplicates_trained"] = _check_trained_twice(records, trained, steps, out)
     _check_lost(records, acks, training, trained, out, counts)
     _check_prompts(records, acks, trained, out)

@@ -4,7 +4,8 @@ Layout of ``runs/<name>/`` (``recipe.out_dir``) that matters here::
 
     recipe.json                 the recipe (its ``replay`` section gives the replay config; read by
                                 ``services.control.outputs.run_dir``)
-    replay/                     replay's WAL + snapshots (or ``replay.dir`` from the recipe)
+    replay/                     replay's WAL + snapshots (or ``replay.dir`` from the recipe); a sharded replay
+                                (``replay.shards: K``) has one ``shard-{k}/`` per shard, each restored alone
     learner_journal.jsonl       the learner's journal (``learner.run_journal``)
     rollouts/rollout-{i}.jsonl  each rollout's journal (``services.common.replay_links.acked_event``, weights)
 
@@ -14,13 +15,13 @@ it reads the snapshot and WAL and writes nothing — no quarantine moves, no WAL
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from gyre.proto.journal import JournalError, read_journal
 from gyre.replay.config import ReplayConfig
 from gyre.replay.types import Counters
-from gyre.services.control.outputs.run_dir import RunDirError, replay_config
+from gyre.services.control.outputs.run_dir import RunDirError, replay_config, replay_shard_configs
 
 LEARNER_JOURNAL = "learner_journal.jsonl"
 ROLLOUT_JOURNALS = "rollouts"
@@ -64,8 +65,9 @@ class RunRecords:
 
 def _replay_config(run_dir: Path) -> ReplayConfig:
     cfg = replay_config(run_dir)
-    if not Path(cfg.dir).is_dir():
-        raise RunDirError(f"{run_dir}: replay directory {cfg.dir} does not exist")
+    for shard in replay_shard_configs(run_dir):
+        if not Path(shard.dir).is_dir():
+            raise RunDirError(f"{run_dir}: replay directory {shard.dir} does not exist")
     return cfg
 
 
@@ -82,6 +84,7 @@ def _journal(path: Path, torn: list[str]) -> list[dict]:
 
 
 def _replay_state(cfg: ReplayConfig) -> tuple[dict[str, StoredGroup], set[int], dict[int, str], Counters]:
+    """The state of one replay shard (or of the unsharded replay), restored offline from ``cfg.dir``."""
     from gyre.replay.offline import inspect_dir
 
     try:
@@ -92,7 +95,7 @@ def _replay_state(cfg: ReplayConfig) -> tuple[dict[str, StoredGroup], set[int], 
     stored = {g.group_id: StoredGroup(g.group_id, g.prompt_index, g.state, g.num_rows)
               for g in state.store.groups.values()}
     ledger = state.ledger.state_dict()
-    completed = set(range(ledger["done_below"])) | {int(i) for i in ledger["done_above"]}
+    completed = set(range(cfg.shard, ledger["done_below"], cfg.shards)) | {int(i) for i in ledger["done_above"]}
     leased = {int(i): str(consumer) for i, consumer, _, _ in ledger["leases"]} | {int(i): "" for i, _ in ledger["expired"]}
     return stored, completed, leased, state.counters
 
@@ -119,5 +122,22 @@ def load_run(run_dir: str | Path) -> RunRecords:
     if not rollout_paths and cfg.source is None:  # a run trained from a recording may start no rollout
         raise RunDirError(f"{run_dir}: no rollout journal under {ROLLOUT_JOURNALS}/ (no rollout ever started?)")
     rollouts = {p.stem: _journal(p, torn) for p in rollout_paths}
-    stored, completed, leased, counters = _replay_state(cfg)
+    stored, completed, leased, counters = {}, set(), {}, Counters()
+    for shard in replay_shard_configs(run_dir):  # each shard holds only its own prompts: their union is replay's
+        s, c, leases, n = _replay_state(shard)
+        stored.update(s)
+        completed |= c
+        leased.update(leases)
+        _add_counters(counters, n)
     return RunRecords(run_dir, cfg, learner, rollouts, stored, completed, counters, torn, leased)
+
+
+def _add_counters(total: Counters, part: Counters) -> None:
+    """Add one shard's lifetime counters into ``total`` (per-version maps key by key)."""
+    for f in fields(Counters):
+        mine, theirs = getattr(total, f.name), getattr(part, f.name)
+        if isinstance(mine, dict):
+            for k, v in theirs.items():
+                mine[k] = mine.get(k, 0) + v
+        else:
+            setattr(total, f.name, mine + theirs)

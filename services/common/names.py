@@ -1,5 +1,5 @@
-"""Service names of a run: ``replay``, ``learner``, ``learner-rank-{r}`` (ranks >= 1 of a multi-rank learner),
-``rollout-{i}`` and ``reward_model`` (when a task's reward names a model). Parsed once (``ServiceName.parse``) and formatted once (``str``): nothing else slices names."""
+"""Service names of a run: ``replay``, ``replay-shard-{k}`` (shards >= 1 of a sharded replay, ``replay.shards``),
+``learner``, ``learner-rank-{r}`` (ranks >= 1 of a multi-rank learner), ``rollout-{i}`` and ``reward_model`` (when a task's reward names a model). Parsed once (``ServiceName.parse``) and formatted once (``str``): nothing else slices names."""
 
 from __future__ import annotations
 
@@ -7,10 +7,11 @@ import re
 from dataclasses import dataclass
 
 ROLES = ("replay", "learner", "rollout", "reward_model")
-SINGLE = ("replay", "reward_model")
+SINGLE = ("reward_model",)
 """Roles with one service and no index."""
 
-_NAME = re.compile(r"^(?:(replay|reward_model)|(learner)(?:-rank-([1-9][0-9]*))?|(rollout)-(0|[1-9][0-9]*))$")
+_NAME = re.compile(r"^(?:(reward_model)|(learner)(?:-rank-([1-9][0-9]*))?|(rollout)-(0|[1-9][0-9]*)"
+                   r"|(replay)(?:-shard-([1-9][0-9]*))?)$")
 
 
 @dataclass(frozen=True, order=True)
@@ -18,11 +19,12 @@ class ServiceName:
     """One service of a run: its ``role`` and ``index``.
 
     ``index`` is the rollout's number for ``rollout``, the DeepSpeed rank for ``learner`` (0: the ``learner``
-    service itself, ``LearnerActor``; ``r >= 1``: ``learner-rank-{r}``, a ``LearnerRankActor``), and 0 for
-    ``replay`` and ``reward_model``. Ordered by (role, index), so rollouts sort by number (``rollout-2`` before ``rollout-10``).
+    service itself, ``LearnerActor``; ``r >= 1``: ``learner-rank-{r}``, a ``LearnerRankActor``), the shard for
+    ``replay`` (0: ``replay``; ``k >= 1``: ``replay-shard-{k}``, each its own ``ReplayActor``), and 0 for
+    ``reward_model``. Ordered by (role, index), so rollouts sort by number (``rollout-2`` before ``rollout-10``).
 
     Raises:
-        ValueError: an unknown role, a negative index, or an index for ``replay``.
+        ValueError: an unknown role, a negative index, or an index for ``reward_model``.
     """
 
     role: str
@@ -47,14 +49,18 @@ class ServiceName:
         """
         m = _NAME.match(name) if isinstance(name, str) else None
         if m is None:
-            raise ValueError(f"not a service name: {name!r} (replay, learner, learner-rank-<r>, rollout-<i> or "
-                             "reward_model)")
-        single, learner, rank, _, index = m.groups()
+            raise ValueError(f"not a service name: {name!r} (replay, replay-shard-<k>, learner, learner-rank-<r>, "
+                             "rollout-<i> or reward_model)")
+        single, learner, rank, _, index, replay, shard = m.groups()
         if single:
             return cls(single)
+        if replay:
+            return cls("replay", int(shard or 0))
         return cls("learner", int(rank or 0)) if learner else cls("rollout", int(index))
 
     def __str__(self) -> str:
         if self.role == "rollout":
             return f"rollout-{self.index}"
+        if self.index and self.role == "replay":
+            return f"replay-shard-{self.index}"
         return f"learner-rank-{self.index}" if self.role == "learner" and self.index else self.role

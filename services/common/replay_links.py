@@ -20,10 +20,11 @@ OUTAGE_POLL_S = 1.0
 
 
 def replay_connector(security=None) -> Callable[[str], object]:
-    """``address -> ReplayClient`` with ``security`` (a ``SecurityConfig`` or ``None``: plaintext)."""
-    from gyre.services.common.replay_client import ReplayClient
+    """``address -> client`` with ``security`` (a ``SecurityConfig`` or ``None``: plaintext): a ``ReplayClient``, or a
+    ``ShardedReplayClient`` for a sharded replay's address (``services.common.replay_shards.connect_replay``)."""
+    from gyre.services.common.replay_shards import connect_replay
 
-    return lambda address: ReplayClient(address, security=security)
+    return lambda address: connect_replay(address, security=security)
 
 
 class ReplayLink:

@@ -8,6 +8,7 @@ import os
 import ray
 
 from gyre.services.common.actor_env import advertised_host, node_ip, security_config
+from gyre.services.common.names import ServiceName
 from gyre.services.common.service_info import ReplayInfo
 
 
@@ -16,7 +17,8 @@ class ReplayActor:
     """The replay service: the Arrow buffer (durable when given a directory) behind ReplayService.
 
     Args:
-        config: ``ReplayConfig`` fields.
+        config: ``ReplayConfig`` fields (``shard``: which shard of a sharded replay this is; its logs and metrics
+            are labelled ``replay-shard-{k}`` for ``k >= 1``).
         host: address to bind (``None``: ``security.bind_host``, else 127.0.0.1).
         dir: WAL/snapshot directory, overriding ``config["dir"]`` (the controller passes ``{run_dir}/replay``);
             an existing directory is restored first (a restarted replay rejoins with its own snapshot + WAL).
@@ -35,16 +37,17 @@ class ReplayActor:
         from gyre.services.replay import server as replay_server
         from gyre.services.replay.metrics import replay_registry
 
-        configure_logging(run_id, "replay")
+        cfg = ReplayConfig(**{**config, **({"dir": dir} if dir is not None else {})})
+        service = str(ServiceName("replay", cfg.shard))  # replay, or replay-shard-{k}: its log file and metric label
+        configure_logging(run_id, service)
         pin_from_env("replay")  # placement.<role>.cpus, before any compute thread starts
         sec = security_config(security)
         host = host or (sec.bind_host if sec is not None else "127.0.0.1")
         self.security = sec
-        cfg = ReplayConfig(**{**config, **({"dir": dir} if dir is not None else {})})
         self.buffer = TrajectoryBuffer(cfg)
         self.server, self.port = replay_server.serve(self.buffer, host=host, security=sec)
         self.host = advertised_host(host)
-        self.metrics_port = (serve(replay_registry(self.buffer, run_id), host, metrics_port)
+        self.metrics_port = (serve(replay_registry(self.buffer, run_id, service), host, metrics_port)
                              if metrics_port is not None else None)
 
     def address(self) -> str:

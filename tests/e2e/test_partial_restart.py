@@ -8,7 +8,9 @@ after training moved on since the previous restart), then scales the rollout fle
 rollout-0's process while the new rollouts start, and scales back to 1 once all 3 generate. Twice: weights through
 relays (``relay_fanout: 1``, rollout-0 relays to rollout-1, which relays to rollout-2), and in the learner's broadcast
 group (``weight_transport: nccl``, gloo on CPU), which must re-form as the learner restarts and the fleet grows,
-loses rollout-0 and shrinks. The run must still
+loses rollout-0 and shrinks. A third time with replay in two shards (``replay.shards: 2``), killing one shard
+(``replay-shard-1``) instead of replay: the other shard keeps serving, the killed one restores from its own
+directory. The run must still
 finish every step, with gradients (the final policy is not the initial model); each killed service is restarted
 exactly once; the status the CLI reads shows the restarts; and the invariant checker (``gyre check``) finds no
 lost group, no group trained twice, every prompt completed once, and ``STEPS × groups_per_step`` groups trained;
@@ -67,9 +69,11 @@ def write_task(folder) -> dict:
 class Chaos(threading.Thread):
     """Kills one service at a time and scales the fleet, recording what it saw; ``error`` if it failed."""
 
-    def __init__(self, run: str, namespace: str) -> None:
+    def __init__(self, run: str, namespace: str, replay: str = "replay") -> None:
         super().__init__(daemon=True)
         self.run_name, self.namespace = run, namespace
+        self.replay = replay
+        """The replay service killed (``replay-shard-1``: one shard of a sharded replay)."""
         self.killed: dict[str, int] = {}
         self.seen_restarts: dict[str, int] = {}
         self.seen_rollouts: list[int] = []
@@ -107,7 +111,7 @@ class Chaos(threading.Thread):
             time.sleep(0.5)
         self.state = ray.get_actor(actor_name(self.run_name, "controller"), namespace=self.namespace)
         version = self._wait(lambda s: (s["learner_version"] or 0) >= 1, "training underway")["learner_version"]
-        for name in ("replay", "learner"):
+        for name in (self.replay, "learner"):
             version = self._kill(name, version)
         self.learner_resumed_at = int(self._status()["learner_resumed_from"].rsplit("_", 1)[1])
         # Scale out, and kill rollout-0 while the new engines start: no trajectories flow until they are up,
@@ -146,6 +150,7 @@ TRANSPORTS = {
     "relays": {"type": "grpc", "relay_fanout": 1},  # a chain: 0 relays to 1, 1 to 2 (rollout-0 is killed)
     "broadcast": {"type": "nccl", "backend": "gloo", "bucket_mb": 1.0, "join_timeout_s": 20.0,
                   "broadcast_timeout_s": 60.0},
+    "sharded": {"type": "grpc"},  # replay in 2 shards (replay.shards: 2); replay-shard-1 is the one killed
 }
 
 
@@ -160,21 +165,28 @@ def test_killed_services_restart_and_the_fleet_scales(tiny_llama, tmp_path, monk
         "model": str(tiny_llama), "run_dir": str(tmp_path), "ray.num_cpus": 2, "name": "chaos",
         "learner.num_steps": STEPS, "learner.save_interval": 1, "replay.lease_ttl_s": 60,
         "replay.prompt_lease_ttl_s": 20, "eval_before": False, "eval_after": False, **write_task(tmp_path / "data"),
-        "rollout.engine.weight_transport": TRANSPORTS[transport], **sim_engine(TINY_GROUP_S)})
+        "rollout.engine.weight_transport": TRANSPORTS[transport], **sim_engine(TINY_GROUP_S),
+        "replay.shards": 2 if transport == "sharded" else 1})
     assert recipe.task.reward.function.endswith("reward.py:digits")
-    chaos = Chaos(recipe.name, recipe.ray.namespace)
+    killed_replay = "replay-shard-1" if transport == "sharded" else "replay"
+    chaos = Chaos(recipe.name, recipe.ray.namespace, killed_replay)
     summary = run_with_chaos(recipe, chaos, monkeypatch)
 
     assert chaos.error is None, repr(chaos.error)
-    assert set(chaos.killed) == {"replay", "learner", "rollout-0"}
-    assert chaos.seen_restarts == {"replay": 1, "learner": 1, "rollout-0": 1}
+    assert set(chaos.killed) == {killed_replay, "learner", "rollout-0"}
+    assert chaos.seen_restarts == {**({"replay": 0} if transport == "sharded" else {}),
+                                   killed_replay: 1, "learner": 1, "rollout-0": 1}
     assert "rollout-0" in chaos.status_text and "restarts" in chaos.status_text
     assert chaos.seen_rollouts == [3, 1]
     # Every step was trained, each killed service restarted exactly once (the scaled-in ones never).
     assert summary["final_version"] == STEPS
-    assert summary["restarts"] == {"replay": 1, "learner": 1, "rollout-0": 1}
+    assert {k: v for k, v in summary["restarts"].items() if v} == {killed_replay: 1, "learner": 1, "rollout-0": 1}
     out = tmp_path / "chaos"
-    if transport == "relays":  # weights went 0 -> 1 -> 2 through the rollouts' relays
+    if transport == "sharded":  # each shard its own directory, holding only its own prompts
+        assert sorted(p.name for p in (out / "replay").iterdir() if p.name.startswith("shard-")) == ["shard-0",
+                                                                                                    "shard-1"]
+        assert summary["replay"]["shards"] == 2
+    elif transport == "relays":  # weights went 0 -> 1 -> 2 through the rollouts' relays
         joined = _log_events(out, "rollout-*.log", "relay_child_joined")
         assert {(j["service"], j["subscriber"]) for j in joined} >= {("rollout-0", "rollout-1"),
                                                                     ("rollout-1", "rollout-2")}

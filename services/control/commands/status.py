@@ -13,7 +13,8 @@ def run_status(sup) -> dict:
     """Plain status of the run ``sup`` (a ``Supervisor``) supervises — what ``gyre status`` prints: plain values read
     from the services' ``describe()`` records, so it crosses the controller actor and ``--json`` as is."""
     rollouts = [s.info for s in sup.running_rollouts() if s.info is not None]
-    version, replay = sup.learner.version, sup.replay.info
+    version = sup.learner.version
+    shards = [s.info for s in sup.replay_shards()]
     return {
         "services": [_service_row(s) for s in sup.services.values() if s.name not in sup.starting]
         + [{"name": n, "role": "rollout", "pid": None, "node": None, "address": None, "metrics_port": None,
@@ -25,7 +26,8 @@ def run_status(sup) -> dict:
         "lag": (version - min(r.version for r in rollouts)) if rollouts and version is not None else None,
         "rollout_tokens_per_s": sum(r.tokens_per_s for r in rollouts),
         **_learner_columns(sup.learner.info),
-        "replay_groups": replay.replay_groups if replay is not None else None,
+        "replay_groups": sum(i.replay_groups for i in shards) if shards and None not in shards else None,
+        "replay_shards": len(shards),
         "restarts": sup.restart_counts(),
         "logs": str(sup.factory.log_dir),
         "reward_swaps": sup.factory.swaps.count,

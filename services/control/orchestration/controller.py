@@ -23,6 +23,7 @@ from rich.console import Console
 from tenacity import RetryCallState, Retrying, retry_if_exception, retry_if_exception_type, stop_after_attempt
 
 from gyre.rollout.stats import merge_reward_means
+from gyre.services.common.replay_shards import merge_info_dicts
 from gyre.services.control.orchestration.evaluation import PeriodicEval, eval_line, record_eval
 from gyre.services.control.commands.ops import create_state
 from gyre.services.control.orchestration.progress import RunProgress
@@ -175,7 +176,8 @@ def _run_services(recipe: Recipe, console: Console, trackers: Trackers) -> dict:
         summary = _train(recipe, sup, metrics, console, written)
         with console.status("checkpointing and exporting the final policy…"):
             summary.update(_supervised(sup, lambda: sup.learner.handle.finalize.remote(str(out))))
-        summary["replay"] = _supervised(sup, lambda: sup.replay.handle.info.remote())
+        summary["replay"] = merge_info_dicts(_supervised(sup, lambda: [s.handle.info.remote()
+                                                                        for s in sup.replay_shards()]))
         summary["restarts"] = sup.restart_counts()
         summary["deaths"] = [d.to_dict() for d in sup.deaths]  # each death handled, with the incarnation it ended
         sup.shutdown()
@@ -257,7 +259,7 @@ def archive_previous_run(out: Path) -> Path | None:
 
 def _print_restored(sup: Supervisor, attached: list[str], console: Console) -> None:
     learner = ray.get(sup.learner.handle.describe.remote())
-    replay = ray.get(sup.replay.handle.info.remote())
+    replay = merge_info_dicts(ray.get([s.handle.info.remote() for s in sup.replay_shards()]))
     if attached:
         console.print(f"re-attached to running services: {', '.join(attached)}", highlight=False)
     if learner.resumed_from:

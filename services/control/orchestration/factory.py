@@ -16,6 +16,7 @@ from gyre.services.common.cpus import cpu_env
 from gyre.services.common.service_info import ServiceInfo
 from gyre.services.common.logs import LOG_DIR_ENV
 from gyre.services.common.names import ROLES, ServiceName
+from gyre.services.control.outputs.run_dir import replay_shard_dir
 from gyre.services.control.recipe.schema import Recipe
 from gyre.services.control.commands.reward_swaps import SWAP_JOURNAL, RewardSwaps
 from gyre.services.learner import group as learner_group
@@ -45,7 +46,7 @@ class Service:
     """One supervised service instance."""
 
     id: ServiceName
-    """``replay``, ``learner`` or ``rollout-{i}``."""
+    """``replay`` (or ``replay-shard-{k}``), ``learner``, ``rollout-{i}`` or ``reward_model``."""
     handle: ray.actor.ActorHandle
     address: str | None
     """gRPC address to health-check (replay's, the learner's WeightService); ``None`` for a rollout."""
@@ -154,10 +155,19 @@ class ServiceFactory:
                             stop=stop_after_delay(NAME_TAKEN_PATIENCE_S), reraise=True)
         return retrying(lambda: cls.options(**self._options(role, service, env, **extra)).remote(*args, **kwargs))
 
-    def replay(self) -> Service:
-        handle = self._create(ReplayActor, "replay", "replay", self.recipe.replay.model_dump(),
-                              dir=self.replay_dir, security=self.security, run_id=self.recipe.name)
-        return Service(ServiceName("replay"), handle, ray.get(handle.address.remote()), incarnation=self.newest("replay"))
+    def replay(self, shard: int = 0) -> Service:
+        """Replay shard ``shard`` (``replay``, or ``replay-shard-{k}`` of a sharded replay): its own process, WAL and
+        snapshots in ``replay_shard_dir(shard)``, restored from there when they exist; blocks until it serves."""
+        sid = ServiceName("replay", shard)
+        config = {**self.recipe.replay.model_dump(), "shard": shard}
+        handle = self._create(ReplayActor, "replay", str(sid), config, dir=self.replay_shard_dir(shard),
+                              security=self.security, run_id=self.recipe.name)
+        return Service(sid, handle, ray.get(handle.address.remote()), incarnation=self.newest(str(sid)))
+
+    def replay_shard_dir(self, shard: int) -> str:
+        """Directory of replay shard ``shard``: the run's replay directory itself when replay is not sharded, else
+        ``{replay dir}/shard-{k}``."""
+        return replay_shard_dir(self.replay_dir, shard, self.recipe.replay.shards)
 
     def reward_model(self) -> Service:
         """The reward-model service (``services.reward_model``), with the recipe's model rewards loaded; blocks

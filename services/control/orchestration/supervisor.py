@@ -30,6 +30,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 
 from gyre.services.control.orchestration.relay_tree import RelayTree
 from gyre.services.common.names import ServiceName
+from gyre.services.common.replay_shards import join_addresses
 from gyre.services.control.commands import reward_swaps
 from gyre.services.control.orchestration import topology
 from gyre.services.control.commands.status import run_status
@@ -83,7 +84,18 @@ class Supervisor:
     # ---- topology -----------------------------------------------------------------------------
     @property
     def replay(self) -> Service:
+        """Replay (shard 0 of a sharded replay)."""
         return self.services["replay"]
+
+    def replay_shards(self) -> list[Service]:
+        """Every replay shard, in shard order (one: replay itself, when not sharded)."""
+        return sorted((s for s in self.services.values() if s.role == "replay"), key=lambda s: s.id)
+
+    @property
+    def replay_address(self) -> str:
+        """The address replay's clients dial: its shards' addresses in shard order (``replay_shards.join_addresses``;
+        one address when not sharded)."""
+        return join_addresses([s.address for s in self.replay_shards()])
 
     @property
     def learner(self) -> Service:
@@ -101,18 +113,20 @@ class Supervisor:
         service is told the address of each server created anew that it dials (``topology``).
         Returns the names of the services re-attached."""
         attached: list[str] = []
-        makers = (("replay", self.factory.replay), ("reward_model", self.factory.reward_model),
-                  ("learner", lambda: self.factory.learner(self.replay.address)))
+        shards = [(str(ServiceName("replay", k)), lambda k=k: self.factory.replay(k))
+                  for k in range(self.factory.recipe.replay.shards)]
+        makers = (*shards, ("reward_model", self.factory.reward_model),
+                  ("learner", lambda: self.factory.learner(self.replay_address)))
         for name, make in makers:
-            if not self.factory.has(name):
+            if not self.factory.has(ServiceName.parse(name).role):
                 continue
             svc = self._attach_server(name)
             if svc is not None:
                 attached.append(name)
             self.services[name] = svc if svc is not None else make()
-        for server in topology.servers():
-            if server in self.services and server not in attached:  # a new address
-                self._announce(self.services[server], [self.services[n] for n in attached])
+        for name, svc in list(self.services.items()):
+            if svc.role in topology.servers() and name not in attached:  # a new address
+                self._announce(svc, [self.services[n] for n in attached])
         missing = []
         for i in range(num_rollouts):
             sid = ServiceName.rollout(i)
@@ -126,19 +140,20 @@ class Supervisor:
                 missing.append(i)
         if missing:
             self._add_rollouts(missing)
-        log.info("services_started", replay=self.replay.address, weights=self.learner.address,
+        log.info("services_started", replay=self.replay_address, weights=self.learner.address,
                  rollouts=num_rollouts, reattached=attached)
         return attached
 
-    def _attach_server(self, role: str) -> Service | None:
-        """The live ``role`` service (replay, or the learner with all its ranks) an earlier driver of this run
-        left, or ``None`` after killing whatever part of it is left (a learner group is only whole or restarted
-        whole)."""
-        handle = self.factory.attach(role)
-        followers = self.factory.attach_followers() if role == "learner" else []
+    def _attach_server(self, name: str) -> Service | None:
+        """The live server ``name`` (a replay shard, the reward model, or the learner with all its ranks) an
+        earlier driver of this run left, or ``None`` after killing whatever part of it is left (a learner group is
+        only whole or restarted whole)."""
+        sid = ServiceName.parse(name)
+        handle = self.factory.attach(name)
+        followers = self.factory.attach_followers() if sid.role == "learner" else []
         if handle is not None and followers is not None and all(map(self._alive, [handle, *followers])):
-            address = ray.get(getattr(handle, topology.endpoint(role).address_method).remote())
-            return Service(ServiceName(role), handle, address, followers=followers)
+            address = ray.get(getattr(handle, topology.endpoint(sid.role).address_method).remote())
+            return Service(sid, handle, address, followers=followers)
         for h in [handle, *(followers or [])]:
             if h is not None:
                 ray.kill(h, no_restart=True)
@@ -159,7 +174,7 @@ class Supervisor:
     def _add_rollouts(self, indices: list[int]) -> list[Service]:
         """New rollouts, started concurrently; each is bootstrapped to the learner's newest policy version
         before it generates."""
-        new = self.factory.rollouts(indices, self.replay.address, self.learner.address, self._address("reward_model"))
+        new = self.factory.rollouts(indices, self.replay_address, self.learner.address, self._address("reward_model"))
         self.services.update({svc.name: svc for svc in new})
         if self.generating:
             version = self._learner_version()
@@ -168,7 +183,10 @@ class Supervisor:
         return new
 
     def _address(self, server: str) -> str | None:
-        """The current address of ``server`` (``None``: this run has no such service)."""
+        """The current address of server role ``server`` as its clients dial it (``replay_address`` for replay;
+        ``None``: this run has no such service)."""
+        if server == "replay":
+            return self.replay_address
         svc = self.services.get(server)
         return svc.address if svc is not None else None
 
@@ -196,13 +214,14 @@ class Supervisor:
     def _tell_addresses(self, handle, role: str) -> list:
         """Push the current address of every server ``role`` dials (that this run has) to ``handle``; returns the
         calls' refs."""
-        return [getattr(handle, topology.endpoint(server).push_method).remote(self.services[server].address)
+        return [getattr(handle, topology.endpoint(server).push_method).remote(self._address(server))
                 for server in topology.dialled_by(role) if server in self.services]
 
     def _announce(self, server: Service, among: list[Service]) -> None:
-        """Push ``server``'s (new) address to the services in ``among`` whose role dials it."""
+        """Push ``server``'s (new) address to the services in ``among`` whose role dials it (for a replay shard: the
+        whole replay's address, with the shard's new one in it)."""
         clients = [c for c in among if c.role in topology.clients_of(server.role)]
-        self._push(topology.endpoint(server.role).push_method, server.address, clients)
+        self._push(topology.endpoint(server.role).push_method, self._address(server.role), clients)
 
     def _push(self, method: str, address: str, clients: list[Service]) -> None:
         for c in clients:
@@ -256,8 +275,8 @@ class Supervisor:
         if svc.role == "rollout":
             return self._restart_rollout(svc, reason)
         self.deaths.append(Death(svc.name, svc.incarnation, reason))
-        make = {"replay": self.factory.replay, "reward_model": self.factory.reward_model,
-                "learner": lambda: self.factory.learner(self.replay.address, restarted=True)}[svc.role]
+        make = {"replay": lambda: self.factory.replay(svc.id.index), "reward_model": self.factory.reward_model,
+                "learner": lambda: self.factory.learner(self.replay_address, restarted=True)}[svc.role]
         try:
             new = make()
         except (RayActorError, GetTimeoutError):
@@ -286,7 +305,7 @@ class Supervisor:
         else:
             self.deaths.append(Death(svc.name, svc.incarnation, reason))
             restarts = svc.restarts + 1
-        handle, ref = self.factory.begin_rollout(svc.id.index, self.replay.address, self.learner.address,
+        handle, ref = self.factory.begin_rollout(svc.id.index, self.replay_address, self.learner.address,
                                                  self._address("reward_model"))
         self.starting[svc.name] = Starting(svc.id, handle, ref, restarts=restarts, swaps=self.factory.swaps.count,
                                            incarnation=self.factory.newest(svc.name))
@@ -309,7 +328,7 @@ class Supervisor:
         free = (i for i in range(desired + len(used)) if i not in used)
         for _ in range(desired - len(running) - len(self.starting)):
             sid = ServiceName.rollout(next(free))
-            handle, ref = self.factory.begin_rollout(sid.index, self.replay.address, self.learner.address,
+            handle, ref = self.factory.begin_rollout(sid.index, self.replay_address, self.learner.address,
                                                      self._address("reward_model"))
             self.starting[str(sid)] = Starting(sid, handle, ref, swaps=self.factory.swaps.count,
                                                incarnation=self.factory.newest(str(sid)))
@@ -396,7 +415,7 @@ class Supervisor:
             ray.kill(self.draining.pop(name).handle, no_restart=True)
         for svc in self.rollouts():
             self.remove_rollout(svc)
-        for name in ("learner", "reward_model", "replay"):
+        for name in ("learner", "reward_model", *(s.name for s in self.replay_shards())):
             svc = self.services.pop(name, None)
             if svc is None:
                 continue

@@ -78,6 +78,23 @@ def replay_config(run_dir: str | Path, kind: str = "run directory") -> ReplayCon
     return cfg.model_copy(update={"dir": str(Path(cfg.dir) if cfg.dir else Path(run_dir) / "replay")})
 
 
+def replay_shard_dir(replay_dir: str | Path, shard: int, shards: int) -> str:
+    """Directory of replay shard ``shard`` of ``shards``: ``replay_dir`` itself for an unsharded replay, else
+    ``{replay_dir}/shard-{shard}`` (each shard's own WAL and snapshots)."""
+    return str(replay_dir) if shards == 1 else str(Path(replay_dir) / f"shard-{shard}")
+
+
+def replay_shard_configs(run_dir: str | Path, kind: str = "run directory") -> list[ReplayConfig]:
+    """``replay_config`` once per replay shard, each with its ``shard`` and ``dir`` (one for an unsharded run).
+
+    Raises:
+        RunDirError: as ``replay_config``.
+    """
+    cfg = replay_config(run_dir, kind)
+    return [cfg.model_copy(update={"shard": k, "dir": replay_shard_dir(cfg.dir, k, cfg.shards)})
+            for k in range(cfg.shards)]
+
+
 def task_config(run_dir: str | Path) -> "TaskConfig":
     """The run's ``task`` section (its reward functions and datasets).
 

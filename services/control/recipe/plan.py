@@ -93,7 +93,9 @@ def placement_lines(recipe: Recipe) -> list[str]:
         learner += (f"  world_size={pl.learner.world_size} placement group {pl.learner.strategy} "
                     f"bundles={pl.learner.bundles()}")
     return [f"placement  detached actors in namespace {ns!r} on Ray at {recipe.ray.address}",
-            f"  gyre:{run}:replay   ×1  {_resources(pl.replay)}",
+            f"  gyre:{run}:replay   ×1  {_resources(pl.replay)}" if recipe.replay.shards == 1 else
+            f"  gyre:{run}:replay, replay-shard-k  ×{recipe.replay.shards}  {_resources(pl.replay)} each, "
+            f"prompt i in shard i mod {recipe.replay.shards}",
             learner,
             f"  gyre:{run}:rollout-i ×{recipe.rollout.num_workers}  {_resources(pl.rollout)}"
             + (f"  spool {recipe.rollout.spool_dir}/rollout-i" if recipe.rollout.spool_dir else ""),

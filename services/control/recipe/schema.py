@@ -220,10 +220,10 @@ class Recipe(BaseModel):
 
     @property
     def gpus_needed(self) -> dict[str, float]:
-        """GPUs each role asks for in all (``placement``; the learner's times its world size); roles asking
-        none are left out."""
+        """GPUs each role asks for in all (``placement``; the learner's times its world size, replay's times its
+        shards); roles asking none are left out."""
         pl = self.placement
-        need = {"replay": pl.replay.num_gpus, "learner": pl.learner.num_gpus * pl.learner.world_size,
+        need = {"replay": pl.replay.num_gpus * self.replay.shards, "learner": pl.learner.num_gpus * pl.learner.world_size,
                 "rollout": pl.rollout.num_gpus * self.rollout.num_workers}
         return {role: n for role, n in need.items() if n > 0}
 

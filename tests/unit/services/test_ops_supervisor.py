@@ -79,12 +79,14 @@ def _get(x, timeout=None):
 
 
 class FakeFactory:
-    def __init__(self, relay_fanout=None):
+    def __init__(self, relay_fanout=None, replay_shards=1):
         self.made = {"replay": 0, "learner": 0, "rollout": 0, "reward_model": 0}
         self.incarnations: dict[str, int] = {}
+        self.replay_dialled: dict[str, str] = {}
+        """Service name → the replay address it was created with."""
         transport = GrpcTransportConfig(relay_fanout=relay_fanout)
         self.recipe = SimpleNamespace(security=None, rollout=SimpleNamespace(engine=SimpleNamespace(
-            weight_transport=transport)))
+            weight_transport=transport)), replay=SimpleNamespace(shards=replay_shards))
         self.log_dir = Path("/runs/r/logs")
         self.swaps = RewardSwaps(TaskConfig(), Path(tempfile.mkdtemp(prefix="gyre-test-")) / SWAP_JOURNAL)
 
@@ -95,10 +97,10 @@ class FakeFactory:
     def newest(self, name: str) -> int:
         return max(self.incarnations.get(name, 0) - 1, 0)
 
-    def replay(self):
+    def replay(self, shard=0):
         self.made["replay"] += 1
-        return Service(ServiceName("replay"), FakeHandle("replay"), f"replay:{self.made['replay']}",
-                       incarnation=self._created("replay"))
+        sid = ServiceName("replay", shard)
+        return Service(sid, FakeHandle(str(sid)), f"replay:{self.made['replay']}", incarnation=self._created(str(sid)))
 
     with_reward_model = False
     """A run whose reward names a model: every role of the topology."""
@@ -115,6 +117,7 @@ class FakeFactory:
 
     def learner(self, replay_address, restarted=False):
         self.made["learner"] += 1
+        self.replay_dialled["learner"] = replay_address
         handle = FakeHandle("learner", describe=learner_info)
         return Service(ServiceName("learner"), handle, f"weights:{self.made['learner']}",
                        incarnation=self._created("learner"))
@@ -124,6 +127,7 @@ class FakeFactory:
 
     def begin_rollout(self, index, replay_address, weights_address, reward_model_address=None):
         self.made["rollout"] += 1
+        self.replay_dialled[f"rollout-{index}"] = replay_address
         self._created(f"rollout-{index}")
         made = self.made["rollout"]
         handle = FakeHandle(f"rollout-{index}", describe=lambda: rollout_info(10 + index,
@@ -135,7 +139,7 @@ class FakeFactory:
                         incarnation=self.newest(f"rollout-{i}")) for i in indices]
 
 
-def unstarted(monkeypatch, attach=None, reward_model=False, relay_fanout=None) -> Supervisor:
+def unstarted(monkeypatch, attach=None, reward_model=False, relay_fanout=None, replay_shards=1) -> Supervisor:
     """A supervisor over ``FakeFactory`` with Ray faked; ``attach``: service name → live handle to re-attach."""
     fake_ray = SimpleNamespace(get=_get, kill=lambda h, no_restart=True: setattr(h, "killed", True),
                                wait=lambda refs, num_returns=1, timeout=0: (refs, []),
@@ -146,7 +150,7 @@ def unstarted(monkeypatch, attach=None, reward_model=False, relay_fanout=None) -
     monkeypatch.setattr(drains, "ray", fake_ray)
     monkeypatch.setattr(health, "check_health", lambda address, timeout_s, security=None: True)
     state = FleetRequests("r", "gyre", 1)
-    s = Supervisor(FakeFactory(relay_fanout), FakeHandle("state", take_requests=state.take_requests, publish=state.publish,
+    s = Supervisor(FakeFactory(relay_fanout, replay_shards), FakeHandle("state", take_requests=state.take_requests, publish=state.publish,
                                                  finish_reward_swap=state.finish_reward_swap))
     s.factory.with_reward_model = reward_model
     s.factory.attach = lambda name: (attach or {}).get(name)
