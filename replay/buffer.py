@@ -30,7 +30,7 @@ from gyre.replay.rate_limiter import RateLimitedError
 from gyre.replay.records import Record, encode_parts
 from gyre.replay.snapshot import SnapshotData
 from gyre.replay.state import ReplayState
-from gyre.replay.stats import RateWindow
+from gyre.replay.stats import LatencyWindow, RateWindow
 from gyre.replay.types import InsertResult, UnknownLeaseError, checked_sample_args
 
 __all__ = ["TrajectoryBuffer", "InsertResult", "UnknownLeaseError", "RateLimitedError"]
@@ -58,6 +58,9 @@ class TrajectoryBuffer:
         self._wal = None
         self._waiting: Counter[int] = Counter()
         self._inserts, self._samples = RateWindow(), RateWindow()
+        self.latency = {"insert": LatencyWindow(), "lease_prompts": LatencyWindow()}
+        """Latencies of the server's requests, seconds (``services.replay.server`` records them): an insert from its
+        receipt to its durable answer, a prompt lease from call to answer; ``info()`` gives their p50 and p99."""
         self.prompts = PromptLeases(self.state, self._lock, self._commit, self.wait_durable, clock,
                                     config.prompt_lease_ttl_s)
         """Prompt indices for rollouts (``replay.prompt_leases``), logged through this buffer."""
@@ -378,6 +381,8 @@ class TrajectoryBuffer:
         with self._lock:
             out = self.state.info()
             out.update(inserts_per_s=self._inserts.per_s(), samples_per_s=self._samples.per_s())
+        for kind, window in self.latency.items():
+            out.update({f"{kind}_latency_p50_s": window.quantile(0.5), f"{kind}_latency_p99_s": window.quantile(0.99)})
         if self.durability is not None:
             out.update(self.durability.info())
         return out

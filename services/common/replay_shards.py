@@ -9,7 +9,8 @@ How each call spans the shards:
 
 * ``insert``: each group goes to its prompt's shard (a rollout's insert is one group: one call).
 * ``lease_prompts``: asks the shards in turn, starting at a different one each call, until ``count`` prompts
-  are leased or every shard said no (its share of the work budget spent, or ``max_ready`` groups ready there).
+  are leased or every shard said no (its share of the work budget spent, or its share of ``max_ready`` groups ready
+  there); a shard that is down is passed over, and its share of ``max_ready`` goes to the others until it answers.
 * ``sample``: whole groups from several shards. The shards' ``Info`` says how many groups each has ready; the
   batch is split between them (most ready first), each part is leased with its own ``Sample`` (concurrently),
   and the batch's lease id names every part (``"k:lease,k:lease"``, ``ack``/``release`` split it again). If a
@@ -19,8 +20,10 @@ How each call spans the shards:
 * ``rejoin``, ``snapshot``, ``info``: every shard; ``info`` sums the shards' counters (``learner_version``: the
   newest).
 
-A shard that does not answer raises ``ReplayUnavailableError`` as an unsharded replay would, after the other
-parts of the call were released; the caller retries, as it does for one replay. A part whose answer was lost
+A shard that does not answer makes the calls that need it (an insert of its groups, an ack of its part, a lockstep
+batch with its prompts) raise ``ReplayUnavailableError`` as an unsharded replay would, after the other parts of the
+call were done or released; the caller retries, as it does for one replay. Leasing prompts and sampling pass it
+over while another shard answers. A part whose answer was lost
 stays leased until replay's ``lease_ttl_s``: its groups are neither lost nor trained twice.
 """
 
@@ -103,7 +106,7 @@ def split_lease_id(lease_id: str) -> list[tuple[int, str]]:
 
 def merge_info(infos: list[replay_pb2.InfoResponse]) -> replay_pb2.InfoResponse:
     """One ``InfoResponse`` for the shards': counters, sizes and rates summed (maps per key), ``learner_version``
-    the newest, ``schema_version`` the first shard's."""
+    the newest, ages and latency quantiles the largest, ``schema_version`` the first shard's."""
     out = replay_pb2.InfoResponse()
     for field in replay_pb2.InfoResponse.DESCRIPTOR.fields:
         name = field.name
@@ -114,8 +117,8 @@ def merge_info(infos: list[replay_pb2.InfoResponse]) -> replay_pb2.InfoResponse:
                     target[k] = target[k] + v
         elif name == "schema_version":
             setattr(out, name, getattr(infos[0], name))
-        elif name == "learner_version":
-            setattr(out, name, max(i.learner_version for i in infos))
+        elif name == "learner_version" or name.endswith("_age_s") or "_latency_" in name:
+            setattr(out, name, max(getattr(i, name) for i in infos))
         elif field.type in (field.TYPE_DOUBLE, field.TYPE_FLOAT, field.TYPE_INT64, field.TYPE_UINT64,
                             field.TYPE_INT32, field.TYPE_UINT32):
             setattr(out, name, sum(getattr(i, name) for i in infos))
@@ -124,11 +127,12 @@ def merge_info(infos: list[replay_pb2.InfoResponse]) -> replay_pb2.InfoResponse:
 
 def merge_info_dicts(infos: list[dict]) -> dict:
     """``ReplayActor.info()`` of every shard as one dict (``merge_info``'s rules): numbers summed, maps summed key by
-    key, ``learner_version`` the newest, ages (``*_age_s``) the oldest, anything else the first shard's."""
+    key, ``learner_version`` the newest, ages (``*_age_s``) and latency quantiles (``*_latency_*``) the largest,
+    anything else the first shard's."""
     out = dict(infos[0])
     for key, first in infos[0].items():
         values = [i.get(key) for i in infos]
-        if key == "learner_version" or key.endswith("_age_s"):
+        if key == "learner_version" or key.endswith("_age_s") or "_latency_" in key:
             present = [v for v in values if v is not None]
             out[key] = max(present) if present else None
         elif isinstance(first, dict):
@@ -160,6 +164,8 @@ class ShardedReplayClient:
         self._pool = ThreadPoolExecutor(max_workers=len(shards), thread_name_prefix="replay-shard")
         self._turn = itertools.count()
         self._lock = threading.Lock()
+        self._down: set[int] = set()
+        """Shards whose last ``lease_prompts`` failed: their share of ``max_ready`` goes to the others meanwhile."""
 
     @property
     def address(self) -> str:
@@ -197,13 +203,22 @@ class ShardedReplayClient:
         k = len(self.shards)
         with self._lock:
             start = (next(self._turn) + zlib.crc32(consumer.encode())) % k
-        per_shard_ready = -(-max_ready // k) if max_ready > 0 else 0
+            live = max(k - len(self._down), 1)
+        per_shard_ready = -(-max_ready // live) if max_ready > 0 else 0  # a down shard's share goes to the others
         got: list[tuple[int, int]] = []
+        down: list[ConnectionError] = []
         for step in range(k):
             if len(got) >= count:
                 break
-            got += self.shards[(start + step) % k].lease_prompts(consumer, count - len(got), ttl_s, below,
-                                                                 per_shard_ready)
+            shard = (start + step) % k
+            try:
+                got += self.shards[shard].lease_prompts(consumer, count - len(got), ttl_s, below, per_shard_ready)
+                self._down.discard(shard)
+            except ConnectionError as exc:  # that shard is down or restarting: lease from the others
+                down.append(exc)
+                self._down.add(shard)
+        if len(down) == k:
+            raise down[0]
         return got
 
     # ---- the learner ------------------------------------------------------------------------------
@@ -215,7 +230,9 @@ class ShardedReplayClient:
             return self._sample_lockstep(num_groups, learner_version, timeout_s, consumer, prompt_indices, request_id)
         deadline = time.monotonic() + timeout_s
         for attempt in itertools.count():
-            split = self._split(num_groups)
+            split, down = self._split(num_groups)
+            if not split and down is not None:  # not enough without a shard that is down: the caller retries (after
+                raise down                      # a restart, through the new address the supervisor pushes it)
             if split:
                 got = self._lease_parts(split, learner_version, consumer,
                                         min(PART_TIMEOUT_S, max(deadline - time.monotonic(), 0.1)),
@@ -227,18 +244,26 @@ class ShardedReplayClient:
             time.sleep(SAMPLE_POLL_S)
         return None  # pragma: no cover
 
-    def _split(self, num_groups: int) -> dict[int, int]:
-        """``{shard: groups}`` summing to ``num_groups`` from the shards' ready groups (most first), or ``{}``
-        when they do not hold that many."""
-        ready = [int(i.size_groups) for i in self._all(lambda k: self.shards[k].info())]
+    def _split(self, num_groups: int) -> tuple[dict[int, int], ConnectionError | None]:
+        """``({shard: groups}, error)``: groups summing to ``num_groups`` from the shards' ready groups (most first),
+        or ``{}`` when they do not hold that many; ``error``: the ``ConnectionError`` of a shard that did not answer
+        (it counts as holding none, so the batch may come from the others), else ``None``."""
+        def ready_of(k: int):
+            try:
+                return int(self.shards[k].info().size_groups)
+            except ConnectionError as exc:
+                return exc
+        answers = self._all(ready_of)
+        down = next((a for a in answers if isinstance(a, ConnectionError)), None)
+        ready = [0 if isinstance(a, ConnectionError) else a for a in answers]
         if sum(ready) < num_groups:
-            return {}
+            return {}, down
         split, left = {}, num_groups
         for k in sorted(range(len(ready)), key=lambda k: -ready[k]):
             take = min(ready[k], left)
             if take:
                 split[k], left = take, left - take
-        return split
+        return split, down
 
     def _lease_parts(self, split: dict[int, int], learner_version: int, consumer: str, timeout_s: float,
                      request_id: str, prompt_indices: dict[int, list[int]] | None = None):

@@ -15,6 +15,7 @@ already queued are dropped (the client retries them after the stream error; inse
 
 from __future__ import annotations
 
+import collections
 import queue
 import threading
 import time
@@ -58,6 +59,8 @@ class Stream:
     """One Insert stream: its answers (``(lsn, InsertResponse)``, an ``Abort`` or ``END``), in request order."""
 
     answers: queue.Queue = field(default_factory=queue.Queue)
+    received: collections.deque = field(default_factory=collections.deque)
+    """``time.monotonic()`` at which each request not answered yet arrived, in order (its insert latency)."""
     failed: bool = False
     """An error was queued: nothing more of this stream is stored."""
 

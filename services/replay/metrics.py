@@ -31,6 +31,10 @@ _GAUGES = {
     "rl_diff": "Rate limiter diff: samples_per_insert * inserted - sampled",
     "wal_segments": "WAL segment files on disk",
     "last_snapshot_age_s": "Seconds since the newest snapshot (-1: none)",
+    "insert_latency_p50_s": "Median seconds from an insert's receipt to its durable answer (last 4096)",
+    "insert_latency_p99_s": "99th percentile seconds from an insert's receipt to its durable answer (last 4096)",
+    "lease_prompts_latency_p50_s": "Median seconds a LeasePrompts call took (last 4096)",
+    "lease_prompts_latency_p99_s": "99th percentile seconds a LeasePrompts call took (last 4096)",
 }
 _COUNTERS = {
     "inserted_total": "Trajectories accepted", "duplicates_total": "Trajectories refused as duplicates",

@@ -89,6 +89,7 @@ class ReplayServicer(replay_pb2_grpc.ReplayServiceServicer):
                     if stream.failed:
                         break
                     remaining = context.time_remaining()
+                    stream.received.append(time.monotonic())
                     self.ingest.submit(stream, req, None if remaining is None else time.monotonic() + remaining)
             except grpc.RpcError as exc:  # the stream broke (client gone); nothing more to store
                 self.ingest.submit(stream, _Abort(grpc.StatusCode.CANCELLED, f"insert stream ended: {exc}"))
@@ -109,6 +110,8 @@ class ReplayServicer(replay_pb2_grpc.ReplayServiceServicer):
             except WalError as exc:
                 log.error("replay_wal_failed", error=str(exc))
                 context.abort(grpc.StatusCode.UNAVAILABLE, f"replay cannot persist: {exc}")
+            if stream.received:
+                self.buffer.latency["insert"].add(time.monotonic() - stream.received.popleft())
             yield response
 
     # ---- unary RPCs ---------------------------------------------------------------------------------
@@ -166,9 +169,11 @@ class ReplayServicer(replay_pb2_grpc.ReplayServiceServicer):
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"count ({request.count}) must be <= 4096")
         if not request.ttl_s >= 0:
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"ttl_s ({request.ttl_s}) must be >= 0")
+        t0 = time.monotonic()
         leases = self.buffer.lease_prompts(request.consumer, request.count, request.ttl_s or None,
                                           below=request.below_prompt_index or None,
                                           max_ready=request.max_ready_groups or None)
+        self.buffer.latency["lease_prompts"].add(time.monotonic() - t0)
         return replay_pb2.LeasePromptsResponse(
             prompts=[replay_pb2.PromptLease(prompt_index=i, attempt=a) for i, a in leases],
             budget=self.buffer.prompts.budget())

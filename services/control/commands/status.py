@@ -28,6 +28,7 @@ def run_status(sup) -> dict:
         **_learner_columns(sup.learner.info),
         "replay_groups": sum(i.replay_groups for i in shards) if shards and None not in shards else None,
         "replay_shards": len(shards),
+        "supervisor": sup.tick_times.summary(),
         "restarts": sup.restart_counts(),
         "logs": str(sup.factory.log_dir),
         "reward_swaps": sup.factory.swaps.count,

@@ -179,6 +179,7 @@ def _run_services(recipe: Recipe, console: Console, trackers: Trackers) -> dict:
         summary["replay"] = merge_info_dicts(_supervised(sup, lambda: [s.handle.info.remote()
                                                                         for s in sup.replay_shards()]))
         summary["restarts"] = sup.restart_counts()
+        summary["supervisor"] = sup.tick_times.summary()
         summary["deaths"] = [d.to_dict() for d in sup.deaths]  # each death handled, with the incarnation it ended
         sup.shutdown()
         ray.kill(state, no_restart=True)

@@ -12,6 +12,8 @@ import ray
 import structlog
 from ray.exceptions import GetTimeoutError, RayActorError
 
+from gyre.services.rollout.host import kill_service
+
 log = structlog.get_logger("supervisor")
 
 DRAIN_S = 120.0
@@ -64,6 +66,6 @@ def advance_drains(draining: dict[str, Draining]) -> None:
             log.info("rollout_drained", service=name, undelivered_prompt_leases=result)
             d.call, d.phase, d.deadline = d.handle.stop.remote(), "stop", time.monotonic() + STOP_S
             continue
-        ray.kill(d.handle, no_restart=True)
+        kill_service(d.handle, ray)
         del draining[name]
         log.info("rollout_removed", service=name)

@@ -6,9 +6,11 @@ creates for a service name gets the i-th spec as ``GYRE_FAULT_POINT`` (``Service
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import ray
+from ray.exceptions import GetTimeoutError, RayActorError
 from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_fixed
 
 from gyre import faults
@@ -24,6 +26,7 @@ from gyre.services.learner.actor import LearnerActor, LearnerRankActor, rank_env
 from gyre.services.replay.actor import ReplayActor
 from gyre.services.reward_model.actor import RewardModelActor
 from gyre.services.rollout.actor import RolloutActor
+from gyre.services.rollout.host import HostedRollout, RolloutHost
 
 
 __all__ = ["ROLES", "FIRE_LOG", "Service", "ServiceFactory", "actor_name"]
@@ -32,6 +35,10 @@ FIRE_LOG = "faults_fired.jsonl"
 """File name, under the run directory, of the fault points' fire log (``faults``)."""
 NAME_TAKEN_POLL_S = 0.5
 """Seconds between tries at creating an actor whose name a killed predecessor still holds."""
+HOST_CHECK_S = 2.0
+"""A host process seen alive this recently is used without asking again (one tick starts many identities on it)."""
+HOST_PING_TIMEOUT_S = 5.0
+"""Longest wait for a host process's ``ping`` before it is taken for dead and replaced."""
 NAME_TAKEN_PATIENCE_S = 60.0
 """Seconds such tries go on before Ray's "already taken" ``ValueError`` is raised."""
 
@@ -94,6 +101,9 @@ class ServiceFactory:
         self.swaps = RewardSwaps(recipe.task, out / SWAP_JOURNAL)
         """The run's journaled reward swaps (``gyre reward swap``): every rollout is created with them in force."""
         self.incarnations: dict[str, int] = {}
+        self.hosts: dict[int, tuple] = {}
+        """Host number → ``(RolloutHost handle, when last seen alive)``: the processes of hosted rollouts."""
+        self.host_generations: dict[int, int] = {}
         """Service name → actors created for it by this factory (re-attached ones do not count)."""
         self.model_rewards = recipe.model_rewards()
         """The recipe's ``{model: ...}`` rewards (``Recipe.model_rewards``): the reward-model service loads them."""
@@ -229,12 +239,44 @@ class ServiceFactory:
         ``(handle, setup ObjectRef)`` without waiting. Its task is the recipe's with the journaled reward swaps
         applied (``RewardSwaps.task_config``)."""
         name = str(ServiceName.rollout(index))
-        handle = self._create(RolloutActor, "rollout", name)
+        per_process = self.recipe.placement.rollout.rollouts_per_process
+        if per_process > 1:  # an identity in host process index // M (services.rollout.host)
+            self.incarnations[name] = self.incarnations.get(name, 0) + 1
+            handle = HostedRollout(self._host(index // per_process), name)
+        else:
+            handle = self._create(RolloutActor, "rollout", name)
         task = self.swaps.task_config().model_dump()
         return handle, handle.setup.remote(name, self.recipe.rollout.model_dump(), task,
                                            replay_address, weights_address, self.recipe.seed + index, self.security,
                                            run_id=self.recipe.name, journal_dir=str(self.rollout_journal_dir),
                                            reward_model_address=reward_model_address)
+
+    def _host(self, h: int):
+        """Host process ``h`` of hosted rollouts (``placement.rollout.rollouts_per_process``): the live one, else a new
+        one (its predecessor died, taking its identities with it). Hosts are owned by this driver (not detached):
+        they end with it, and a new driver starts its own."""
+        host, checked = self.hosts.get(h, (None, 0.0))
+        if host is not None and time.monotonic() - checked < HOST_CHECK_S:
+            return host
+        if host is not None:
+            try:
+                ray.get(host.ping.remote(), timeout=HOST_PING_TIMEOUT_S)
+                self.hosts[h] = (host, time.monotonic())
+                return host
+            except (RayActorError, GetTimeoutError):
+                ray.kill(host, no_restart=True)
+        generation = self.host_generations[h] = self.host_generations.get(h, -1) + 1
+        name = f"rollout-host-{h}.{generation}"
+        options = {**self._options("rollout", name), "lifetime": None, "name": None}
+        host = RolloutHost.options(**options).remote(self.recipe.name, name)
+        self.hosts[h] = (host, time.monotonic())
+        return host
+
+    def release_hosts(self) -> None:
+        """Kill every host process of hosted rollouts (``Supervisor.shutdown``, after their identities stopped)."""
+        for host, _ in self.hosts.values():
+            ray.kill(host, no_restart=True)
+        self.hosts.clear()
 
     def rollouts(self, indices: list[int], replay_address: str, weights_address: str,
                  reward_model_address: str | None = None) -> list[Service]:

@@ -97,6 +97,16 @@ class LearnerPlacement(RolePlacement):
         return [{k: v for k, v in one.items() if v > 0} or {"CPU": 0.01} for _ in range(self.world_size)]
 
 
+class RolloutPlacement(RolePlacement):
+    """Each rollout's resources, and how many rollouts share one process."""
+
+    rollouts_per_process: int = Field(1, ge=1)
+    """Rollouts hosted per process (``services.rollout.host``): 1 (the default) gives each rollout its own Ray actor;
+    ``M > 1`` runs rollout ``i`` in process ``i // M`` as an identity of its own (its own replay connection, prompt
+    leases, weight subscription, spool and journal), so a fleet of hundreds of simulated rollouts fits a few cores
+    (``bench.fleet``). Only with ``rollout.engine.kind: simulated``; the process takes this role's resources once."""
+
+
 class PlacementConfig(BaseModel):
     """Where each role runs (``placement:`` in a recipe); an unknown role name is rejected."""
 
@@ -106,7 +116,7 @@ class PlacementConfig(BaseModel):
     """Resources of the replay service."""
     learner: LearnerPlacement = LearnerPlacement()
     """Resources of each learner rank, the world size and the placement-group strategy."""
-    rollout: RolePlacement = RolePlacement()
-    """Applies to every rollout service (each one gets these resources)."""
+    rollout: RolloutPlacement = RolloutPlacement()
+    """Applies to every rollout service (each one gets these resources; with ``rollouts_per_process``, each process)."""
     reward_model: RolePlacement = RolePlacement()
     """Resources of the reward-model service (a GPU for a large reward model: ``num_gpus: 1``)."""

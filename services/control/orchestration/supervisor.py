@@ -28,6 +28,7 @@ import ray
 import structlog
 from ray.exceptions import GetTimeoutError, RayActorError
 
+from gyre.services.rollout.host import kill_service
 from gyre.services.control.orchestration.relay_tree import RelayTree
 from gyre.services.common.names import ServiceName
 from gyre.services.common.replay_shards import join_addresses
@@ -38,6 +39,7 @@ from gyre.services.control.orchestration.factory import Service, ServiceFactory
 from gyre.services.control.orchestration.health import health_round
 from gyre.services.control.orchestration.drains import DRAIN_S, Draining, advance_drains, begin_drain
 from gyre.services.control.orchestration.incarnations import Death, Starting
+from gyre.services.control.orchestration.tick_times import TickTimes
 from gyre.services.learner import group as learner_group
 
 log = structlog.get_logger("supervisor")
@@ -77,6 +79,8 @@ class Supervisor:
         self.deaths: list[Death] = []
         """Every death handled, in order: one per replacement created (``restart_counts`` counts them)."""
         self.generating = False
+        self.tick_times = TickTimes()
+        """Durations of the ticks (the run summary's ``supervisor``; ``gyre status``)."""
         transport = factory.recipe.rollout.engine.weight_transport
         self.relay_tree = RelayTree(getattr(transport, "relay_fanout", None))
         """Points each rollout at its parent relay's weights (``relay_tree``; idle without ``relay_fanout``)."""
@@ -156,7 +160,7 @@ class Supervisor:
             return Service(sid, handle, address, followers=followers)
         for h in [handle, *(followers or [])]:
             if h is not None:
-                ray.kill(h, no_restart=True)
+                kill_service(h, ray)
         return None
 
     def start_generation(self) -> None:
@@ -232,7 +236,15 @@ class Supervisor:
 
     # ---- one supervision round ----------------------------------------------------------------
     def tick(self) -> None:
-        """Apply operator requests, check every service (restarting the failed ones), publish status."""
+        """Apply operator requests, check every service (restarting the failed ones), publish status; its duration
+        goes to ``tick_times``."""
+        t0 = time.monotonic()
+        try:
+            self._tick()
+        finally:
+            self.tick_times.add(time.monotonic() - t0)
+
+    def _tick(self) -> None:
         requests = ray.get(self.state.take_requests.remote())
         self._apply_reward_swaps(requests.get("reward_swaps", []))  # first: what this tick creates has them
         for name in requests["restart"]:
@@ -271,7 +283,7 @@ class Supervisor:
         creates the next one — two deaths, two restarts, never folded into one."""
         log.warning("restarting_service", service=svc.name, reason=reason, restarts=svc.restarts + 1)
         for handle in [svc.handle, *svc.followers]:  # every learner rank: DeepSpeed groups restart whole
-            ray.kill(handle, no_restart=True)
+            kill_service(handle, ray)
         if svc.role == "rollout":
             return self._restart_rollout(svc, reason)
         self.deaths.append(Death(svc.name, svc.incarnation, reason))
@@ -299,7 +311,7 @@ class Supervisor:
         that replacement is the incarnation that ends."""
         pending = self.starting.pop(svc.name, None)
         if pending is not None:
-            ray.kill(pending.handle, no_restart=True)
+            kill_service(pending.handle, ray)
             self.deaths.append(Death(svc.name, pending.incarnation, reason))
             restarts = pending.restarts + 1
         else:
@@ -334,7 +346,7 @@ class Supervisor:
                                                incarnation=self.factory.newest(str(sid)))
         excess = len(running) + len(self.starting) - desired
         for st in sorted(self.starting.values(), key=lambda st: st.id, reverse=True)[:max(excess, 0)]:
-            ray.kill(self.starting.pop(str(st.id)).handle, no_restart=True)
+            kill_service(self.starting.pop(str(st.id)).handle, ray)
             self.services.pop(str(st.id), None)  # a restart's killed incarnation goes with its replacement
             excess -= 1
         for svc in running[::-1][:max(excess, 0)]:
@@ -383,7 +395,7 @@ class Supervisor:
         entry standing for this incarnation, so the next tick's check records its death and starts the next one;
         one added by ``scale`` is a death recorded here, and the next ``scale`` starts another."""
         log.error("rollout_start_failed", service=str(st.id), error=str(exc)[:500])
-        ray.kill(self.starting.pop(str(st.id)).handle, no_restart=True)
+        kill_service(self.starting.pop(str(st.id)).handle, ray)
         old = self.services.get(str(st.id))
         if old is None:
             self.deaths.append(Death(str(st.id), st.incarnation, reason))
@@ -400,7 +412,7 @@ class Supervisor:
             ray.get(svc.handle.stop.remote(), timeout=120)
         except (RayActorError, GetTimeoutError) as exc:
             log.warning("rollout_stop_failed", service=svc.name, error=str(exc)[:200])
-        ray.kill(svc.handle, no_restart=True)
+        kill_service(svc.handle, ray)
         del self.services[svc.name]
 
     def status(self) -> dict:
@@ -410,9 +422,9 @@ class Supervisor:
     def shutdown(self) -> None:
         """Stop and kill every service actor (detached actors outlive the driver otherwise)."""
         for name in list(self.starting):
-            ray.kill(self.starting.pop(name).handle, no_restart=True)
+            kill_service(self.starting.pop(name).handle, ray)
         for name in list(self.draining):
-            ray.kill(self.draining.pop(name).handle, no_restart=True)
+            kill_service(self.draining.pop(name).handle, ray)
         for svc in self.rollouts():
             self.remove_rollout(svc)
         for name in ("learner", "reward_model", *(s.name for s in self.replay_shards())):
@@ -424,6 +436,7 @@ class Supervisor:
             except (RayActorError, GetTimeoutError) as exc:
                 log.warning("stop_failed", service=name, error=str(exc)[:200])
             for handle in [svc.handle, *svc.followers]:
-                ray.kill(handle, no_restart=True)
+                kill_service(handle, ray)
+        self.factory.release_hosts()
         learner_group.remove(self.factory.recipe)
 

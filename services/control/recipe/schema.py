@@ -191,6 +191,14 @@ class Recipe(BaseModel):
             raise ValueError(f"rollout.engine.tensor_parallel_size ({tp}) is larger than the GPUs each rollout is "
                              f"given (placement.rollout.num_gpus: {gpus:g}): set placement.rollout.num_gpus: {tp} "
                              f"or tensor_parallel_size: {max(1, int(gpus))}")
+        per_process = self.placement.rollout.rollouts_per_process
+        if per_process > 1 and self.rollout.engine.kind != "simulated":
+            raise ValueError(f"placement.rollout.rollouts_per_process ({per_process}) > 1 needs rollout.engine.kind "
+                             f"'simulated' (fleet simulation), got {self.rollout.engine.kind!r}: one vLLM engine per "
+                             "process")
+        if per_process > 1 and any(str(k).startswith("rollout-") for k in self.faults):
+            raise ValueError(f"faults for rollouts need placement.rollout.rollouts_per_process 1 (a fault point arms a "
+                             f"process, which holds {per_process} rollouts here)")
         if self.model_revision is not None and self.model_id is None and not is_hub_id(self.model):
             raise ValueError(f"model_revision ({self.model_revision!r}) applies to a Hub id, but model "
                              f"({self.model!r}) is a local folder: remove model_revision")

@@ -125,6 +125,9 @@ class FakeFactory:
     def attach_followers(self):
         return []
 
+    def release_hosts(self):
+        pass
+
     def begin_rollout(self, index, replay_address, weights_address, reward_model_address=None):
         self.made["rollout"] += 1
         self.replay_dialled[f"rollout-{index}"] = replay_address

@@ -3,6 +3,8 @@ servers, each with its own directory; prompts leased across them complete exactl
 prompt's shard, the learner's batches are whole groups from several shards acked by one lease id, a shard restarted
 from its directory carries on, and a one-address replay still gets the plain client."""
 
+import time
+
 import pytest
 
 from gyre.replay.buffer import TrajectoryBuffer
@@ -105,17 +107,29 @@ def test_a_shard_down_is_unavailable_and_after_its_restart_the_run_carries_on(sh
     for p, attempt in leased:
         client.insert(group_table(p, attempt=attempt))
     shards.stop(1)
-    with pytest.raises(ReplayUnavailableError):
-        client.sample(4, learner_version=0, timeout_s=1.0, consumer="learner")
-    with pytest.raises(ReplayUnavailableError):
+    # the other shards go on: batches come from them, prompts are leased from them, their groups are stored
+    lease_id, batch = client.sample(4, learner_version=0, timeout_s=5.0, consumer="learner")
+    got = set(batch.column("prompt_index").to_pylist())
+    assert len(got) == 4 and {p % K for p in got} <= {0, 2}
+    assert client.insert(group_table(3, attempt=0)).duplicates == 4
+    client.lease_prompts("rollout-1", 9)  # passes the dead shard over (the others' budgets are spent: none)
+    with pytest.raises(ReplayUnavailableError):  # a group of the dead shard's prompt: retried by the rollout
         client.insert(group_table(4, attempt=0))
-    assert client.insert(group_table(3, attempt=0)).duplicates == 4  # the other shards still answer
+    t0 = time.monotonic()
+    with pytest.raises(ReplayUnavailableError):  # too few without the dead shard: at once, not after the timeout, so
+        client.sample(3, learner_version=0, timeout_s=30.0)  # the learner retries through the rerouted address
+    assert time.monotonic() - t0 < 10
+    with pytest.raises(ReplayUnavailableError):  # a lockstep batch that needs the dead shard
+        client.sample(2, learner_version=0, timeout_s=1.0, prompt_indices=[1, 0])
     shards.start(1)  # restored from its own WAL/snapshot, on a new port (as a new actor)
     assert shards.buffers[1].info()["stored_groups"] == 3
     client = replay_connector()(shards.address)  # the supervisor's reroute: the new address
-    lease_id, batch = client.sample(9, learner_version=0, timeout_s=5.0, consumer="learner")
-    assert sorted(set(batch.column("prompt_index").to_pylist())) == sorted(p for p, _ in leased)
-    assert client.ack([lease_id]) == 9 and client.info().stored_groups == 0
+    assert client.ack([lease_id]) == 4
+    lease_id, batch = client.sample(5, learner_version=0, timeout_s=5.0, consumer="learner")
+    assert sorted(set(batch.column("prompt_index").to_pylist()) | got) == sorted(p for p, _ in leased)
+    assert client.ack([lease_id]) == 5 and client.info().stored_groups == 0
+    for k in range(K):  # nothing leased is left anywhere
+        assert shards.buffers[k].info()["leased_groups"] == 0
     client.close()
 
 
