@@ -16,7 +16,9 @@ Figures (one JSON line): ``tick_p99_s`` / ``tick_max_s`` (the supervisor's ticks
 ``ingest_groups_per_s`` and ``ingest_mb_per_s`` (groups accepted and WAL bytes over the training window),
 ``stale_drop_fraction`` (rows the staleness gate dropped / rows inserted), ``learner_idle_fraction`` (the learner's
 wait for batches / its step time, steps after the first), ``rss_mb_per_rollout`` (resident memory of the host
-processes / rollouts, before the kills), and under ``chaos``: what was killed, ``stall_s`` (the longest interval
+processes / rollouts, before the kills), the machine's ceiling (``load_avg_1m`` against ``cpu_cores``, and
+``weights_mb_per_version``: N × the model's bytes, which the learner sends and the rollouts check per version), and
+under ``chaos``: what was killed, ``stall_s`` (the longest interval
 between learner steps from the kills on) against ``version_interval_s`` (the median interval before them), and the
 check's verdict (``lost_groups``, ``duplicates_trained``). With ``--baseline-rollouts B`` (default 4; 0: none) the
 same run at B rollouts, without kills, comes first, and ``insert_p99_ratio`` = this run's insert p99 / the baseline's.
@@ -112,13 +114,14 @@ def make_recipe(model: Path, run_dir: Path, rollouts: int, shards: int, steps: i
                 groups_per_step: int):
     """The tiny-test recipe at fleet size ``rollouts``: ``groups_per_step`` groups of 2 per step, staleness 2,
     each rollout's groups taking ``group_s`` seconds on the simulated engine, replay in ``shards`` shards, rollouts
-    hosted ``per_process(rollouts)`` to a process. Rollouts stop leasing while a step of groups is ready."""
+    hosted ``per_process(rollouts)`` to a process. Rollouts stop leasing while half a step of groups is ready."""
     from gyre.services.control.recipe.schema import load_recipe
 
     return load_recipe(RECIPE, {
         "model": str(model), "run_dir": str(run_dir), "name": f"fleet-{rollouts}", "ray.num_cpus": 2,
         "eval_before": False, "eval_after": False, "rollout.num_workers": rollouts,
-        "rollout.group_size": 2, "rollout.groups_in_flight": 2, "rollout.max_ready_groups": groups_per_step,
+        "rollout.group_size": 2, "rollout.groups_in_flight": 2,
+        "rollout.max_ready_groups": max(groups_per_step // 2, 1),
         "rollout.engine.kind": "simulated", "rollout.engine.simulated": {"seconds_per_group": group_s},
         "placement.rollout.rollouts_per_process": per_process(rollouts),
         "replay.shards": shards, "replay.max_staleness": 2, "replay.prompt_lease_ttl_s": 30,
@@ -134,6 +137,8 @@ class FleetChaos:
         self.kill_after, self.kill_hosts = kill_after, kill_hosts
         self.rss_bytes = 0
         self.hosts = 0
+        self.load = 0.0
+        """The machine's 1-minute load average once training runs (2 cores: above 2, processes wait for a core)."""
         self.killed_rollouts: list[str] = []
         self.killed_at = 0.0
         self.restored_s: float | None = None
@@ -173,6 +178,8 @@ class FleetChaos:
         st = self._wait(lambda s: (s["learner_version"] or 0) >= 2, "training underway", timeout_s=1800)
         pids = sorted({x["pid"] for x in st["services"] if x["role"] == "rollout" and x["pid"]})
         self.hosts, self.rss_bytes = len(pids), sum(psutil.Process(p).memory_info().rss for p in pids)
+        time.sleep(5.0)  # into steady training
+        self.load = round(os.getloadavg()[0], 2)
         if self.kill_hosts == 0:
             return
         st = self._wait(lambda s: (s["learner_version"] or 0) >= self.kill_after, "the kill point", timeout_s=1800)
@@ -188,6 +195,12 @@ class FleetChaos:
             x["pid"] and x["pid"] not in (*victims, shard) for x in s["services"] if x["name"] in killed),
             "every killed service restarted")
         self.restored_s = round(time.time() - self.killed_at, 1)
+
+
+def model_bytes(model: Path) -> int:
+    """Bytes of the model's safetensors: what every rollout receives per policy version (the versions change every
+    weight, so a sparse delta is the whole tensor)."""
+    return sum(p.stat().st_size for p in Path(model).glob("*.safetensors"))
 
 
 def run_fleet(model: Path, root: Path, rollouts: int, shards: int, steps: int, group_s: float,
@@ -209,6 +222,8 @@ def run_fleet(model: Path, root: Path, rollouts: int, shards: int, steps: int, g
     out = {"rollouts": rollouts, "shards": shards, "rollouts_per_process": per, "host_processes": watcher.hosts,
            **figures(summary, rows, recipe.rollout.group_size),
            "rss_mb_per_rollout": round(watcher.rss_bytes / 1e6 / rollouts, 1) if watcher.rss_bytes else None,
+           "load_avg_1m": watcher.load, "cpu_cores": os.cpu_count(),
+           "weights_mb_per_version": round(rollouts * model_bytes(model) / 1e6, 1),
            "final_version": summary["final_version"], "wall_s": round(time.monotonic() - t0, 1)}
     if chaos:
         report = check_run(recipe.out_dir)
@@ -250,7 +265,7 @@ def main() -> None:
     p.add_argument("--rollouts", type=int, default=16, help="fleet size N (default 16)")
     p.add_argument("--shards", type=int, default=2, help="replay shards K (>= 2: one is killed; default 2)")
     p.add_argument("--steps", type=int, default=20, help="learner steps (default 20; the kills at half)")
-    p.add_argument("--group-s", type=float, default=2.0, help="seconds each simulated group takes (default 2)")
+    p.add_argument("--group-s", type=float, default=1.0, help="seconds each simulated group takes (default 1)")
     p.add_argument("--groups-per-step", type=int, default=16, help="the learner's groups per step (default 16)")
     p.add_argument("--baseline-rollouts", type=int, default=4, help="baseline fleet size (0: no baseline run)")
     p.add_argument("--no-chaos", action="store_true", help="no kills (and no gyre check)")

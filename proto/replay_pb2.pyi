@@ -97,18 +97,20 @@ class RejoinResponse(_message.Message):
     def __init__(self, released: _Optional[int] = ...) -> None: ...
 
 class LeasePromptsRequest(_message.Message):
-    __slots__ = ("consumer", "count", "ttl_s", "below_prompt_index", "max_ready_groups")
+    __slots__ = ("consumer", "count", "ttl_s", "below_prompt_index", "max_ready_groups", "policy_version")
     CONSUMER_FIELD_NUMBER: _ClassVar[int]
     COUNT_FIELD_NUMBER: _ClassVar[int]
     TTL_S_FIELD_NUMBER: _ClassVar[int]
     BELOW_PROMPT_INDEX_FIELD_NUMBER: _ClassVar[int]
     MAX_READY_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     consumer: str
     count: int
     ttl_s: float
     below_prompt_index: int
     max_ready_groups: int
-    def __init__(self, consumer: _Optional[str] = ..., count: _Optional[int] = ..., ttl_s: _Optional[float] = ..., below_prompt_index: _Optional[int] = ..., max_ready_groups: _Optional[int] = ...) -> None: ...
+    policy_version: int
+    def __init__(self, consumer: _Optional[str] = ..., count: _Optional[int] = ..., ttl_s: _Optional[float] = ..., below_prompt_index: _Optional[int] = ..., max_ready_groups: _Optional[int] = ..., policy_version: _Optional[int] = ...) -> None: ...
 
 class PromptLease(_message.Message):
     __slots__ = ("prompt_index", "attempt")

@@ -354,9 +354,10 @@ class TrajectoryBuffer:
 
     # ---- prompts --------------------------------------------------------------------------------
     def lease_prompts(self, consumer: str, count: int, ttl_s: float | None = None,
-                      below: int | None = None, max_ready: int | None = None) -> list[tuple[int, int]]:
+                      below: int | None = None, max_ready: int | None = None,
+                      policy_version: int | None = None) -> list[tuple[int, int]]:
         """``PromptLeases.lease`` (``replay.prompt_leases``): the rollout's ``ReplaySink`` call, in process."""
-        return self.prompts.lease(consumer, count, ttl_s, below, max_ready)
+        return self.prompts.lease(consumer, count, ttl_s, below, max_ready, policy_version)
 
     # ---- persistence / info ---------------------------------------------------------------------
     def capture(self) -> SnapshotData:

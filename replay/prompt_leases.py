@@ -33,11 +33,13 @@ class PromptLeases:
         self._clock, self._default_ttl_s = clock, default_ttl_s
 
     def lease(self, consumer: str, count: int, ttl_s: float | None = None, below: int | None = None,
-              max_ready: int | None = None) -> list[tuple[int, int]]:
+              max_ready: int | None = None, policy_version: int | None = None) -> list[tuple[int, int]]:
         """Lease up to ``count`` prompt indices to ``consumer`` for ``ttl_s`` seconds: ``[(prompt_index, attempt)]``,
         expired (re-issued) ones first; with ``below`` only indices under it (lockstep: prompts whose policy version
         is published). Fewer, or none, when the fleet's work budget (``budget``) is spent, or when ``max_ready``
-        groups or more are ready (the rollout's own backpressure). Returns once the lease is durable. Raises
+        groups or more are ready (the rollout's own backpressure; never below this shard's share of a learner batch,
+        ``_batch_share``); ``policy_version``: the rollout's weights, whose lag behind the learner the budget counts
+        (``ReplayState.work_budget_left``). Returns once the lease is durable. Raises
         ``ValueError`` for a negative ``count``."""
         if count < 0:
             raise ValueError(f"count ({count}) must be >= 0")
@@ -47,9 +49,9 @@ class PromptLeases:
             due = self._state.ledger.due(now)
             if due:
                 lsn, _ = self._commit(Record("prompt_expire", {"items": due}))
-            if max_ready is not None and self._state.store.count[POOLED] >= max_ready:
+            if max_ready is not None and self._state.store.count[POOLED] >= max(max_ready, self._batch_share()):
                 count = 0
-            budget = self._state.work_budget_left()
+            budget = self._state.work_budget_left(policy_version)
             if budget is not None:
                 count = min(count, max(0, budget))
             items = self._state.ledger.plan(count, below) if count else []
@@ -58,6 +60,13 @@ class PromptLeases:
                                                               "expires_at": now + ttl}))
         self._wait_durable(lsn)
         return items
+
+    def _batch_share(self) -> int:
+        """This shard's share of one learner batch (``ceil(groups_per_step / shards)``; 0 without
+        ``groups_per_step``): a rollout's ``max_ready`` never stops leasing below it, else a ``max_ready`` under the
+        batch would leave the learner waiting for ever for a batch the rollouts will not generate."""
+        cfg = self._state.config
+        return -(-cfg.groups_per_step // cfg.shards) if cfg.groups_per_step else 0
 
     def budget(self) -> int | None:
         """Groups the fleet may still lease (``ReplayConfig.work_budget`` − groups ready − prompts leased, may be

@@ -287,10 +287,12 @@ class ReplayState:
         else:
             self.store.set_state(key, POOLED)
 
-    def work_budget_left(self) -> int | None:
+    def work_budget_left(self, policy_version: int | None = None) -> int | None:
         """Groups the fleet may still lease: ``config.work_budget`` − groups ready − prompts leased (may be
-        negative), or ``None`` without a budget."""
-        cap = self.config.work_budget
+        negative), or ``None`` without a budget. With ``policy_version`` (the asking rollout's weights) the budget
+        counts its lag behind the learner (``config.work_budget_at``)."""
+        lag = 0 if policy_version is None or self.learner_version < 0 else self.learner_version - policy_version
+        cap = self.config.work_budget_at(lag)
         return None if cap is None else cap - self.store.count[POOLED] - self.ledger.num_leased
 
     def info(self) -> dict:

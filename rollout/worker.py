@@ -42,7 +42,7 @@ INSERT_BACKOFF_CAP_S = 30.0
 
 class ReplaySink(Protocol):
     def lease_prompts(self, consumer: str, count: int, ttl_s: float = 0.0, below: int = 0,
-                      max_ready: int = 0) -> list[tuple[int, int]]: ...
+                      max_ready: int = 0, policy_version: int | None = None) -> list[tuple[int, int]]: ...
     def insert(self, table: pa.Table): ...
     def info(self): ...
 
@@ -281,7 +281,7 @@ class RolloutWorker:
         if bound is None:
             return []
         lease = functools.partial(self.replay.lease_prompts, self.rollout_id, count, *bound,
-                                  max_ready=self.config.max_ready_groups)
+                                  max_ready=self.config.max_ready_groups, policy_version=self.versions.served())
         return await loop.run_in_executor(None, lease)
 
     async def _one_group(self, prompt_index: int, attempt: int) -> None:

@@ -85,8 +85,9 @@ class FakeReplay:
     def __init__(self, buffer, fail_inserts: int = 0) -> None:
         self.buffer, self.fail_inserts, self.insert_calls = buffer, fail_inserts, 0
 
-    def lease_prompts(self, consumer, count, ttl_s=0.0, below=0, max_ready=0):
-        return self.buffer.lease_prompts(consumer, count, ttl_s or None, below or None, max_ready or None)
+    def lease_prompts(self, consumer, count, ttl_s=0.0, below=0, max_ready=0, policy_version=None):
+        return self.buffer.lease_prompts(consumer, count, ttl_s or None, below or None, max_ready or None,
+                                         policy_version)
 
     def insert(self, table):
         self.insert_calls += 1
@@ -144,9 +145,9 @@ class OutageReplay(FakeReplay):
         if self.down:
             raise ConnectionError("replay down (scripted outage)")
 
-    def lease_prompts(self, consumer, count, ttl_s=0.0, below=0, max_ready=0):
+    def lease_prompts(self, consumer, count, ttl_s=0.0, below=0, max_ready=0, policy_version=None):
         self._check()
-        return super().lease_prompts(consumer, count, ttl_s, below, max_ready)
+        return super().lease_prompts(consumer, count, ttl_s, below, max_ready, policy_version)
 
     def insert(self, table):
         self.insert_calls += 1

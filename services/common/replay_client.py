@@ -93,13 +93,14 @@ class ReplayClient:
 
     @_transient_as_connection_error
     def lease_prompts(self, consumer: str, count: int, ttl_s: float = 0.0, below: int = 0,
-                      max_ready: int = 0) -> list[tuple[int, int]]:
+                      max_ready: int = 0, policy_version: int | None = None) -> list[tuple[int, int]]:
         """``[(prompt_index, attempt)]``, up to ``count``: fewer or none when replay's work budget is spent or
         ``max_ready`` > 0 groups are ready; ``ttl_s`` 0 uses the server's default; ``below`` > 0: only indices
-        under it (lockstep)."""
+        under it (lockstep); ``policy_version``: the rollout's weights (the budget counts their lag)."""
         resp = self._stub.LeasePrompts(
             replay_pb2.LeasePromptsRequest(consumer=consumer, count=count, ttl_s=ttl_s, below_prompt_index=below,
-                                           max_ready_groups=max_ready), timeout=self.timeout_s)
+                                           max_ready_groups=max_ready, policy_version=policy_version),
+            timeout=self.timeout_s)
         return [(p.prompt_index, p.attempt) for p in resp.prompts]
 
     @_transient_as_connection_error

@@ -122,10 +122,10 @@ class TrackedReplay(ReplayLink):
         self.draining = False
 
     def lease_prompts(self, consumer: str, count: int, ttl_s: float = 0.0, below: int = 0,
-                      max_ready: int = 0) -> list[tuple[int, int]]:
+                      max_ready: int = 0, policy_version: int | None = None) -> list[tuple[int, int]]:
         if self.draining:
             return []
-        got = self.client.lease_prompts(consumer, count, ttl_s, below, max_ready)
+        got = self.client.lease_prompts(consumer, count, ttl_s, below, max_ready, policy_version)
         self.outstanding.update(p for p, _ in got)
         return got
 

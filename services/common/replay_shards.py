@@ -12,7 +12,10 @@ How each call spans the shards:
   are leased or every shard said no (its share of the work budget spent, or its share of ``max_ready`` groups ready
   there); a shard that is down is passed over, and its share of ``max_ready`` goes to the others until it answers.
 * ``sample``: whole groups from several shards. The shards' ``Info`` says how many groups each has ready; the
-  batch is split between them (most ready first), each part is leased with its own ``Sample`` (concurrently),
+  batch is split between them in proportion to what each holds (a shard that is down counts as holding none, so
+  batches go on coming from the others; when they hold too few the call raises at once, for the caller to retry
+  through the address the supervisor pushes after the restart), each part is leased with its own ``Sample``
+  (concurrently),
   and the batch's lease id names every part (``"k:lease,k:lease"``, ``ack``/``release`` split it again). If a
   part comes back short (its shard dropped stale groups at the new version, or its rate limiter said no), the
   other parts are released and the split is tried again, until ``timeout_s``. Lockstep (``prompt_indices``):
@@ -197,7 +200,7 @@ class ShardedReplayClient:
                                          dropped_stale=sum(a.dropped_stale for a in answers))
 
     def lease_prompts(self, consumer: str, count: int, ttl_s: float = 0.0, below: int = 0,
-                      max_ready: int = 0) -> list[tuple[int, int]]:
+                      max_ready: int = 0, policy_version: int | None = None) -> list[tuple[int, int]]:
         """Up to ``count`` prompts from the shards in turn (a different first shard each call, spread by
         ``consumer``); ``max_ready`` applies per shard as its share (rounded up)."""
         k = len(self.shards)
@@ -212,7 +215,8 @@ class ShardedReplayClient:
                 break
             shard = (start + step) % k
             try:
-                got += self.shards[shard].lease_prompts(consumer, count - len(got), ttl_s, below, per_shard_ready)
+                got += self.shards[shard].lease_prompts(consumer, count - len(got), ttl_s, below, per_shard_ready,
+                                                        policy_version)
                 self._down.discard(shard)
             except ConnectionError as exc:  # that shard is down or restarting: lease from the others
                 down.append(exc)
@@ -256,14 +260,17 @@ class ShardedReplayClient:
         answers = self._all(ready_of)
         down = next((a for a in answers if isinstance(a, ConnectionError)), None)
         ready = [0 if isinstance(a, ConnectionError) else a for a in answers]
-        if sum(ready) < num_groups:
+        total = sum(ready)
+        if total < num_groups:
             return {}, down
-        split, left = {}, num_groups
+        # in proportion to what each shard holds, so every shard's queue drains alike (taking the fullest first
+        # left a shard's groups to age past the staleness gate); the rounding's remainder from the fullest
+        split = {k: num_groups * r // total for k, r in enumerate(ready)}
+        left = num_groups - sum(split.values())
         for k in sorted(range(len(ready)), key=lambda k: -ready[k]):
-            take = min(ready[k], left)
-            if take:
-                split[k], left = take, left - take
-        return split, down
+            extra = min(ready[k] - split[k], left)
+            split[k], left = split[k] + extra, left - extra
+        return {k: n for k, n in split.items() if n}, down
 
     def _lease_parts(self, split: dict[int, int], learner_version: int, consumer: str, timeout_s: float,
                      request_id: str, prompt_indices: dict[int, list[int]] | None = None):

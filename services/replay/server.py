@@ -172,7 +172,9 @@ class ReplayServicer(replay_pb2_grpc.ReplayServiceServicer):
         t0 = time.monotonic()
         leases = self.buffer.lease_prompts(request.consumer, request.count, request.ttl_s or None,
                                           below=request.below_prompt_index or None,
-                                          max_ready=request.max_ready_groups or None)
+                                          max_ready=request.max_ready_groups or None,
+                                          policy_version=request.policy_version
+                                          if request.HasField("policy_version") else None)
         self.buffer.latency["lease_prompts"].add(time.monotonic() - t0)
         return replay_pb2.LeasePromptsResponse(
             prompts=[replay_pb2.PromptLease(prompt_index=i, attempt=a) for i, a in leases],

@@ -30,8 +30,8 @@ def test_a_shard_ledger_hands_out_its_own_indices_and_keeps_a_watermark_over_the
 
 
 def test_a_shard_config_splits_the_work_budget_and_checks_its_index():
-    assert ReplayConfig(groups_per_step=8, max_staleness=1, shards=3).work_budget == 8  # ceil(24 / 3)
-    assert ReplayConfig(groups_per_step=8, max_staleness=1).work_budget == 24
+    assert ReplayConfig(groups_per_step=8, max_staleness=2, shards=3).work_budget == 6  # ceil(16 / 3)
+    assert ReplayConfig(groups_per_step=8, max_staleness=2).work_budget == 16
     with pytest.raises(ValidationError, match=r"replay.shard \(2\) must be below replay.shards \(2\)"):
         ReplayConfig(shards=2, shard=2)
 

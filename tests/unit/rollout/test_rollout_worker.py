@@ -223,7 +223,7 @@ def test_stopping_the_worker_ends_an_insert_retry_at_once(phase):
 
     buf, released = TrajectoryBuffer(ReplayConfig()), threading.Event()
     replay = _ScriptedInserts(ConnectionError if phase == "backoff" else released)
-    replay.lease_prompts = lambda consumer, count, ttl_s=0.0, below=0, max_ready=0: buf.lease_prompts(consumer, count)
+    replay.lease_prompts = lambda consumer, count, *args, **kwargs: buf.lease_prompts(consumer, count)
     replay.info = FakeReplay(buf).info
     worker = make_worker(replay, groups_in_flight=1)
     worker.config = worker.config.model_copy(update={"retry_backoff_s": 60.0})

@@ -14,7 +14,7 @@ from gyre.services.rollout.actor import RolloutActor
 
 
 class Client(SimpleNamespace):
-    def lease_prompts(self, consumer, count, ttl_s=0.0, below=0, max_ready=0):
+    def lease_prompts(self, consumer, count, ttl_s=0.0, below=0, max_ready=0, policy_version=None):
         return [(7, 0)]
 
 

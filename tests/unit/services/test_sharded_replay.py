@@ -48,7 +48,7 @@ class Shards:
 
 @pytest.fixture
 def shards(tmp_path):
-    s = Shards(tmp_path, num_prompts=12, groups_per_step=3, max_staleness=1)
+    s = Shards(tmp_path, num_prompts=12, groups_per_step=3, max_staleness=1, work_budget_margin_steps=2)
     yield s
     s.close()
 
@@ -67,7 +67,7 @@ def test_prompts_complete_once_each_in_their_shards_and_batches_span_shards(shar
     leased = []
     for rollout in ("rollout-0", "rollout-1", "rollout-2", "rollout-3"):
         leased += client.lease_prompts(rollout, 4)
-    # the work budget (ceil((1 + 1 + 1) x 3 / 3) = 3 per shard) caps the fleet at 9 of the 12 prompts
+    # the work budget (ceil((1 + 2) x 3 / 3) = 3 per shard) caps the fleet at 9 of the 12 prompts
     assert len(leased) == 9 and len({p for p, _ in leased}) == 9
     for k in range(K):
         assert {p for p, _ in leased if p % K == k} and shards.buffers[k].info()["prompts_leased"] == 3
@@ -154,3 +154,26 @@ def test_info_sums_the_shards_and_keeps_the_newest_learner_version():
     merged = replay_shards.merge_info([a, b])
     assert merged.size_groups == 7 and merged.learner_version == 4 and merged.inserts_per_s == 2.0
     assert dict(merged.staleness_at_sample) == {0: 3, 1: 3}
+
+
+def test_a_batch_is_split_in_proportion_to_what_each_shard_holds():
+    """Taking the fullest shard first left the others' groups waiting until they aged past the staleness gate."""
+    from types import SimpleNamespace
+
+    class Ready:
+        def __init__(self, n):
+            self.address, self.timeout_s, self.n = f"s:{n}", 1.0, n
+
+        def info(self):
+            if self.n is None:
+                raise ReplayUnavailableError("down")
+            return SimpleNamespace(size_groups=self.n)
+
+        def close(self):
+            pass
+
+    client = ShardedReplayClient([Ready(10), Ready(6)])
+    assert client._split(8) == ({0: 5, 1: 3}, None)
+    assert client._split(16) == ({0: 10, 1: 6}, None) and client._split(17)[0] == {}
+    split, down = ShardedReplayClient([Ready(9), Ready(None), Ready(3)])._split(4)
+    assert split == {0: 3, 2: 1} and isinstance(down, ReplayUnavailableError)
