@@ -33,11 +33,10 @@ import os
 import signal
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 
-from bench.pipeline import chaos_beside_run
+from bench.run_watch import RunWatcher, beside_run
 from bench.workdir import run_quietly
 from gyre.services.control.outputs.report import read_metrics
 
@@ -128,12 +127,13 @@ def make_recipe(model: Path, run_dir: Path, rollouts: int, shards: int, steps: i
         "learner.groups_per_step": groups_per_step, "learner.num_steps": steps, "learner.sample_timeout_s": 600})
 
 
-class FleetChaos:
-    """Beside ``controller.run``: samples the hosts' memory once training runs, then (past ``kill_after``) SIGKILLs
-    ``kill_hosts`` host processes and ``replay-shard-1``, and waits until the supervisor restarted them."""
+class FleetChaos(RunWatcher):
+    """Beside ``controller.run``: samples the hosts' memory and the machine's load once training runs, then (past
+    ``kill_after``) SIGKILLs ``kill_hosts`` host processes and ``replay-shard-1``, and waits until the supervisor
+    restarted them."""
 
     def __init__(self, run: str, namespace: str, kill_after: int, kill_hosts: int) -> None:
-        self.run_name, self.namespace = run, namespace
+        super().__init__(run, namespace)
         self.kill_after, self.kill_hosts = kill_after, kill_hosts
         self.rss_bytes = 0
         self.hosts = 0
@@ -142,47 +142,18 @@ class FleetChaos:
         self.killed_rollouts: list[str] = []
         self.killed_at = 0.0
         self.restored_s: float | None = None
-        self.error: BaseException | None = None
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._main, daemon=True)
 
-    def _main(self) -> None:
-        try:
-            self._chaos()
-        except BaseException as exc:  # reported in the JSON
-            self.error = exc
-
-    def _wait(self, pred, what: str, timeout_s: float = 600.0) -> dict:
-        from gyre.services.control.commands import ops
-
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and not self.stop.is_set():
-            st = ops.status(self.state)
-            if st and pred(st):
-                return st
-            time.sleep(0.5)
-        raise TimeoutError(f"chaos: {what} not seen within {timeout_s} s (or the run ended)")
-
-    def _chaos(self) -> None:
+    def watch(self) -> None:
         import psutil
-        import ray
 
-        from gyre.services.control.orchestration.factory import actor_name
-
-        deadline, name = time.monotonic() + 600, actor_name(self.run_name, "controller")
-        while not ray.is_initialized() or name not in {a["name"] for a in ray.util.list_named_actors(True)}:
-            if time.monotonic() > deadline or self.stop.is_set():
-                raise TimeoutError("chaos: the run's controller state actor never appeared")
-            time.sleep(0.5)
-        self.state = ray.get_actor(name, namespace=self.namespace)
-        st = self._wait(lambda s: (s["learner_version"] or 0) >= 2, "training underway", timeout_s=1800)
+        st = self.wait(lambda s: (s["learner_version"] or 0) >= 2, "training underway", timeout_s=1800)
         pids = sorted({x["pid"] for x in st["services"] if x["role"] == "rollout" and x["pid"]})
         self.hosts, self.rss_bytes = len(pids), sum(psutil.Process(p).memory_info().rss for p in pids)
         time.sleep(5.0)  # into steady training
         self.load = round(os.getloadavg()[0], 2)
         if self.kill_hosts == 0:
             return
-        st = self._wait(lambda s: (s["learner_version"] or 0) >= self.kill_after, "the kill point", timeout_s=1800)
+        st = self.wait(lambda s: (s["learner_version"] or 0) >= self.kill_after, "the kill point", timeout_s=1800)
         rollouts = [x for x in st["services"] if x["role"] == "rollout" and x["pid"]]
         victims = sorted({x["pid"] for x in rollouts})[:self.kill_hosts]
         shard = next(x["pid"] for x in st["services"] if x["name"] == "replay-shard-1")
@@ -191,9 +162,9 @@ class FleetChaos:
         for pid in [*victims, shard]:
             os.kill(pid, signal.SIGKILL)
         killed = {*self.killed_rollouts, "replay-shard-1"}
-        self._wait(lambda s: all(s["restarts"].get(n, 0) >= 1 for n in killed) and all(
+        self.wait(lambda s: all(s["restarts"].get(n, 0) >= 1 for n in killed) and all(
             x["pid"] and x["pid"] not in (*victims, shard) for x in s["services"] if x["name"] in killed),
-            "every killed service restarted")
+            "every killed service restarted", timeout_s=600)
         self.restored_s = round(time.time() - self.killed_at, 1)
 
 
@@ -216,7 +187,7 @@ def run_fleet(model: Path, root: Path, rollouts: int, shards: int, steps: int, g
     watcher = FleetChaos(recipe.name, recipe.ray.namespace, kill_after=steps // 2,
                          kill_hosts=hosts_to_kill(rollouts, per) if chaos else 0)
     t0 = time.monotonic()
-    with chaos_beside_run(watcher):
+    with beside_run(watcher):
         summary = controller.run(recipe, Console(quiet=True))
     rows = read_metrics(recipe.out_dir / "metrics.jsonl")
     out = {"rollouts": rollouts, "shards": shards, "rollouts_per_process": per, "host_processes": watcher.hosts,

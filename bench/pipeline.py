@@ -43,9 +43,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
+from bench.run_watch import RunWatcher, beside_run
 from bench.workdir import run_quietly
 from gyre.services.control.outputs.report import read_metrics
 
@@ -199,60 +199,28 @@ def make_recipe(model: Path, run_dir: Path, name: str, num_steps: int, sim_gen_s
         "learner.save_interval": 1, "learner.sample_timeout_s": 300})
 
 
-class Chaos:
+class Chaos(RunWatcher):
     """In a thread beside ``controller.run``: once the learner passed ``after_version``, SIGKILLs each
     service in ``SERVICES`` in turn, waiting until it is back and the learner trained again."""
 
     def __init__(self, run: str, namespace: str, after_version: int, metrics: Path) -> None:
-        import threading
-
-        self.run_name, self.namespace, self.after_version = run, namespace, after_version
-        self.metrics = metrics
+        super().__init__(run, namespace, attach_timeout_s=300)
+        self.after_version, self.metrics = after_version, metrics
         self.kills: dict[str, tuple[float, float]] = {}
-        self.error: BaseException | None = None
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._main, daemon=True)
 
-    def _main(self) -> None:
-        try:
-            self._chaos()
-        except BaseException as exc:  # reported by the benchmark after the run
-            self.error = exc
-
-    def _wait(self, pred, what: str, timeout_s: float = 240.0) -> dict:
-        from gyre.services.control.commands import ops
-
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and not self.stop.is_set():
-            st = ops.status(self.state)
-            if st and pred(st):
-                return st
-            time.sleep(0.5)
-        raise TimeoutError(f"chaos: {what} not seen within {timeout_s} s (or the run ended)")
-
-    def _chaos(self) -> None:
-        import ray
-
-        from gyre.services.control.orchestration.factory import actor_name
-
-        deadline, name = time.monotonic() + 300, actor_name(self.run_name, "controller")
-        while not ray.is_initialized() or name not in {a["name"] for a in ray.util.list_named_actors(True)}:
-            if time.monotonic() > deadline or self.stop.is_set():
-                raise TimeoutError("chaos: the run's controller state actor never appeared")
-            time.sleep(0.5)
-        self.state = ray.get_actor(name, namespace=self.namespace)
-        self._wait(lambda s: (s["learner_version"] or 0) >= self.after_version, "measurement window", timeout_s=600)
+    def watch(self) -> None:
+        self.wait(lambda s: (s["learner_version"] or 0) >= self.after_version, "measurement window", timeout_s=600)
         for name in SERVICES:
             self._kill(name)
 
     def _kill(self, name: str) -> None:
-        pid = next(s["pid"] for s in self._wait(lambda s: True, "status")["services"] if s["name"] == name)
+        pid = next(s["pid"] for s in self.wait(lambda s: True, "status")["services"] if s["name"] == name)
         killed_at = time.time()
         os.kill(pid, signal.SIGKILL)
-        self._wait(lambda s: any(x["name"] == name and x["pid"] not in (None, pid) for x in s["services"]),
-                   f"{name} restarted")
+        self.wait(lambda s: any(x["name"] == name and x["pid"] not in (None, pid) for x in s["services"]),
+                  f"{name} restarted")
         self.kills[name] = (killed_at, time.time())
-        self._wait(lambda s: self._recovered(name), f"a learner step after the {name} restart")
+        self.wait(lambda s: self._recovered(name), f"a learner step after the {name} restart")
 
     def _recovered(self, name: str) -> bool:
         try:
@@ -260,29 +228,6 @@ class Chaos:
         except ValueError:  # the controller is writing the last line right now: look again next poll
             return False
         return recovery_s(rows, name.split("-")[0], *self.kills[name]) is not None
-
-
-@contextmanager
-def chaos_beside_run(chaos: Chaos):
-    """Start ``chaos``; make the controller's final ``ray.shutdown`` wait for it (the e2e tests' pattern:
-    a Ray call after shutdown would end the process, and none may auto-start a new Ray)."""
-    import ray
-    from ray._private import auto_init_hook
-
-    real_shutdown, auto = ray.shutdown, auto_init_hook.enable_auto_connect
-    auto_init_hook.enable_auto_connect = False
-
-    def shutdown_after_chaos(*args, **kwargs):
-        chaos.stop.set()
-        chaos.thread.join(timeout=60)
-        real_shutdown(*args, **kwargs)
-
-    ray.shutdown = shutdown_after_chaos
-    chaos.thread.start()
-    try:
-        yield chaos
-    finally:
-        ray.shutdown, auto_init_hook.enable_auto_connect = real_shutdown, auto
 
 
 def run_phase(recipe, chaos: Chaos | None = None) -> tuple[dict, list[dict]]:
@@ -294,7 +239,7 @@ def run_phase(recipe, chaos: Chaos | None = None) -> tuple[dict, list[dict]]:
     if chaos is None:
         summary = controller.run(recipe, Console(quiet=True))
     else:
-        with chaos_beside_run(chaos):
+        with beside_run(chaos):
             summary = controller.run(recipe, Console(quiet=True))
     return summary, read_metrics(recipe.out_dir / "metrics.jsonl")
 
