@@ -214,6 +214,22 @@ def _release(sup: Supervisor | None, state) -> None:
         log.warning("release_failed", error=f"{type(exc).__name__}: {str(exc)[:200]}")
 
 
+def pause_rollouts(sup: Supervisor, timeout_s: float = 120.0) -> list[str]:
+    """Stop generation on every running rollout at the end of training; returns the names of those that could not be
+    paused (dead, e.g. killed while a replacement starts, or not answering within ``timeout_s``): their prompt leases
+    expire in replay, and nothing they held is lost. Pausing them all in one ``ray.get`` failed the whole run when one
+    was dead (seen in ``bench.fleet``: a killed host's rollouts were still being restarted when the last step ended)."""
+    calls = [(svc.name, svc.handle.pause.remote()) for svc in sup.running_rollouts()]
+    failed = []
+    for name, ref in calls:
+        try:
+            ray.get(ref, timeout=timeout_s)
+        except (RayActorError, GetTimeoutError) as exc:
+            log.warning("rollout_pause_failed", service=name, error=str(exc)[:200])
+            failed.append(name)
+    return failed
+
+
 def _supervised(sup: Supervisor, call, attempts: int = 3):
     """``ray.get(call())``; if the service died meanwhile (``RayActorError``), let the supervisor restart it
     (``sup.tick()``) and call again, at most ``attempts`` calls in all. Raises the last call's error (a
@@ -294,7 +310,7 @@ def _train(recipe: Recipe, sup: Supervisor, metrics: MetricsWriter, console: Con
         evals = PeriodicEval(recipe.eval, recipe.learner.num_steps, start_version, recipe.out_dir, metrics, progress)
         final_version = _supervise_training(recipe, sup, metrics, progress, written, evals=evals)
         evals.drain()
-    ray.get([r.handle.pause.remote() for r in sup.rollouts()])
+    pause_rollouts(sup)
     summary["final_version"] = final_version
     if recipe.eval.after:
         lead = sup.rollouts()[0].handle
