@@ -214,20 +214,21 @@ def _release(sup: Supervisor | None, state) -> None:
         log.warning("release_failed", error=f"{type(exc).__name__}: {str(exc)[:200]}")
 
 
-def pause_rollouts(sup: Supervisor, timeout_s: float = 120.0) -> list[str]:
-    """Stop generation on every running rollout at the end of training; returns the names of those that could not be
-    paused (dead, e.g. killed while a replacement starts, or not answering within ``timeout_s``): their prompt leases
-    expire in replay, and nothing they held is lost. Pausing them all in one ``ray.get`` failed the whole run when one
-    was dead (seen in ``bench.fleet``: a killed host's rollouts were still being restarted when the last step ended)."""
-    calls = [(svc.name, svc.handle.pause.remote()) for svc in sup.running_rollouts()]
-    failed = []
+def ask_rollouts(sup: Supervisor, method: str, timeout_s: float = 120.0) -> tuple[dict, list[str]]:
+    """Call ``method()`` on every running rollout at the end of training (``pause``, ``stats``); returns ``({name:
+    answer}, [names that did not answer])``: dead (killed while a replacement starts) or silent for ``timeout_s``. A
+    rollout that did not pause lets its prompt leases expire in replay, and nothing it held is lost. Asking them all
+    in one ``ray.get`` failed the whole run when one was dead (seen in ``bench.fleet``: a killed host's rollouts were
+    still being restarted when the last step ended)."""
+    calls = [(svc.name, getattr(svc.handle, method).remote()) for svc in sup.running_rollouts()]
+    answers, failed = {}, []
     for name, ref in calls:
         try:
-            ray.get(ref, timeout=timeout_s)
+            answers[name] = ray.get(ref, timeout=timeout_s)
         except (RayActorError, GetTimeoutError) as exc:
-            log.warning("rollout_pause_failed", service=name, error=str(exc)[:200])
+            log.warning("rollout_call_failed", service=name, method=method, error=str(exc)[:200])
             failed.append(name)
-    return failed
+    return answers, failed
 
 
 def _supervised(sup: Supervisor, call, attempts: int = 3):
@@ -310,7 +311,7 @@ def _train(recipe: Recipe, sup: Supervisor, metrics: MetricsWriter, console: Con
         evals = PeriodicEval(recipe.eval, recipe.learner.num_steps, start_version, recipe.out_dir, metrics, progress)
         final_version = _supervise_training(recipe, sup, metrics, progress, written, evals=evals)
         evals.drain()
-    pause_rollouts(sup)
+    ask_rollouts(sup, "pause")
     summary["final_version"] = final_version
     if recipe.eval.after:
         lead = sup.rollouts()[0].handle
@@ -326,7 +327,7 @@ def _train(recipe: Recipe, sup: Supervisor, metrics: MetricsWriter, console: Con
         summary["heldout_accuracy_after"] = record_eval(after, recipe.out_dir, metrics, "after")["heldout_accuracy"]
         console.print(f"held-out accuracy after training: {after.metrics['heldout_accuracy']:.3f} "
                       f"({eval_line(after.metrics)})", highlight=False)
-    summary["rollout_stats"] = ray.get([r.handle.stats.remote() for r in sup.rollouts()])
+    summary["rollout_stats"] = list(ask_rollouts(sup, "stats")[0].values())
     return summary
 
 

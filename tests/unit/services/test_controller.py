@@ -142,7 +142,8 @@ def test_supervised_calls_again_after_the_service_died_at_most_attempts_times(mo
 
 def test_the_end_of_training_pauses_every_running_rollout_and_survives_a_dead_one(monkeypatch):
     """At the end of training one dead rollout (killed while its replacement starts) failed the whole run: the pauses
-    were one ``ray.get`` (seen in ``bench.fleet``). Each is asked alone now; the dead one is named."""
+    were one ``ray.get`` (seen in ``bench.fleet``), then the stats likewise. Each is asked alone now; the dead one is
+    named."""
     from types import SimpleNamespace
 
     from ray.exceptions import RayActorError
@@ -161,5 +162,6 @@ def test_the_end_of_training_pauses_every_running_rollout_and_survives_a_dead_on
     svcs = [SimpleNamespace(name=n, handle=handle(n, dead=n == "rollout-1")) for n in ("rollout-0", "rollout-1", "rollout-2")]
     sup = SimpleNamespace(running_rollouts=lambda: svcs)
     monkeypatch.setattr(controller, "ray", SimpleNamespace(get=lambda ref, timeout=None: ref()))
-    assert controller.pause_rollouts(sup) == ["rollout-1"]
+    answers, failed = controller.ask_rollouts(sup, "pause")
+    assert failed == ["rollout-1"] and list(answers) == ["rollout-0", "rollout-2"]
     assert paused == ["rollout-0", "rollout-2"]
