@@ -16,7 +16,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Protocol
+from typing import Callable, Protocol
 
 import pyarrow as pa
 import structlog
@@ -98,6 +98,10 @@ class LearnerLoop:
         self.spikes = SpikeDetector(config.spike_save)
         """Loss-spike checkpoints (``learner.checkpoint.spike``): shortens the save interval after a spike; checkpointed."""
         self.timeline = self.versions.timeline
+        self.keep_row: Callable[[dict], None] | None = None
+        """Called with a step's row (without its checkpoint's fields, ``"before_checkpoint": true``) just before a
+        checkpoint that commits the step: a learner that dies after the commit (journaled) but before ``step``
+        returns (acking a dead replay raises) has kept its row (``services.common.run_files.LEARNER_ROWS``)."""
         """This learner incarnation's timeline (``proto.timeline``): every version it publishes but 0 carries it,
         so rollouts drop the weights a crashed predecessor published under the same numbers."""
 
@@ -177,10 +181,15 @@ class LearnerLoop:
         with timer.phase("publish_blocking"):
             publish_s = self.publish_current(wait=False)
         self.checkpoints.trained(lease_id, group_ids_of(table))
+        trained = {**metrics, "step": self.engine.version, "version": self.engine.version,
+                   "groups": self.config.groups_per_step, "trajectories": table.num_rows,
+                   "sample_wait_s": timer.seconds["wait_data"], "train_s": t_trained - t_sampled, "publish_s": publish_s}
         save_s, before = 0.0, self.last_checkpoint
         emergency, self._emergency = self._emergency, None
         due = emergency or self.engine.step % self.save_interval_at(self.engine.step) == 0
         if self.checkpoint_dir is not None and due:
+            if self.keep_row is not None:  # the commit journals this step before its leases are acked, which may
+                self.keep_row({**trained, "before_checkpoint": True})  # raise: the row must already be kept
             with timer.phase("checkpoint"):
                 save_s = self.checkpoint(wait=bool(emergency) or not self.config.async_save)
         background = self.poll_background_save()
@@ -190,10 +199,7 @@ class LearnerLoop:
             raise StopRequested()
         times = timer.row()
         return {
-            **metrics,
-            "step": self.engine.version, "version": self.engine.version, "groups": self.config.groups_per_step,
-            "trajectories": table.num_rows, "sample_wait_s": timer.seconds["wait_data"],
-            "train_s": t_trained - t_sampled, "publish_s": publish_s, "checkpoint_s": save_s, **background,
+            **trained, "checkpoint_s": save_s, **background,
             "weights/publish_background_s": self.background.last_background_s,
             "weights/versions_superseded": self.background.superseded,
             **self._group_metrics(),

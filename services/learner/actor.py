@@ -100,7 +100,9 @@ class LearnerActor:
         self.metrics_port = serve(self.metrics.registry, host, metrics_port) if metrics_port is not None else None
         self._rows: list[dict] = []
         self._rows_file = Path(checkpoint_dir).parent / LEARNER_ROWS if checkpoint_dir is not None else None
-        """Each row is appended here too (``services.common.run_files.LEARNER_ROWS``)."""
+        """Each row is appended here too (``services.common.run_files.LEARNER_ROWS``), and a checkpointed step's
+        row once more before its checkpoint commits (``LearnerLoop.keep_row``)."""
+        self.loop.keep_row = self._keep_row
         self._error: str | None = None
         self._running = False
         self._done = threading.Event()
