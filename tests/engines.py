@@ -1,6 +1,6 @@
 """The simulated rollout engine for whole-run tests where vLLM is not what the test is about: launchers
 (``ray up``, ``ray job submit``, Slurm), ops commands, supervision and live scaling (the crash matrices, the
-reward-model crash, partial restart, the learner-rank restart), recording and tracking.
+reward-model crash, partial restart, the learner-rank restart), recording and tracking, ``gyre sweep``.
 
 ``rollout.sim_engine.SimulatedEngine`` starts in well under a second where vLLM takes ~20 s on two cores, and it
 sleeps while a group "generates" instead of taking a core from the learner and from the other xdist worker.
@@ -10,8 +10,8 @@ whole run 42.5 s on vLLM, 19.1 s simulated. Its tokens are random, yet they earn
 has a gradient (``tests.training.assert_trained`` holds). Weight updates stay real: every policy version crosses
 gRPC and is checked tensor by tensor against the model folder's headers.
 
-Whole-run tests about vLLM's own path keep it: the loop and its evaluations, lockstep bit-identity and the sweep of
-lockstep runs (lockstep needs vLLM), and the integration tests of the engine itself.
+Whole-run tests about vLLM's own path keep it: the loop and its evaluations, lockstep bit-identity (lockstep needs
+vLLM), and the integration tests of the engine itself.
 """
 
 TINY_GROUP_S = 0.5

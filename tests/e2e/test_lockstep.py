@@ -8,7 +8,8 @@ leases expire and are re-issued, so those groups are generated again by its next
 The claim only means something if the runs train and the comparison can tell runs apart: the tiny-test recipe's
 dense reward gives every step a gradient (asserted, and the final policy is not the initial model), and a
 control run that differs from the clean one in its prompt stream only (``task.seed``) must end with different
-parameters. The fire log shows that each armed fault fired in the incarnation it was armed for.
+parameters. The fire log shows that each armed fault fired in the incarnation it was armed for. Every step's
+batch is exactly ``lockstep_lag`` versions behind the learner (fewer in the first steps), faults or not.
 """
 
 import pytest
@@ -25,6 +26,7 @@ pytestmark = pytest.mark.slow
 
 STEPS = 6
 GROUPS_PER_STEP = 2
+LAG = 1
 FAULTS = {"learner": ["learner.ckpt.before_rename#2"], "replay": ["replay.wal.before_fsync#20"],
           "rollout-0": ["rollout.apply_weights#3"]}
 
@@ -32,7 +34,7 @@ FAULTS = {"learner": ["learner.ckpt.before_rename#2"], "replay": ["replay.wal.be
 def _run(tiny_llama, run_dir, faults_section, overrides=None):
     recipe = load_recipe("deploy/recipes/tiny-test.yaml", {
         "model": str(tiny_llama), "run_dir": str(run_dir), "ray.num_cpus": 2, "eval_before": False,
-        "eval_after": False, "determinism": "lockstep", "lockstep_lag": 1, "learner.num_steps": STEPS,
+        "eval_after": False, "determinism": "lockstep", "lockstep_lag": LAG, "learner.num_steps": STEPS,
         "learner.groups_per_step": GROUPS_PER_STEP,
         "learner.save_interval": 2, "learner.engine.dtype": "fp32", "replay.prompt_lease_ttl_s": 10.0,
         # replay's default lease_ttl_s (600 s) is above the learner's sample_timeout_s (300 s in tiny-test): a
@@ -46,6 +48,8 @@ def _run(tiny_llama, run_dir, faults_section, overrides=None):
     assert report.counts["duplicates_trained"] == 0
     assert report.counts["trained_groups"] == STEPS * GROUPS_PER_STEP, report.to_json()
     rows = assert_trained(out, tiny_llama, min_fraction=1.0)
+    # step s trains the prompts version max(0, s - 1 - LAG) generated, at version s - 1: the lag is exact
+    assert [r["staleness_mean"] for r in rows] == [float(min(r["step"] - 1, LAG)) for r in rows], rows
     fired = sorted((r["service"], r["incarnation"], r["point"]) for r in faults.read_fire_log(out / FIRE_LOG))
     params = load_file(str(next((out / "final_policy").glob("*.safetensors"))))
     return summary, params, [r["step"] for r in rows], fired

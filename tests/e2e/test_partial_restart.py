@@ -6,12 +6,12 @@ and ``reward: {function: ...}``, issue #22).
 While the controller trains, a chaos thread SIGKILLs the process of replay, then of the learner (each
 after training moved on since the previous restart), then scales the rollout fleet 1 → 3 and SIGKILLs
 rollout-0's process while the new rollouts start, and scales back to 1 once all 3 generate. Twice: weights through
-relays (``relay_fanout: 1``, rollout-0 relays to rollout-1, which relays to rollout-2), and in the learner's broadcast
-group (``weight_transport: nccl``, gloo on CPU), which must re-form as the learner restarts and the fleet grows,
-loses rollout-0 and shrinks. A third time with replay in two shards (``replay.shards: 2``), killing one shard
-(``replay-shard-1``) instead of replay: the other shard keeps serving, the killed one restores from its own
-directory. The run must still
-finish every step, with gradients (the final policy is not the initial model); each killed service is restarted
+relays (``relay_fanout: 1``, rollout-0 relays to rollout-1, which relays to rollout-2) with replay in two shards
+(``replay.shards: 2``), killing one shard (``replay-shard-1``) instead of replay: the other shard keeps serving, the
+killed one restores from its own directory; and in the learner's broadcast group (``weight_transport: nccl``, gloo
+on CPU) with one replay, which must re-form as the learner restarts and the fleet grows, loses rollout-0 and
+shrinks. (The shards had a case of their own, 80 s of the fresh-clone suite; relays and shards share no code path.)
+The run must still finish every step, with gradients (the final policy is not the initial model); each killed service is restarted
 exactly once; the status the CLI reads shows the restarts; and the invariant checker (``gyre check``) finds no
 lost group, no group trained twice, every prompt completed once, and ``STEPS × groups_per_step`` groups trained;
 through the dataset's prompt-index mapping, every row of the first epoch was completed exactly once.
@@ -154,8 +154,9 @@ TRANSPORTS = {
     "relays": {"type": "grpc", "relay_fanout": 1},  # a chain: 0 relays to 1, 1 to 2 (rollout-0 is killed)
     "broadcast": {"type": "nccl", "backend": "gloo", "bucket_mb": 1.0, "join_timeout_s": 20.0,
                   "broadcast_timeout_s": 60.0},
-    "sharded": {"type": "grpc"},  # replay in 2 shards (replay.shards: 2); replay-shard-1 is the one killed
 }
+SHARDS = {"relays": 2, "broadcast": 1}
+"""replay.shards per case: with 2, ``replay-shard-1`` is the replay service killed."""
 
 
 def _log_events(out, pattern: str, event: str) -> list[dict]:
@@ -170,15 +171,16 @@ def test_killed_services_restart_and_the_fleet_scales(tiny_llama, tmp_path, monk
         "learner.num_steps": STEPS, "learner.save_interval": 1, "replay.lease_ttl_s": 60,
         "replay.prompt_lease_ttl_s": 20, "eval_before": False, "eval_after": False, **write_task(tmp_path / "data"),
         "rollout.engine.weight_transport": TRANSPORTS[transport], **sim_engine(TINY_GROUP_S),
-        "replay.shards": 2 if transport == "sharded" else 1})
+        "replay.shards": SHARDS[transport]})
     assert recipe.task.reward.function.endswith("reward.py:digits")
-    killed_replay = "replay-shard-1" if transport == "sharded" else "replay"
+    sharded = SHARDS[transport] > 1
+    killed_replay = "replay-shard-1" if sharded else "replay"
     chaos = Chaos(recipe.name, recipe.ray.namespace, killed_replay)
     summary = run_with_chaos(recipe, chaos, monkeypatch)
 
     assert chaos.error is None, repr(chaos.error)
     assert set(chaos.killed) == {killed_replay, "learner", "rollout-0"}
-    assert chaos.seen_restarts == {**({"replay": 0} if transport == "sharded" else {}),
+    assert chaos.seen_restarts == {**({"replay": 0} if sharded else {}),
                                    killed_replay: 1, "learner": 1, "rollout-0": 1}
     assert "rollout-0" in chaos.status_text and "restarts" in chaos.status_text
     assert chaos.seen_rollouts == [3, 1]
@@ -186,11 +188,11 @@ def test_killed_services_restart_and_the_fleet_scales(tiny_llama, tmp_path, monk
     assert summary["final_version"] == STEPS
     assert {k: v for k, v in summary["restarts"].items() if v} == {killed_replay: 1, "learner": 1, "rollout-0": 1}
     out = tmp_path / "chaos"
-    if transport == "sharded":  # each shard its own directory, holding only its own prompts
+    if sharded:  # each shard its own directory, holding only its own prompts
         assert sorted(p.name for p in (out / "replay").iterdir() if p.name.startswith("shard-")) == ["shard-0",
                                                                                                     "shard-1"]
         assert summary["replay"]["shards"] == 2
-    elif transport == "relays":  # weights went 0 -> 1 -> 2 through the rollouts' relays
+    if transport == "relays":  # weights went 0 -> 1 -> 2 through the rollouts' relays
         joined = _log_events(out, "rollout-*.log", "relay_child_joined")
         assert {(j["service"], j["subscriber"]) for j in joined} >= {("rollout-0", "rollout-1"),
                                                                     ("rollout-1", "rollout-2")}
