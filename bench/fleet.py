@@ -7,8 +7,8 @@ gRPC weight path, with N rollouts on the simulated engine (``rollout.sim_engine`
 (``placement.rollout.rollouts_per_process``, ``services.rollout.host``): each one its own identity with its own
 replay connection, prompt leases, weight subscription and journal, so N = 256 fits two cores.
 
-Mid-run (once the learner passed half its steps) the bench SIGKILLs host processes holding at least 10% of the fleet
-and the process of one replay shard (``replay-shard-1``); the supervisor restarts them. Afterwards ``gyre check``
+Mid-run (once the learner passed half its steps, or ``--kill-at-step``) the bench SIGKILLs host processes holding at
+least 10% of the fleet and the process of one replay shard (``replay-shard-1``); the supervisor restarts them. Afterwards ``gyre check``
 (``services.cli.invariants``) reads the run directory.
 
 Figures (one JSON line): ``tick_p99_s`` / ``tick_max_s`` (the supervisor's ticks, the whole run: restarts included),
@@ -18,7 +18,9 @@ Figures (one JSON line): ``tick_p99_s`` / ``tick_max_s`` (the supervisor's ticks
 wait for batches / its step time, steps after the first), ``rss_mb_per_rollout`` (resident memory of the host
 processes / rollouts, before the kills), the machine's ceiling (``load_avg_1m`` against ``cpu_cores``, and
 ``weights_mb_per_version``: N × the model's bytes, which the learner sends and the rollouts check per version), and
-under ``chaos``: what was killed, ``stall_s`` (the longest interval
+under ``chaos``: what was killed, ``restarts`` (each killed service's restarts in the run's summary),
+``restored_s`` (kill to every killed service back, as the status showed it; ``null`` when the run finished first:
+the surviving shard and rollouts can carry the last steps alone), ``stall_s`` (the longest interval
 between learner steps from the kills on) against ``version_interval_s`` (the median interval before them), and the
 check's verdict (``lost_groups``, ``duplicates_trained``). With ``--baseline-rollouts B`` (default 4; 0: none) the
 same run at B rollouts, without kills, comes first, and ``insert_p99_ratio`` = this run's insert p99 / the baseline's.
@@ -162,9 +164,14 @@ class FleetChaos(RunWatcher):
         for pid in [*victims, shard]:
             os.kill(pid, signal.SIGKILL)
         killed = {*self.killed_rollouts, "replay-shard-1"}
-        self.wait(lambda s: all(s["restarts"].get(n, 0) >= 1 for n in killed) and all(
-            x["pid"] and x["pid"] not in (*victims, shard) for x in s["services"] if x["name"] in killed),
-            "every killed service restarted", timeout_s=600)
+        try:
+            self.wait(lambda s: all(s["restarts"].get(n, 0) >= 1 for n in killed) and all(
+                x["pid"] and x["pid"] not in (*victims, shard) for x in s["services"] if x["name"] in killed),
+                "every killed service restarted", timeout_s=600)
+        except TimeoutError:
+            if not self.stop.is_set():  # not seen while the run lasted: its summary's restart counts say
+                raise
+            return
         self.restored_s = round(time.time() - self.killed_at, 1)
 
 
@@ -175,8 +182,9 @@ def model_bytes(model: Path) -> int:
 
 
 def run_fleet(model: Path, root: Path, rollouts: int, shards: int, steps: int, group_s: float,
-              groups_per_step: int, chaos: bool) -> dict:
-    """One run at fleet size ``rollouts``; its figures, and with ``chaos`` the kills' outcome and ``gyre check``."""
+              groups_per_step: int, chaos: bool, kill_at: int | None = None) -> dict:
+    """One run at fleet size ``rollouts``; its figures, and with ``chaos`` the kills' outcome (at learner step
+    ``kill_at``, default half the steps) and ``gyre check``."""
     from rich.console import Console
 
     from gyre.services.cli.invariants import check_run
@@ -184,7 +192,7 @@ def run_fleet(model: Path, root: Path, rollouts: int, shards: int, steps: int, g
 
     recipe = make_recipe(model, root, rollouts, shards, steps, group_s, groups_per_step)
     per = per_process(rollouts)
-    watcher = FleetChaos(recipe.name, recipe.ray.namespace, kill_after=steps // 2,
+    watcher = FleetChaos(recipe.name, recipe.ray.namespace, kill_after=steps // 2 if kill_at is None else kill_at,
                          kill_hosts=hosts_to_kill(rollouts, per) if chaos else 0)
     t0 = time.monotonic()
     with beside_run(watcher):
@@ -202,6 +210,8 @@ def run_fleet(model: Path, root: Path, rollouts: int, shards: int, steps: int, g
         out["chaos"] = {"killed_rollouts": len(watcher.killed_rollouts),
                         "killed_fraction": round(len(watcher.killed_rollouts) / rollouts, 3),
                         "killed_replay_shard": "replay-shard-1" if watcher.killed_at else None,
+                        "restarts": {n: summary["restarts"].get(n, 0) for n in
+                                     [*watcher.killed_rollouts, *(["replay-shard-1"] if watcher.killed_at else [])]},
                         "restored_s": watcher.restored_s, "stall_s": stall_s, "version_interval_s": interval_s,
                         "check_ok": report.ok, "lost_groups": report.counts.get("lost_groups"),
                         "duplicates_trained": report.counts.get("duplicates_trained"),
@@ -221,7 +231,7 @@ def measure(root: Path, args) -> dict:
                          args.groups_per_step, chaos=False)
         log(f"baseline at {args.baseline_rollouts} rollouts: {json.dumps(base)}")
     result = run_fleet(model, root / "fleet", args.rollouts, args.shards, args.steps, args.group_s,
-                       args.groups_per_step, chaos=not args.no_chaos)
+                       args.groups_per_step, chaos=not args.no_chaos, kill_at=args.kill_at_step)
     result["group_s"], result["groups_per_step"] = args.group_s, args.groups_per_step
     if base is not None:
         result["baseline"] = base
@@ -240,12 +250,17 @@ def main() -> None:
     p.add_argument("--groups-per-step", type=int, default=16, help="the learner's groups per step (default 16)")
     p.add_argument("--baseline-rollouts", type=int, default=4, help="baseline fleet size (0: no baseline run)")
     p.add_argument("--no-chaos", action="store_true", help="no kills (and no gyre check)")
+    p.add_argument("--kill-at-step", type=int, default=None,
+                   help="kill once the learner reached this step (default: half the steps; >= 2)")
     p.add_argument("--dir", default=None, help="keep the runs here (default: a temporary folder, removed)")
     args = p.parse_args()
     if args.shards < 2 and not args.no_chaos:
         p.error(f"--shards ({args.shards}) must be >= 2 to kill one shard (or pass --no-chaos)")
     if args.rollouts < 2:
         p.error(f"--rollouts ({args.rollouts}) must be >= 2")
+    if args.kill_at_step is not None and not 2 <= args.kill_at_step < args.steps:
+        p.error(f"--kill-at-step ({args.kill_at_step}) must be >= 2 (steps before the kill give the version "
+                f"interval) and below --steps ({args.steps}: steps after it give the stall)")
     result = run_quietly(lambda root: measure(root, args), args.dir, "gyre-bench-fleet-")
     print(json.dumps(result))
 
