@@ -2,7 +2,10 @@
 
 Skipped, with the reason, where ``slurm-wlm`` cannot be installed or its daemons cannot start here.
 
-The recipe's rollout runs the simulated engine (``tests.engines``): the launcher is tested, not vLLM.
+The recipe's rollout runs the simulated engine (``tests.engines``): the launcher is tested, not vLLM. Its roles are
+pinned with custom Ray resources (``placement.<role>.resources``, as the cluster recipes pin them to node types):
+the batch script must start Ray with what the recipe asks for (``deploy/slurm_layout.py``), else replay is never
+placed and the run waits until the job is killed (before the layout, Ray started with none).
 """
 
 import json
@@ -24,6 +27,9 @@ from tests.training import assert_trained
 pytestmark = pytest.mark.slow
 
 RECIPE = "deploy/recipes/tiny-cluster.yaml"
+PINNED = ["--set", "placement.replay.resources={gyre_replay: 1}", "--set", "placement.learner.resources={gyre_learner: 1}",
+          "--set", "placement.rollout.resources={gyre_rollout: 1}"]
+"""Each role on its own custom resource: the head must advertise replay's, both learner ranks' and the rollouts'."""
 
 
 @pytest.fixture
@@ -58,11 +64,15 @@ def test_sbatch_runs_a_recipe_and_stops_its_ray(slurm, tiny_llama, tmp_path):
     job_log, run_dir = tmp_path / "job.out", tmp_path / "runs"
     try:
         proc = subprocess.run(["sbatch", "--wait", f"--output={job_log}", f"--chdir={REPO}", "deploy/slurm.sbatch",
-                               RECIPE, "--set", f"model={tiny_llama}", "--set", f"run_dir={run_dir}", *sim_engine_sets()],
+                               RECIPE, "--set", f"model={tiny_llama}", "--set", f"run_dir={run_dir}", *sim_engine_sets(), *PINNED],
                               cwd=REPO, env=env, capture_output=True, text=True, timeout=480)
         assert proc.returncode == 0, (f"sbatch exited {proc.returncode}: {proc.stdout}{proc.stderr}\n--- job\n"
                                       f"{tail_file(job_log, 60)}\n{slurm.logs()}\n{ray_session_logs(temp_dir)}")
-        assert f"Ray head on {socket.gethostname()}" in job_log.read_text(), tail_file(job_log)
+        log = job_log.read_text()
+        assert f"Ray head on {socket.gethostname()}" in log, tail_file(job_log)
+        plan = ('node 0 (head): 0 GPU(s); replay x1, learner x2, rollout (no GPU limit); resources '
+                '{"gyre_learner": 2.0, "gyre_replay": 1.0, "gyre_rollout": 1024.0}')
+        assert plan in log, tail_file(job_log)
 
         out = run_dir / "tiny-cluster"
         assert json.loads((out / "summary.json").read_text())["final_version"] == 1

@@ -70,7 +70,8 @@ def test_every_shipped_recipe_dry_runs_here_and_shows_placement(recipe, tiny_lla
         assert "Qwen/Qwen2.5-1.5B-Instruct (default branch)" in text
         assert "num_gpus=1" in text and "ZeRO-2" in text and "grad-checkpointing" in text
         assert "memory     learner per rank (learner.memory_estimate): 1.54 B parameters" in text
-        assert "ZeRO-2 14.7 fits" in text and "recommend" not in text
+        per_rank = "11.8" if "slurm" in recipe.name else "14.7"  # 8 ranks shard more than 4
+        assert f"ZeRO-2 {per_rank} fits" in text and "recommend" not in text
 
 
 def test_gpu_recipe_on_the_cpu_target_is_refused_before_anything_starts():
