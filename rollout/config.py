@@ -91,6 +91,14 @@ class EngineConfig(BaseModel):
     weight_transport: WeightTransportConfig = GrpcTransportConfig()
     """How new policy versions arrive (``services.rollout.transport.make_transport``)."""
 
+    load_format: Literal["auto", "dummy"] = Field(default="auto", validate_default=True)
+    """``auto``: vLLM loads the model folder's safetensors. ``dummy``: vLLM starts with random weights and the rollout
+    takes its first policy version from the weight path (the learner, a relay or the NCCL group) before it generates,
+    so a node needs only the model's config and tokenizer: a Hub model is fetched without its weights, and a rollout
+    joins without downloading gigabytes (vLLM's ``load_format="dummy"``; verl and OpenRLHF start rollouts this way).
+    Such a rollout never generates on its random weights: it waits for a version (or an export in
+    ``bootstrap_dir``)."""
+
     bootstrap_wait_s: float = Field(default=60.0, ge=0)
     """Seconds a starting rollout waits to catch up to the learner's newest version before it generates;
     past it (learner unreachable or slow) it falls back to ``bootstrap_dir``."""
@@ -113,8 +121,16 @@ class EngineConfig(BaseModel):
         if not (folder / "config.json").is_file():
             raise ValueError(f"model ({value!r}) must be a local HF folder containing config.json, or a Hub id "
                              "(org/name) in the recipe")
-        if not any(folder.glob("*.safetensors")):
-            raise ValueError(f"model ({value!r}) contains no *.safetensors file")
+        return value
+
+    @field_validator("load_format")
+    @classmethod
+    def _weights_unless_dummy(cls, value: str, info: ValidationInfo) -> str:
+        model = info.data.get("model")  # validated before (declared first); absent when it failed
+        if resolving_models(info) and value != "dummy" and model is not None and \
+                not any(Path(model).glob("*.safetensors")):
+            raise ValueError(f"model ({model!r}) contains no *.safetensors file (load_format: dummy needs only "
+                             "config.json and the tokenizer)")
         return value
 
     def device_settings(self, cuda: bool) -> dict:

@@ -90,7 +90,8 @@ class RolloutEngine:
 
     @classmethod
     async def start(cls, config: EngineConfig, initial_version: int = 0) -> RolloutEngine:
-        """Start vLLM (blocks the event loop while it starts: 15-30 s on CPU) at ``initial_version``.
+        """Start vLLM (blocks the event loop while it starts: 15-30 s on CPU) at ``initial_version`` (always -1 with
+        ``config.load_format == "dummy"``: random weights, until the first ``update_weights``).
 
         vLLM spawns an engine-core and a worker process: scripts need an ``if __name__ == "__main__"``
         guard.
@@ -101,6 +102,8 @@ class RolloutEngine:
         """
         if initial_version < -1:
             raise ValueError(f"initial_version ({initial_version}) must be >= -1")
+        if config.load_format == "dummy":  # random weights are no policy version: the first update brings one
+            initial_version = -1
         if os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
             logger.warning("VLLM_CPU_KVCACHE_SPACE=%s overrides kv_cache_gib=%s",
                            os.environ["VLLM_CPU_KVCACHE_SPACE"], config.kv_cache_gib)
@@ -111,7 +114,7 @@ class RolloutEngine:
         args = AsyncEngineArgs(
             model=config.model, dtype=config.dtype, max_model_len=config.max_model_len,
             max_num_seqs=config.max_num_seqs, **config.device_settings(cuda),
-            seed=config.seed, logprobs_mode="processed_logprobs", disable_log_stats=True,
+            seed=config.seed, logprobs_mode="processed_logprobs", disable_log_stats=True, load_format=config.load_format,
             worker_extension_cls=f"{__name__}.{GyreWorkerExtension.__qualname__}",
         )
         llm = AsyncLLM.from_engine_args(args)

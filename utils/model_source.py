@@ -19,6 +19,8 @@ COMMIT = re.compile(r"^[0-9a-f]{40}$")
 """A full git commit hash, the form a resolved ``model_revision`` takes."""
 MODEL_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
 """What a policy needs from a model repository: config, weights (safetensors only), tokenizer, chat template."""
+CONFIG_FILES = [p for p in MODEL_FILES if p != "*.safetensors"]
+"""What a rollout that takes its weights from the weight path needs (``rollout.engine.load_format: dummy``)."""
 
 
 class ModelSourceError(ValueError):
@@ -30,12 +32,13 @@ def is_hub_id(model: str) -> bool:
     return bool(HUB_ID.match(model)) and not Path(model).expanduser().exists()
 
 
-def resolve(model_id: str, revision: str | None = None) -> tuple[str, str]:
+def resolve(model_id: str, revision: str | None = None, weights: bool = True) -> tuple[str, str]:
     """Download (or find in the HF cache) the policy files of ``model_id`` at ``revision``.
 
     Args:
         model_id: a Hub id, ``org/name``.
         revision: a branch, tag or commit; ``None`` is the repository's default branch.
+        weights: ``False``: config and tokenizer only (``CONFIG_FILES``), no safetensors.
 
     Returns:
         ``(folder, commit)``: the snapshot folder in the HF cache and the commit hash it holds.
@@ -50,11 +53,11 @@ def resolve(model_id: str, revision: str | None = None) -> tuple[str, str]:
                                         RepositoryNotFoundError, RevisionNotFoundError)
 
     at = f"{model_id}@{revision}" if revision else model_id
-    cached = _cached_commit(model_id, revision)
+    cached = _cached_commit(model_id, revision, weights)
     if cached is not None:  # a commit is immutable: its snapshot, once cached, needs no Hub call
         return cached, revision  # type: ignore[return-value]
     try:
-        folder = snapshot_download(model_id, revision=revision, allow_patterns=MODEL_FILES)
+        folder = snapshot_download(model_id, revision=revision, allow_patterns=MODEL_FILES if weights else CONFIG_FILES)
     except GatedRepoError:
         raise ModelSourceError(
             f"model {at!r} is gated: accept its licence on https://huggingface.co/{model_id} and set HF_TOKEN "
@@ -74,14 +77,15 @@ def resolve(model_id: str, revision: str | None = None) -> tuple[str, str]:
             f"Hub is reachable (`hf download {model_id}`) into that cache, or give a local folder") from None
     except (HfHubHTTPError, OSError) as exc:
         raise ModelSourceError(f"model {at!r} could not be downloaded: {str(exc).splitlines()[0][:300]}") from None
-    if not any(Path(folder).glob("*.safetensors")):
+    if weights and not any(Path(folder).glob("*.safetensors")):
         raise ModelSourceError(f"model {at!r} has no *.safetensors weights (gyre loads safetensors only)")
     return folder, Path(folder).name
 
 
-def _cached_commit(model_id: str, revision: str | None) -> str | None:
+def _cached_commit(model_id: str, revision: str | None, weights: bool = True) -> str | None:
     """The HF-cache snapshot folder of ``model_id`` at ``revision`` when ``revision`` is a commit hash whose
-    ``config.json`` and safetensors are cached (``huggingface_hub.try_to_load_from_cache``); else ``None``."""
+    ``config.json`` (and, with ``weights``, safetensors) are cached (``huggingface_hub.try_to_load_from_cache``);
+    else ``None``."""
     from huggingface_hub import try_to_load_from_cache
 
     if revision is None or not COMMIT.fullmatch(revision):
@@ -90,19 +94,20 @@ def _cached_commit(model_id: str, revision: str | None) -> str | None:
     if not isinstance(config, str):
         return None
     folder = Path(config).parent
-    return str(folder) if any(folder.glob("*.safetensors")) else None
+    return str(folder) if not weights or any(folder.glob("*.safetensors")) else None
 
 
-def localize(model: str, model_id: str | None, revision: str | None) -> str:
+def localize(model: str, model_id: str | None, revision: str | None, weights: bool = True) -> str:
     """The local folder of a policy on this node: ``model`` if it is a folder here, else ``model_id`` at
-    ``revision`` fetched into this node's HF cache (:func:`resolve`). With no ``model_id``, ``model`` as is.
+    ``revision`` fetched into this node's HF cache (:func:`resolve`; without ``weights``, config and tokenizer
+    only). With no ``model_id``, ``model`` as is.
 
     Raises:
         ModelSourceError: as :func:`resolve`.
     """
     if model_id is None or (Path(model) / "config.json").is_file():
         return model
-    return resolve(model_id, revision)[0]
+    return resolve(model_id, revision, weights)[0]
 
 
 def _cache_dir() -> str:
@@ -123,7 +128,8 @@ def resolving_models(info) -> bool:
 
 def localize_model_data(data, info):
     """``mode="before"`` validator body shared by the engine configs: replace ``data["model"]`` with this
-    node's folder of ``model_id`` at ``model_revision`` (:func:`localize`) when the given folder is not here.
+    node's folder of ``model_id`` at ``model_revision`` (:func:`localize`) when the given folder is not here;
+    without the weights when ``data["load_format"]`` is ``dummy`` (a rollout that takes them from the weight path).
 
     Raises:
         ValueError: as :func:`resolve` (``ModelSourceError`` is a ``ValueError``, so pydantic reports it under
@@ -131,4 +137,5 @@ def localize_model_data(data, info):
     """
     if not isinstance(data, dict) or not resolving_models(info) or not isinstance(data.get("model"), str):
         return data
-    return {**data, "model": localize(data["model"], data.get("model_id"), data.get("model_revision"))}
+    weights = data.get("load_format", "auto") != "dummy"
+    return {**data, "model": localize(data["model"], data.get("model_id"), data.get("model_revision"), weights)}

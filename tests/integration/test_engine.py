@@ -165,6 +165,36 @@ def test_update_weights_changes_greedy_output_and_bumps_version(running, origina
     assert running.greedy() == before, "loading the original weights back must restore the outputs"
 
 
+def test_an_update_of_a_tied_embedding_reaches_the_output_head(running, vllm_model, original, tmp_path):
+    """The tiny Llama ties ``lm_head`` to ``embed_tokens`` (as SmolLM2 does). An update that changes the embedding
+    must serve what an engine that loaded those weights serves: vLLM 0.32's in-place reload left the head on its old
+    tensor, so the outputs came from the new embedding and the old head (``rollout.weights.retie_word_embeddings``)."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    gen = torch.Generator().manual_seed(0)
+    changed = [(n, torch.randn(t.shape, generator=gen).to(t.dtype) * 0.5 if "embed_tokens" in n else t)
+               for n, t in original]
+    folder = tmp_path / "changed-embedding"
+    shutil.copytree(vllm_model, folder, ignore=shutil.ignore_patterns("*.safetensors"))
+    save_file(dict(changed), folder / "model.safetensors")
+
+    async def fresh_greedy():
+        fresh = await RolloutEngine.start(engine_config(folder))
+        try:
+            return [s.token_ids for s in await fresh.generate_greedy(PROMPTS, 24)]
+        finally:
+            await fresh.shutdown()
+
+    expected, v = running.run(fresh_greedy()), running.engine.version
+    running.run(running.engine.update_weights(v + 1, changed))
+    try:
+        assert running.greedy() == expected
+    finally:
+        running.run(running.engine.update_weights(v + 2, original))
+
+
 def test_update_in_flight_splits_version_spans_at_the_exact_token(running, original):
     engine, v = running.engine, running.engine.version
     prompt, length = PROMPTS[0], 200
@@ -306,3 +336,34 @@ def test_two_turn_episode_is_token_exact_with_mask_and_spans_across_a_weight_upd
                      reward_fn_version="env", rollout_id="r", created_at=0.0, loss_mask=ep.loss_mask,
                      turn_starts=ep.turn_starts, tool_calls=ep.tool_calls, episode_end=ep.episode_end)
     assert from_table(to_table([row])) == [row]  # the stored trajectory is the episode, exactly
+
+
+def test_a_dummy_weights_engine_serves_the_model_once_given_its_first_version(running, vllm_model, original,
+                                                                             tmp_path):
+    """``load_format: dummy`` (a rollout that joins without downloading the weights): vLLM starts from the model's
+    config and tokenizer alone, at no policy version (-1), and after the first update serves exactly what an engine
+    that loaded the safetensors serves (greedy tokens equal)."""
+    import shutil
+
+    folder = tmp_path / "config-only"
+    shutil.copytree(vllm_model, folder, ignore=shutil.ignore_patterns("*.safetensors"))
+    assert not list(folder.glob("*.safetensors"))
+    with pytest.raises(ValueError, match="no \\*.safetensors file"):
+        engine_config(folder)  # without dummy, a folder without weights is refused
+    expected = running.greedy()
+
+    async def dummy_then_update():
+        config = EngineConfig(model=str(folder), kv_cache_gib=0.25, max_model_len=1024, load_format="dummy")
+        engine = await RolloutEngine.start(config, initial_version=0)
+        try:
+            assert engine.version == -1  # random weights are no version, whatever the caller asked
+            before = [s.token_ids for s in await engine.generate_greedy(PROMPTS, 24)]
+            await engine.update_weights(0, original)
+            after = [s.token_ids for s in await engine.generate_greedy(PROMPTS, 24)]
+            return engine.version, before, after
+        finally:
+            await engine.shutdown()
+
+    version, before, after = running.run(dummy_then_update())
+    assert version == 0 and after == expected
+    assert before != expected  # the dummy weights were not the model's

@@ -29,6 +29,7 @@ def run_status(sup) -> dict:
         "replay_groups": sum(i.replay_groups for i in shards) if shards and None not in shards else None,
         "replay_shards": len(shards),
         "supervisor": sup.tick_times.summary(),
+        "rollout_join_s": dict(sup.joined_s),
         "restarts": sup.restart_counts(),
         "logs": str(sup.factory.log_dir),
         "reward_swaps": sup.factory.swaps.count,

@@ -180,6 +180,7 @@ def _run_services(recipe: Recipe, console: Console, trackers: Trackers) -> dict:
                                                                         for s in sup.replay_shards()]))
         summary["restarts"] = sup.restart_counts()
         summary["supervisor"] = sup.tick_times.summary()
+        summary["rollout_join_s"] = dict(sup.joined_s)  # creation to joining at the newest version, per rollout
         summary["deaths"] = [d.to_dict() for d in sup.deaths]  # each death handled, with the incarnation it ended
         sup.shutdown()
         ray.kill(state, no_restart=True)

@@ -81,6 +81,9 @@ class Supervisor:
         self.generating = False
         self.tick_times = TickTimes()
         """Durations of the ticks (the run summary's ``supervisor``; ``gyre status``)."""
+        self.joined_s: dict[str, float] = {}
+        """Rollout → seconds from its actor's creation (``gyre scale``, a restart) to joining the fleet at the
+        learner's newest version, the last time it joined (``rollout_join_s`` in the summary and ``gyre status``)."""
         transport = factory.recipe.rollout.engine.weight_transport
         self.relay_tree = RelayTree(getattr(transport, "relay_fanout", None))
         """Points each rollout at its parent relay's weights (``relay_tree``; idle without ``relay_fanout``)."""
@@ -383,12 +386,13 @@ class Supervisor:
             if info.version < st.target_version:
                 continue  # still fetching the newest weights
             del self.starting[name]
+            self.joined_s[name] = round(time.monotonic() - st.since, 1)
             self.services[name] = Service(st.id, st.handle, None, restarts=st.restarts, info=info,
                                           incarnation=st.incarnation)
             if self.generating:
                 ray.get(st.handle.start.remote())
             log.info("service_restarted" if st.restarts else "rollout_added", service=name, version=info.version,
-                     pid=info.pid, restarts=st.restarts)
+                     pid=info.pid, restarts=st.restarts, join_s=self.joined_s[name])
 
     def _start_failed(self, st: Starting, exc: Exception, reason: str = "died while starting") -> None:
         """A starting rollout failed (its setup raised, or it died): kill it. A restart's replacement leaves the old

@@ -79,8 +79,28 @@ async def bootstrap(engine, transport: WeightTransport, config: EngineConfig) ->
         return BootstrapResult(version, "disk", latest, str(folder))
     if engine.version > initial:
         return BootstrapResult(engine.version, "learner", latest)
+    if engine.version < 0:  # random weights (load_format: dummy): never generate on them
+        return await _wait_for_a_version(engine, transport, config, latest)
     level = log.error if latest is not None and latest > engine.version else log.warning
     level("BOOTSTRAP_COLD_START: no newer policy version could be loaded; rollout runs the initial weights",
           version=engine.version, learner_latest=latest, bootstrap_dir=config.bootstrap_dir,
           waited_s=config.bootstrap_wait_s)
     return BootstrapResult(engine.version, "initial", latest)
+
+
+async def _wait_for_a_version(engine, transport: WeightTransport, config: EngineConfig,
+                              latest: int | None) -> BootstrapResult:
+    """The engine holds no policy version (``load_format: dummy``) and neither the learner nor ``bootstrap_dir`` gave
+    one within ``bootstrap_wait_s``: keep waiting for the transport's first version, saying so every period (the
+    supervisor's start timeout ends a rollout that never gets one)."""
+    period, waited = max(config.bootstrap_wait_s, 5.0), config.bootstrap_wait_s
+    while engine.version < 0:
+        log.warning("bootstrap_waits_for_first_version", waited_s=round(waited), learner_latest=latest,
+                    reason="load_format dummy: the engine's random weights are no policy version")
+        t0 = time.monotonic()
+        answer = await _wait_for_learner(engine, transport, period)
+        latest = answer if answer is not None else latest
+        if engine.version < 0:  # nothing published yet (answer -1) returns at once: do not spin
+            await asyncio.sleep(max(0.0, 1.0 - (time.monotonic() - t0)))
+        waited += time.monotonic() - t0
+    return BootstrapResult(engine.version, "learner", latest)

@@ -197,10 +197,11 @@ class _FakeEngine:
 
 
 class _FakeTransport:
-    """``latest`` answers in turn (the last one repeats); ``deliver_at`` = answer index that delivers."""
+    """``latest`` answers in turn (the last one repeats); the ``deliver_at``-th answer delivers version ``deliver``."""
 
-    def __init__(self, engine, latest, deliver=None):
+    def __init__(self, engine, latest, deliver=None, deliver_at=3):
         self.engine, self.latest, self.deliver, self.calls, self.started = engine, list(latest), deliver, 0, False
+        self.deliver_at = deliver_at
 
     def start(self):
         self.started = True
@@ -209,7 +210,7 @@ class _FakeTransport:
     def latest_version(self, timeout_s=2.0):
         answer = self.latest[min(self.calls, len(self.latest) - 1)]
         self.calls += 1
-        if self.deliver is not None and self.calls == 3:
+        if self.deliver is not None and self.calls == self.deliver_at:
             self.engine.version = self.deliver
         return answer
 
@@ -258,3 +259,14 @@ def test_a_stream_opened_while_stop_runs_is_cancelled_at_once():
     sub._stop.set()  # stop() ran between the reconnect's check and its new call
     call = Call()
     assert sub._opened(call) is call and call.cancelled and sub._call is call
+
+
+def test_a_rollout_on_dummy_weights_waits_for_a_version_and_never_cold_starts(tmp_path, capsys):
+    """``load_format: dummy``: the engine starts at version -1 on random weights; a learner that does not answer
+    within ``bootstrap_wait_s`` must not make it generate on them (it did: ``BOOTSTRAP_COLD_START`` at -1)."""
+    engine = _FakeEngine(-1)
+    transport = _FakeTransport(engine, [None] * 6 + [0], deliver=0, deliver_at=6)  # after the 0.3 s wait
+    result = _boot(engine, transport, tmp_path, wait_s=0.3)
+    assert (result.version, result.source) == (0, "learner") and transport.calls >= 6
+    out = capsys.readouterr().out
+    assert "bootstrap_waits_for_first_version" in out and "BOOTSTRAP_COLD_START" not in out

@@ -127,3 +127,25 @@ def test_hub_errors_become_one_line_naming_the_model(fake_hub, code, error, expe
 def test_dry_run_never_asks_the_hub(fake_hub, tmp_path):
     load_recipe(RECIPE, {"model": "org/name", "run_dir": str(tmp_path)}, dry_run=True)
     assert fake_hub.seen == []
+
+
+def test_a_dummy_weights_rollout_needs_only_the_config_and_tokenizer_on_its_node(tiny_llama, tmp_path, monkeypatch):
+    """``rollout.engine.load_format: dummy``: a node whose HF cache holds the commit's config and tokenizer but no
+    safetensors starts a rollout from them; a full rollout or a learner there still needs the weights."""
+    import shutil
+
+    from gyre.learner.config import LearnerConfig
+    from gyre.rollout.config import EngineConfig
+
+    config_only = tmp_path / "config-only"
+    shutil.copytree(tiny_llama, config_only, ignore=shutil.ignore_patterns("*.safetensors"))
+    cache = tmp_path / "hf-cache"
+    commit = populate_hf_cache(cache, TINY_ID, config_only)
+    use_hf_cache(monkeypatch, cache)
+    elsewhere = str(tmp_path / "driver-only" / "snapshot")
+    cfg = EngineConfig(model=elsewhere, model_id=TINY_ID, model_revision=commit, load_format="dummy")
+    assert cfg.model.endswith(f"snapshots/{commit}") and not list((tmp_path / "hf-cache").rglob("*.safetensors"))
+    for make in (lambda: EngineConfig(model=elsewhere, model_id=TINY_ID, model_revision=commit),
+                 lambda: LearnerConfig(model=elsewhere, model_id=TINY_ID, model_revision=commit)):
+        with pytest.raises(ValueError, match="safetensors|not in the HF cache|could not be downloaded"):
+            make()

@@ -224,6 +224,8 @@ def test_scale_out_adopts_bootstrapped_rollouts_and_scale_in_drains_the_newest(s
     new = sup.services["rollout-2"].handle
     # set up, told the current addresses, found at the learner's version, then generating
     assert [c[0] for c in new.calls] == ["setup", "set_replay_address", "set_weights_address", "describe", "start"]
+    assert set(sup.joined_s) == {"rollout-1", "rollout-2"} and all(s >= 0 for s in sup.joined_s.values())
+    assert sup.status()["rollout_join_s"] == sup.joined_s  # `gyre scale` to generating, per rollout
     sup.state_body.request_scale("rollout", 1)
     sup.tick()  # out of the fleet at once; drained, then asked to stop
     assert [s.name for s in sup.rollouts()] == ["rollout-0"] and not new.killed
