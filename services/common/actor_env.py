@@ -29,7 +29,9 @@ def advertised_host(bind_host: str) -> str:
 
 
 def security_config(config: dict | None):
-    """``SecurityConfig`` from its fields as they crossed Ray (a plain dict), or ``None`` (plaintext loopback)."""
+    """``SecurityConfig`` from its fields as they crossed Ray (a plain dict, with the run's generated token when it has
+    one: ``services.common.run_token``), or ``None`` (plaintext loopback)."""
+    from gyre.services.common.run_token import materialize
     from gyre.services.common.security import SecurityConfig
 
-    return SecurityConfig(**config) if config is not None else None
+    return SecurityConfig(**materialize(config)) if config is not None else None

@@ -77,6 +77,11 @@ class SecurityConfig(BaseModel):
     allow_insecure_remote: bool = False
     """Permit a non-loopback ``bind_host`` (or client address) without TLS and a token; logs a warning.
     Only for private networks you fully trust."""
+    auto_token: bool = True
+    """Off loopback with TLS and no token source (``token_file``, ``token_env``, ``require_client_cert``): each run
+    generates its own shared token (``services.common.run_token``: ``{run_dir}/security/run.token`` on the driver's
+    node, handed to the services over Ray), so TLS certificates alone give an authenticated deployment. ``false``
+    refuses such a recipe instead."""
 
     @field_validator("cert_file", "key_file", "ca_file", "token_file")
     @classmethod
@@ -116,6 +121,11 @@ class SecurityConfig(BaseModel):
         return self.token_file is not None or self.token_env is not None
 
     @property
+    def needs_run_token(self) -> bool:
+        """True when the run must generate the shared token (``auto_token``): TLS off loopback, no token source."""
+        return self.auto_token and self.tls and not self.authenticates and not is_loopback(self.bind_host)
+
+    @property
     def authenticates(self) -> bool:
         """True when peers must prove who they are: a token, or client certificates under mTLS."""
         return self.has_token or self.require_client_cert
@@ -152,15 +162,16 @@ class SecurityConfig(BaseModel):
                 ``allow_insecure_remote`` is false (with it true, logs a warning instead); or a token
                 is configured without TLS (never sent in plaintext off the host, whatever the flag).
         """
-        if is_loopback(host) or (self.tls and self.authenticates):
+        if is_loopback(host) or (self.tls and (self.authenticates or self.auto_token)):
             return
         if self.has_token and not self.tls:
             raise ValueError(f"{what} '{host}' is not loopback: the shared token would cross the network in "
                              "plaintext; set tls: true (a token without TLS is allowed only on loopback)")
         lacking = " and ".join(x for x, ok in (("tls", self.tls), ("authentication", self.authenticates)) if not ok)
         if not self.allow_insecure_remote:
-            raise ValueError(f"{what} '{host}' is not loopback and has no {lacking}: set tls: true and "
-                             "token_file/token_env (or require_client_cert), or allow_insecure_remote: true")
+            raise ValueError(f"{what} '{host}' is not loopback and has no {lacking}: set tls: true with cert_file and "
+                             "key_file (the run then generates its token; or give token_file/token_env, or "
+                             "require_client_cert), or allow_insecure_remote: true on a network you fully trust")
         log.warning("insecure_remote_allowed", host=host, what=what, lacking=lacking)
 
 

@@ -234,3 +234,24 @@ def test_start_refuses_a_public_bind_without_tls():
     server, health_servicer = grpc_common.make_server()
     with pytest.raises(ValueError, match="bind host '0.0.0.0' is not loopback and has no tls and authentication"):
         grpc_common.start(server, health_servicer, "x", host="0.0.0.0", security=SecurityConfig())
+
+
+def test_tls_certificates_alone_give_an_authenticated_run(pki, tmp_path):
+    """A recipe that binds every interface with TLS and no token (``auto_token``): its services get the run's own
+    token (``services.common.run_token``) and talk to each other with it; a client with the right CA and no token
+    is refused. Before, such a recipe was refused for lacking authentication."""
+    from gyre.services.common.actor_env import security_config
+    from gyre.services.common.run_token import service_security
+
+    recipe = SecurityConfig(bind_host="0.0.0.0", tls=True, cert_file=pki["server"], key_file=pki["server_key"],
+                            ca_file=pki["ca"])
+    fields = service_security(recipe, tmp_path / "run")  # the driver, once per run
+    pub = WeightPublisher()
+    pub.publish(5, _weights(5))
+    server, port = weight_server.serve(pub, host="0.0.0.0", security=security_config(fields))  # a service
+    try:
+        assert _latest(f"127.0.0.1:{port}", security_config(fields)) == 5  # another service of the run
+        err = _rpc_error(_latest, f"127.0.0.1:{port}", recipe)  # TLS, the run's CA, no token
+        assert err.code() == grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        server.stop(0)

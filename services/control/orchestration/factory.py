@@ -14,6 +14,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_fixed
 
 from gyre import faults
+from gyre.services.common.run_token import service_security
 from gyre.services.common.cpus import cpu_env
 from gyre.services.common.service_info import ServiceInfo
 from gyre.services.common.logs import LOG_DIR_ENV
@@ -91,7 +92,8 @@ class ServiceFactory:
         self.log_dir = out / "logs"
         """Each service appends its log lines to ``{log_dir}/{service}.log`` too (``services.common.logs``)."""
         self.recipe, self.env, self.fingerprint = recipe, {**env, LOG_DIR_ENV: str(self.log_dir)}, fingerprint
-        self.security = recipe.security.model_dump()
+        self.security = service_security(recipe.security, out)
+        """What every service gets (``services.common.run_token``: with TLS off loopback and no token, the run's own)."""
         self.replay_dir = recipe.replay.dir or str(out / "replay")
         self.checkpoint_dir = out / "checkpoints"
         self.rollout_journal_dir = out / "rollouts"

@@ -84,8 +84,7 @@ def test_token_never_appears_in_repr_or_dump(files):
 def test_non_loopback_bind_needs_tls_and_auth(files):
     msg = _error(bind_host="0.0.0.0")
     assert "bind_host '0.0.0.0' is not loopback and has no tls and authentication" in msg
-    msg = _error(bind_host="10.0.0.5", tls=True, cert_file=files["cert"], key_file=files["key"])
-    assert "bind_host '10.0.0.5' is not loopback and has no authentication" in msg
+    assert "set tls: true with cert_file and key_file (the run then generates its token" in msg
     tls = dict(tls=True, cert_file=files["cert"], key_file=files["key"])
     assert SecurityConfig(bind_host="0.0.0.0", token_file=files["token"], **tls).bind_host == "0.0.0.0"
     mtls = SecurityConfig(bind_host="::", ca_file=files["ca"], require_client_cert=True, **tls)
@@ -118,3 +117,35 @@ def test_is_loopback(host, loopback):
     ("unix:/tmp/sock", "localhost"), ("learner-0", "learner-0")])
 def test_host_of(address, host):
     assert host_of(address) == host
+
+
+def test_tls_off_loopback_without_a_token_gets_the_runs_own(files, tmp_path):
+    """``auto_token``: certificates alone give an authenticated deployment off loopback (before, such a recipe was
+    refused for lacking authentication). The run's token lives in its run directory (0600), reaches the services
+    inside their settings, and becomes a 0600 token file on each service's node; nothing else holds it."""
+    import json
+    import stat
+
+    from gyre.services.common.actor_env import security_config
+    from gyre.services.common.run_token import RUN_TOKEN_KEY, TOKEN_FILE, service_security
+
+    tls = dict(tls=True, cert_file=files["cert"], key_file=files["key"])
+    recipe = SecurityConfig(bind_host="0.0.0.0", **tls)
+    assert recipe.needs_run_token and not recipe.has_token and TOKEN not in json.dumps(recipe.model_dump())
+    fields = service_security(recipe, tmp_path)
+    token = fields[RUN_TOKEN_KEY]
+    stored = tmp_path / TOKEN_FILE
+    assert stored.read_text().strip() == token and len(token) == 64
+    assert stat.S_IMODE(stored.stat().st_mode) == 0o600
+    assert service_security(recipe, tmp_path)[RUN_TOKEN_KEY] == token  # a re-attaching driver: the same token
+    service = security_config(fields)  # on the service's node
+    assert service.has_token and service.token() == token and service.authenticates
+    assert stat.S_IMODE((tmp_path / service.token_file).stat().st_mode) == 0o600
+    assert token not in repr(service) and token not in json.dumps(service.model_dump())
+    # a given token, mTLS, loopback, or auto_token off: nothing generated
+    for cfg in (SecurityConfig(bind_host="0.0.0.0", token_file=files["token"], **tls),
+                SecurityConfig(bind_host="::", ca_file=files["ca"], require_client_cert=True, **tls),
+                SecurityConfig(**tls)):
+        assert not cfg.needs_run_token and RUN_TOKEN_KEY not in service_security(cfg, tmp_path / "other")
+    msg = _error(bind_host="10.0.0.5", auto_token=False, **tls)
+    assert "bind_host '10.0.0.5' is not loopback and has no authentication" in msg
