@@ -3,7 +3,6 @@ authenticated unary, server-streaming and bidi calls work; a missing or wrong to
 client, a client that does not trust the CA and a client without a certificate under mTLS are refused;
 health answers without a token."""
 
-import datetime
 import ipaddress
 import time
 
@@ -11,9 +10,8 @@ import grpc
 import pytest
 import torch
 from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+from cryptography.x509.oid import ExtendedKeyUsageOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gyre.learner.publisher import WeightPublisher
@@ -27,32 +25,10 @@ from gyre.services.learner import weight_server
 from gyre.services.replay import server as replay_server
 from gyre.services.rollout.transport.subscriber import WeightSubscriber
 from tests.fakes import group_table
+from tests.pki import issue, write
 
 TOKEN = "tok-" + "a1b2c3d4" * 4
 WRONG = "tok-" + "ffffeeee" * 4
-
-
-def _issue(subject: str, key, issuer_name, issuer_key, ca: bool = False, sans=(), usages=()) -> x509.Certificate:
-    now = datetime.datetime.now(datetime.timezone.utc)
-    builder = (x509.CertificateBuilder()
-               .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
-               .issuer_name(issuer_name or x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
-               .public_key(key.public_key()).serial_number(x509.random_serial_number())
-               .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
-               .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
-    if sans:
-        builder = builder.add_extension(x509.SubjectAlternativeName(list(sans)), critical=False)
-    if usages:
-        builder = builder.add_extension(x509.ExtendedKeyUsage(list(usages)), critical=False)
-    return builder.sign(issuer_key, hashes.SHA256())
-
-
-def _write(path, cert, key=None) -> tuple[str, str | None]:
-    path.with_suffix(".crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    if key is not None:
-        path.with_suffix(".key").write_bytes(key.private_bytes(
-            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
-    return str(path.with_suffix(".crt")), str(path.with_suffix(".key")) if key is not None else None
 
 
 @pytest.fixture(scope="module")
@@ -62,8 +38,8 @@ def pki(tmp_path_factory):
     out = {}
     for ca_name in ("ca", "rogue_ca"):
         key = ec.generate_private_key(ec.SECP256R1())
-        cert = _issue(f"gyre test {ca_name}", key, None, key, ca=True)
-        out[ca_name], _ = _write(d / ca_name, cert)
+        cert = issue(f"gyre test {ca_name}", key, None, key, ca=True)
+        out[ca_name], _ = write(d / ca_name, cert)
         out[f"{ca_name}_obj"] = (cert.subject, key)
     ca_name, ca_key = out.pop("ca_obj")
     out.pop("rogue_ca_obj")
@@ -72,7 +48,7 @@ def pki(tmp_path_factory):
              [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
             ("client", [], [ExtendedKeyUsageOID.CLIENT_AUTH])):
         key = ec.generate_private_key(ec.SECP256R1())
-        out[name], out[f"{name}_key"] = _write(d / name, _issue(f"gyre {name}", key, ca_name, ca_key,
+        out[name], out[f"{name}_key"] = write(d / name, issue(f"gyre {name}", key, ca_name, ca_key,
                                                                  sans=sans, usages=usages), key)
     for name, value in (("token", TOKEN), ("wrong_token", WRONG)):
         (d / name).write_text(value + "\n")
