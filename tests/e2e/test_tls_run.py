@@ -13,6 +13,7 @@ import ray
 
 from gyre.services.common.run_token import TOKEN_FILE
 from gyre.services.control.orchestration import controller
+from gyre.services.control.recipe.plan import placement_lines
 from gyre.services.control.recipe.schema import load_recipe
 from tests.engines import TINY_GROUP_S, sim_engine
 from tests.pki import cluster_certs
@@ -29,6 +30,7 @@ def test_a_run_off_loopback_with_tls_alone_authenticates_with_its_own_token(tiny
         "eval_after": False, "learner.num_steps": STEPS, "rollout.num_workers": 2,
         "security": {"bind_host": "0.0.0.0", "tls": True, **certs}, **sim_engine(TINY_GROUP_S)})
     assert recipe.security.needs_run_token
+    assert "security   bind 0.0.0.0 tls=True token=generated per run" in placement_lines(recipe)  # --dry-run says so
     summary = controller.run(recipe)
     assert summary["final_version"] == STEPS
     out = recipe.out_dir

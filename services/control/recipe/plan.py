@@ -103,7 +103,7 @@ def placement_lines(recipe: Recipe) -> list[str]:
                + ", ".join(f"{m['kind']} {m['model']}" for m in recipe.model_rewards())]
               if recipe.model_rewards() else []),
             f"security   bind {recipe.security.bind_host} tls={recipe.security.tls} "
-            f"token={'yes' if recipe.security.has_token else 'no'}"]
+            f"token={'yes' if recipe.security.has_token else 'generated per run' if recipe.security.needs_run_token else 'no'}"]
 
 
 def _eval_line(recipe: Recipe) -> str:
