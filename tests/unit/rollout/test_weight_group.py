@@ -281,7 +281,7 @@ def test_nobody_following_announces_without_a_group_and_the_version_is_still_ser
 def test_a_rollout_that_cannot_use_the_backend_follows_as_a_non_member_and_spoils_no_group(logs):
     """A GPU-less rollout named in an NCCL group: without following as a non-member afterwards, it would re-join
     every version and every version's group would fail."""
-    learner = Learner()
+    learner, rollout = Learner(), None
     try:
         learner.group.backend = "nccl"  # what the learner would pick on a GPU; this rollout has none
         if torch.cuda.is_available():
@@ -303,5 +303,7 @@ def test_a_rollout_that_cannot_use_the_backend_follows_as_a_non_member_and_spoil
         learner.publish(2)
         _wait(lambda: 2 in rollout.got)
         assert learner.group.failed == 1 and rollout.transport.grpc_versions == 2
-    finally:
+    finally:  # a rollout left running retried the closed learner every 10 s for the rest of the xdist worker
+        if rollout is not None:
+            rollout.stop()
         learner.close()
