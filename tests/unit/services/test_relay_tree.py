@@ -2,7 +2,7 @@
 with the actor doubles of ``test_ops_supervisor``: who each rollout fetches weights from, across restarts."""
 
 from gyre.services.control.orchestration import relay_tree
-from tests.unit.services.test_ops_supervisor import learner_info, sup, unstarted  # noqa: F401  (sup: a fixture)
+from tests.unit.services.supervisor_fakes import learner_info, sup, unstarted  # noqa: F401  (sup: a fixture)
 
 
 def _upstreams_told(svc):

@@ -18,7 +18,7 @@ from gyre.services.control.orchestration.factory import ServiceFactory
 from gyre.services.control.recipe.schema import load_recipe
 from gyre.services.control.commands.reward_swaps import (SWAP_JOURNAL, RewardSwapError, RewardSwaps, canonical_swap, check_swap,
                                            parse_swap_config)
-from tests.unit.services.test_ops_supervisor import FakeHandle, _health_round, learner_info, unstarted
+from tests.unit.services.supervisor_fakes import FakeHandle, _health_round, learner_info, unstarted
 
 TASK = "basic_arithmetic"
 DEFAULT = "rg-last-int-exact-v1"

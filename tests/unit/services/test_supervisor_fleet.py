@@ -3,7 +3,7 @@ every service under one deadline, a rollout Ray cannot place given up by name, s
 while the ticks go on."""
 
 from gyre.services.control.orchestration import supervisor as sup_mod
-from tests.unit.services.test_ops_supervisor import _health_round, sup  # noqa: F401  (the fixture)
+from tests.unit.services.supervisor_fakes import _health_round, sup  # noqa: F401  (the fixture)
 
 
 def test_a_round_asks_every_service_at_once_under_one_deadline(sup, monkeypatch):

@@ -5,7 +5,7 @@ every shard."""
 
 from gyre.services.common.replay_shards import merge_info_dicts
 from gyre.services.control.orchestration import supervisor
-from tests.unit.services.test_ops_supervisor import learner_info, pushes, unstarted
+from tests.unit.services.supervisor_fakes import learner_info, pushes, unstarted
 
 
 def test_each_shard_is_a_service_and_a_dead_one_restarts_alone(monkeypatch):
