@@ -98,12 +98,12 @@ class LearnerLoop:
         self.spikes = SpikeDetector(config.spike_save)
         """Loss-spike checkpoints (``learner.checkpoint.spike``): shortens the save interval after a spike; checkpointed."""
         self.timeline = self.versions.timeline
+        """This learner incarnation's timeline (``proto.timeline``): every version it publishes but 0 carries it,
+        so rollouts drop the weights a crashed predecessor published under the same numbers."""
         self.keep_row: Callable[[dict], None] | None = None
         """Called with a step's row (without its checkpoint's fields, ``"before_checkpoint": true``) just before a
         checkpoint that commits the step: a learner that dies after the commit (journaled) but before ``step``
         returns (acking a dead replay raises) has kept its row (``services.common.run_files.LEARNER_ROWS``)."""
-        """This learner incarnation's timeline (``proto.timeline``): every version it publishes but 0 carries it,
-        so rollouts drop the weights a crashed predecessor published under the same numbers."""
 
     config = _shared("config", "The loop's settings (``LearnerLoopConfig``).")
     engine = _shared("engine", "``LearnerEngine`` (or ``LeaderEngine``, or a test double).")
